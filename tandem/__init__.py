@@ -1,0 +1,1 @@
+"""Tandem: distributed lossless speculative decoding."""
