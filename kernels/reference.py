@@ -1,0 +1,162 @@
+"""Plain PyTorch references of the verification kernels: slow, row by row, obviously right.
+
+They define the semantics that `triton_verify` must reproduce bit for bit on identical inputs
+(random numbers included), and they serve CPU tensors at run time. Every float operation that
+decides an outcome is a single IEEE-rounded float32 operation (a subtraction, a division, a
+comparison), so the two implementations cannot disagree by rounding.
+"""
+
+import torch
+
+
+def check_greedy_args(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+    target_argmax: torch.Tensor,  # [B, K+1] int64
+) -> None:
+    """Check shapes and dtypes (cheap, no device sync); shared by both implementations."""
+    if draft_ids.dim() != 2:
+        raise ValueError(f"draft_ids must be [B, K], got {tuple(draft_ids.shape)}")
+    B, K = draft_ids.shape
+    _expect("num_drafts", num_drafts, (B,), torch.int64)
+    _expect("draft_ids", draft_ids, (B, K), torch.int64)
+    _expect("target_argmax", target_argmax, (B, K + 1), torch.int64)
+
+
+def check_sampling_args(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32, or None for a deterministic drafter
+    target_probs: torch.Tensor,  # [B, K+1, V] float32
+    uniform: torch.Tensor,  # [B, K] float32
+    exp_noise: torch.Tensor,  # [B, V] float32
+) -> None:
+    """Check shapes and dtypes (cheap, no device sync); shared by both implementations."""
+    if draft_ids.dim() != 2 or target_probs.dim() != 3:
+        raise ValueError(
+            f"draft_ids must be [B, K] and target_probs [B, K+1, V], "
+            f"got {tuple(draft_ids.shape)} and {tuple(target_probs.shape)}"
+        )
+    B, K = draft_ids.shape
+    V = target_probs.shape[-1]
+    _expect("draft_ids", draft_ids, (B, K), torch.int64)
+    _expect("num_drafts", num_drafts, (B,), torch.int64)
+    if draft_probs is not None:
+        _expect("draft_probs", draft_probs, (B, K, V), torch.float32)
+    _expect("target_probs", target_probs, (B, K + 1, V), torch.float32)
+    _expect("uniform", uniform, (B, K), torch.float32)
+    _expect("exp_noise", exp_noise, (B, V), torch.float32)
+
+
+def greedy_accept(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+    target_argmax: torch.Tensor,  # [B, K+1] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # output_ids [B, K+1] int64, num_accepted [B] int64
+    """Accept drafts while they equal the target's argmax, then commit the target's own token.
+
+    Example (K = 3): drafts [5, 6, 7], num_drafts 3, target_argmax [5, 6, 9, 4]
+    -> output_ids [5, 6, 9, -1] (two accepted, 9 recovered), num_accepted 2.
+    """
+    check_greedy_args(draft_ids, num_drafts, target_argmax)
+    B, K = draft_ids.shape
+    output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=draft_ids.device)
+    num_accepted = torch.zeros(B, dtype=torch.int64, device=draft_ids.device)
+    for b in range(B):
+        n = _num_drafts(num_drafts, b, K)
+        accepted = 0
+        while accepted < n and draft_ids[b, accepted] == target_argmax[b, accepted]:
+            accepted += 1
+        output_ids[b, :accepted] = draft_ids[b, :accepted]
+        # Recovered token at the first mismatch, or bonus token after the last draft.
+        output_ids[b, accepted] = target_argmax[b, accepted]
+        num_accepted[b] = accepted
+    return output_ids, num_accepted
+
+
+def rejection_sample(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32, or None for a deterministic drafter
+    target_probs: torch.Tensor,  # [B, K+1, V] float32
+    uniform: torch.Tensor,  # [B, K] float32, in (0, 1)
+    exp_noise: torch.Tensor,  # [B, V] float32, Exponential(1), > 0
+) -> tuple[torch.Tensor, torch.Tensor]:  # output_ids [B, K+1] int64, num_accepted [B] int64
+    """Speculative sampling (Leviathan et al. 2023): the committed tokens are distributed as if
+    sampled from the target alone.
+
+    Draft x at position i is accepted iff q_i(x) > 0 and p_i(x) / q_i(x) >= uniform[b, i]. At the
+    first rejection the recovered token is drawn from norm(max(0, p_i - q_i)) (from p_i when that
+    residual is all zero); after the last accepted draft the bonus token is drawn from p_n. Both
+    draws use the exponential race on this row's noise: argmax_v w_v / exp_noise[b, v], lowest index
+    on ties. A draft id outside [0, V) is rejected like any other token the drafter gave q = 0.
+    """
+    check_sampling_args(draft_ids, num_drafts, draft_probs, target_probs, uniform, exp_noise)
+    B, K = draft_ids.shape
+    V = target_probs.shape[-1]
+    output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=draft_ids.device)
+    num_accepted = torch.zeros(B, dtype=torch.int64, device=draft_ids.device)
+    for b in range(B):
+        n = _num_drafts(num_drafts, b, K)
+        accepted = 0
+        extra = None  # the recovered or bonus token
+        for i in range(n):
+            x = int(draft_ids[b, i])
+            p_i = target_probs[b, i]  # [V]
+            q_i = _proposal(draft_probs, b, i, x, p_i)  # [V]
+            in_vocab = 0 <= x < V
+            p = p_i[x] if in_vocab else p_i.new_zeros(())
+            q = q_i[x] if in_vocab else q_i.new_zeros(())
+            if q > 0 and p / q >= uniform[b, i]:  # float32 / float32, as in the kernel
+                output_ids[b, i] = x
+                accepted += 1
+                continue
+            residual = torch.clamp(p_i - q_i, min=0.0)  # [V]
+            extra = _exponential_race(residual if residual.max() > 0 else p_i, exp_noise[b])
+            break
+        if extra is None:  # every draft accepted: bonus token from the next position
+            extra = _exponential_race(target_probs[b, n], exp_noise[b])
+        output_ids[b, accepted] = extra
+        num_accepted[b] = accepted
+    return output_ids, num_accepted
+
+
+def _proposal(
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32, or None
+    b: int,
+    i: int,
+    x: int,
+    like: torch.Tensor,  # [V] float32, p_i: gives V and the device
+) -> torch.Tensor:  # [V] float32
+    """q_i of row b; a deterministic drafter's q is one-hot at its draft (all zero if x is OOV)."""
+    if draft_probs is not None:
+        return draft_probs[b, i]
+    q = torch.zeros_like(like)
+    if 0 <= x < q.shape[0]:
+        q[x] = 1.0
+    return q
+
+
+def _exponential_race(
+    weights: torch.Tensor,  # [V] float32, >= 0
+    exp_noise: torch.Tensor,  # [V] float32, Exponential(1)
+) -> int:
+    """Sample v with probability weights_v / sum(weights): argmax_v weights_v / exp_noise_v.
+
+    (weights_v / E_v is the inverse of an Exponential(rate = weights_v); the smallest of independent
+    exponentials is v with probability proportional to its rate.) torch.argmax returns the first of
+    equal maxima, i.e. the lowest index on ties.
+    """
+    return int(torch.argmax(weights / exp_noise))
+
+
+def _num_drafts(num_drafts: torch.Tensor, b: int, K: int) -> int:
+    n = int(num_drafts[b])
+    if not 0 <= n <= K:
+        raise ValueError(f"num_drafts[{b}] = {n} is outside [0, K = {K}]")
+    return n
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}")

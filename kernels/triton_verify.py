@@ -1,0 +1,197 @@
+"""Triton kernels of the verification step, one program per request row (grid = (B,)).
+
+Same signatures and same results, bit for bit, as `reference.py`. Two details keep them exact:
+
+- Every division is `tl.div_rn` (IEEE round-to-nearest, as torch computes it). Triton's `/` on
+  float32 lowers to the approximate `div.full.f32` on NVIDIA GPUs (up to 2 ulp), which could flip an
+  acceptance test `p / q >= u` or an argmax of the exponential race.
+- The vocabulary is scanned in BLOCK_V chunks keeping a running (max, argmax); a chunk replaces the
+  running best only when strictly greater, and `tl.max(..., return_indices=True)` breaks ties to the
+  left inside a chunk, so ties resolve to the lowest index as `torch.argmax` does.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_greedy_args, check_sampling_args
+
+# Widest vocabulary chunk per loop iteration; a 150k vocabulary takes ~150 iterations.
+MAX_BLOCK_V = 1024
+
+
+@triton.jit
+def _greedy_accept_kernel(
+    draft_ids_ptr,  # [B, K] int64
+    num_drafts_ptr,  # [B] int64
+    target_argmax_ptr,  # [B, K+1] int64
+    output_ids_ptr,  # [B, K+1] int64
+    num_accepted_ptr,  # [B] int64
+    K,
+    BLOCK_K: tl.constexpr,  # power of two >= K + 1
+):
+    b = tl.program_id(0).to(tl.int64)
+    # The contract is 0 <= n <= K; clamping only keeps a bad input from reading out of bounds.
+    n = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
+    offs = tl.arange(0, BLOCK_K)
+    is_draft = offs < n
+    drafts = tl.load(draft_ids_ptr + b * K + offs, mask=is_draft, other=0)
+    target = tl.load(target_argmax_ptr + b * (K + 1) + offs, mask=offs < K + 1, other=-1)
+    # Accepted = length of the matching prefix = position of the first mismatch (n if none).
+    num_acc = tl.min(tl.where(is_draft & (drafts != target), offs, n), axis=0)
+    out = tl.where(offs < num_acc, drafts, tl.where(offs == num_acc, target, -1))
+    tl.store(output_ids_ptr + b * (K + 1) + offs, out, mask=offs < K + 1)
+    tl.store(num_accepted_ptr + b, num_acc)
+
+
+@triton.jit
+def _exponential_race(
+    p_row_ptr,  # [V] float32, p_i of this row
+    q_row_ptr,  # [V] float32, q_i of this row (read only when HAS_DRAFT_PROBS and subtract)
+    noise_row_ptr,  # [V] float32, Exponential(1) noise of this row
+    onehot_id,  # scalar int64: the draft whose one-hot q is subtracted when not HAS_DRAFT_PROBS
+    subtract,  # scalar bool: race over max(0, p - q) if true, over p if false
+    V,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """argmax_v w_v / noise_v, lowest index on ties, with w = max(0, p - q) or p; also max_v w_v.
+
+    With subtract false, w = max(0, p - 0) = p exactly, which is what the reference races over.
+    """
+    # q is read (or built) only below q_end / at q_id: nowhere unless subtract. (Comparisons, not
+    # `mask & subtract`: the interpreter turns an int1 scalar broadcast by `&` into a non-bool
+    # mask, which tl.load rejects.)
+    q_end = tl.where(subtract, V, 0)
+    q_id = tl.where(subtract, onehot_id, -1)
+    best_score = tl.full([], float("-inf"), tl.float32)
+    best_id = tl.zeros([], dtype=tl.int64)
+    w_max = tl.zeros([], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        in_vocab = offs < V
+        p = tl.load(p_row_ptr + offs, mask=in_vocab, other=0.0)
+        if HAS_DRAFT_PROBS:
+            q = tl.load(q_row_ptr + offs, mask=offs < q_end, other=0.0)
+        else:
+            q = tl.where(offs == q_id, 1.0, 0.0)
+        w = tl.maximum(p - q, 0.0)
+        noise = tl.load(noise_row_ptr + offs, mask=in_vocab, other=1.0)
+        score = tl.where(in_vocab, tl.div_rn(w, noise), float("-inf"))
+        chunk_best, chunk_id = tl.max(score, axis=0, return_indices=True)
+        better = chunk_best > best_score  # strict: an equal later chunk loses the tie
+        best_id = tl.where(better, start + chunk_id, best_id)
+        best_score = tl.where(better, chunk_best, best_score)
+        w_max = tl.maximum(w_max, tl.max(w, axis=0))
+    return best_id, w_max
+
+
+@triton.jit
+def _rejection_sample_kernel(
+    draft_ids_ptr,  # [B, K] int64
+    num_drafts_ptr,  # [B] int64
+    draft_probs_ptr,  # [B, K, V] float32 (any tensor when not HAS_DRAFT_PROBS; never read)
+    target_probs_ptr,  # [B, K+1, V] float32
+    uniform_ptr,  # [B, K] float32
+    exp_noise_ptr,  # [B, V] float32
+    output_ids_ptr,  # [B, K+1] int64
+    num_accepted_ptr,  # [B] int64
+    K,
+    V,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # power of two >= K + 1
+    BLOCK_V: tl.constexpr,  # power of two
+):
+    b = tl.program_id(0).to(tl.int64)
+    # The contract is 0 <= n <= K; clamping only keeps a bad input from reading out of bounds.
+    n = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
+    offs_k = tl.arange(0, BLOCK_K)
+    is_draft = offs_k < n
+
+    # Acceptance tests of all drafts at once; an out-of-vocabulary draft has p = q = 0: rejected.
+    x = tl.load(draft_ids_ptr + b * K + offs_k, mask=is_draft, other=0)
+    x_ok = is_draft & (x >= 0) & (x < V)
+    p = tl.load(target_probs_ptr + (b * (K + 1) + offs_k) * V + x, mask=x_ok, other=0.0)
+    if HAS_DRAFT_PROBS:
+        q = tl.load(draft_probs_ptr + (b * K + offs_k) * V + x, mask=x_ok, other=0.0)
+    else:
+        q = tl.where(x_ok, 1.0, 0.0)
+    u = tl.load(uniform_ptr + b * K + offs_k, mask=is_draft, other=1.0)
+    accept = (q > 0) & (tl.div_rn(p, tl.where(q > 0, q, 1.0)) >= u)
+    num_acc = tl.min(tl.where(is_draft & ~accept, offs_k, n), axis=0)
+
+    # One extra token at position num_acc: recovered from max(0, p - q) if that draft was rejected,
+    # bonus from p if every draft was accepted (num_acc == n).
+    rejected = num_acc < n
+    x_rejected = tl.sum(tl.where(offs_k == num_acc, x, 0), axis=0)
+    p_row_ptr = target_probs_ptr + (b * (K + 1) + num_acc) * V
+    q_row_ptr = draft_probs_ptr + (b * K + num_acc) * V
+    noise_row_ptr = exp_noise_ptr + b * V
+    extra, w_max = _exponential_race(
+        p_row_ptr, q_row_ptr, noise_row_ptr, x_rejected, rejected, V, HAS_DRAFT_PROBS, BLOCK_V
+    )
+    if w_max <= 0.0:  # residual all zero (p == q where rejected): race over p itself
+        no_subtract = tl.zeros([], dtype=tl.int1)  # a tensor, not False: a mask operand below
+        extra, w_max = _exponential_race(
+            p_row_ptr, q_row_ptr, noise_row_ptr, x_rejected, no_subtract, V,
+            HAS_DRAFT_PROBS, BLOCK_V,
+        )
+
+    out = tl.where(offs_k < num_acc, x, tl.where(offs_k == num_acc, extra, -1))
+    tl.store(output_ids_ptr + b * (K + 1) + offs_k, out, mask=offs_k < K + 1)
+    tl.store(num_accepted_ptr + b, num_acc)
+
+
+def greedy_accept(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+    target_argmax: torch.Tensor,  # [B, K+1] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # output_ids [B, K+1] int64, num_accepted [B] int64
+    check_greedy_args(draft_ids, num_drafts, target_argmax)
+    B, K = draft_ids.shape
+    output_ids = torch.empty((B, K + 1), dtype=torch.int64, device=draft_ids.device)
+    num_accepted = torch.empty(B, dtype=torch.int64, device=draft_ids.device)
+    if B > 0:
+        _greedy_accept_kernel[(B,)](
+            draft_ids.contiguous(),
+            num_drafts.contiguous(),
+            target_argmax.contiguous(),
+            output_ids,
+            num_accepted,
+            K,
+            BLOCK_K=triton.next_power_of_2(K + 1),
+        )
+    return output_ids, num_accepted
+
+
+def rejection_sample(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32, or None for a deterministic drafter
+    target_probs: torch.Tensor,  # [B, K+1, V] float32
+    uniform: torch.Tensor,  # [B, K] float32, in (0, 1)
+    exp_noise: torch.Tensor,  # [B, V] float32, Exponential(1), > 0
+) -> tuple[torch.Tensor, torch.Tensor]:  # output_ids [B, K+1] int64, num_accepted [B] int64
+    check_sampling_args(draft_ids, num_drafts, draft_probs, target_probs, uniform, exp_noise)
+    B, K = draft_ids.shape
+    V = target_probs.shape[-1]
+    output_ids = torch.empty((B, K + 1), dtype=torch.int64, device=draft_ids.device)
+    num_accepted = torch.empty(B, dtype=torch.int64, device=draft_ids.device)
+    if B > 0:
+        target_probs = target_probs.contiguous()
+        _rejection_sample_kernel[(B,)](
+            draft_ids.contiguous(),
+            num_drafts.contiguous(),
+            target_probs if draft_probs is None else draft_probs.contiguous(),
+            target_probs,
+            uniform.contiguous(),
+            exp_noise.contiguous(),
+            output_ids,
+            num_accepted,
+            K,
+            V,
+            HAS_DRAFT_PROBS=draft_probs is not None,
+            BLOCK_K=triton.next_power_of_2(K + 1),
+            BLOCK_V=min(MAX_BLOCK_V, triton.next_power_of_2(V)),
+        )
+    return output_ids, num_accepted
