@@ -1,0 +1,113 @@
+"""Adaptive block length: speculate exactly as much as pays, down to nothing.
+
+For a block of k drafts with conditional acceptance rates a_1..a_k (a_i = P(draft i accepted | drafts
+before it accepted)), the expected tokens committed by one step are
+
+    E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k
+
+and the step costs C(k) = forward(k + 1 tokens) + drafting(k). We pick k maximising E(k) / C(k);
+k = 0 is plain decoding (E = 1, C = forward(1)), so speculation is chosen only where it is expected to
+beat plain decoding. Worked example with DESIGN.md's CPU costs (forward(9) ~ 1.4 forward(1)): eight
+drafts pay only if E(8) > 1.4; with a flat a = 0.3 per position E(8) ~ 1.43 (barely), while k = 2 gives
+E(2) = 1.39 for ~1.1 the cost, so k = 2 wins.
+
+Acceptance is tracked per proposer and confidence bucket (for prompt lookup: the matched suffix
+length, which predicts acceptance far better than an average), per draft position. Each sequence
+keeps its own counts, shrunk towards runner-wide counts, which are shrunk towards a fixed prior: a new
+session starts from what other sessions measured and adapts to its own text within a few steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.runner import ForwardCosts
+
+MAX_POSITIONS = 64
+
+# Prior conditional acceptance by matched n-gram length (first bucket: draft model or unknown).
+_PRIOR = {0: 0.3, 1: 0.25, 2: 0.4, 3: 0.55, 4: 0.65}
+_PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior
+_SESSION_SHRINK = 8.0  # pseudo-observations of the runner-wide estimate in a session's estimate
+
+
+def _bucket(proposer: str, bucket: int) -> tuple[str, int]:
+    return proposer, min(bucket, 4)
+
+
+@dataclass
+class AcceptanceCounts:
+    # (proposer, bucket) -> per position [reached, accepted]
+    counts: dict[tuple[str, int], list[list[float]]] = field(default_factory=dict)
+
+    def row(self, key: tuple[str, int]) -> list[list[float]]:
+        if key not in self.counts:
+            self.counts[key] = [[0.0, 0.0] for _ in range(MAX_POSITIONS)]
+        return self.counts[key]
+
+    def observe(self, key: tuple[str, int], drafted: int, accepted: int) -> None:
+        row = self.row(key)
+        for i in range(min(drafted, MAX_POSITIONS)):
+            row[i][0] += 1
+            if i < accepted:
+                row[i][1] += 1
+            else:
+                break  # positions after the first rejection were not tested
+
+
+class BlockLengthController:
+    """Chooses k per step. One per sequence; `shared` and `costs` are the runner's."""
+
+    def __init__(self, max_k: int, costs: ForwardCosts, shared: AcceptanceCounts, *, adaptive: bool = True):
+        self.max_k = max_k
+        self.costs = costs
+        self.shared = shared
+        self.own = AcceptanceCounts()
+        self.adaptive = adaptive
+        self.draft_cost_per_token: dict[str, float] = {}
+
+    def rates(self, proposer: str, bucket: int, k: int) -> list[float]:
+        key = _bucket(proposer, bucket)
+        prior = _PRIOR.get(key[1], 0.3) if proposer == "ngram" else _PRIOR[0]
+        shared, own = self.shared.row(key), self.own.row(key)
+        out = []
+        for i in range(k):
+            s_reached, s_acc = shared[i]
+            global_rate = (s_acc + _PRIOR_WEIGHT * prior) / (s_reached + _PRIOR_WEIGHT)
+            o_reached, o_acc = own[i]
+            out.append((o_acc + _SESSION_SHRINK * global_rate) / (o_reached + _SESSION_SHRINK))
+        return out
+
+    def choose(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0) -> int:
+        """Best block length in 0..min(max_k, available). `batch_tokens` are tokens other sessions
+        add to the same forward (the forward's cost is that of the whole batch)."""
+        limit = min(self.max_k, available)
+        if limit <= 0:
+            return 0
+        if not self.adaptive:
+            return limit
+        base = self.costs.estimate(batch_tokens + 1)
+        if base is None:  # nothing measured yet: one plain step measures the baseline
+            return 0
+        draft_cost = self.draft_cost_per_token.get(proposer, 0.0)
+        best_k, best_rate = 0, 1.0 / base
+        expected, survive = 1.0, 1.0
+        for k, rate in enumerate(self.rates(proposer, bucket, limit), start=1):
+            survive *= rate
+            expected += survive
+            cost = self.costs.estimate(batch_tokens + k + 1) + draft_cost * k
+            if expected / cost > best_rate:
+                best_k, best_rate = k, expected / cost
+        return best_k
+
+    def observe(self, proposer: str, bucket: int, drafted: int, accepted: int) -> None:
+        key = _bucket(proposer, bucket)
+        self.own.observe(key, drafted, accepted)
+        self.shared.observe(key, drafted, accepted)
+
+    def observe_draft_cost(self, proposer: str, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        per = seconds / tokens
+        prev = self.draft_cost_per_token.get(proposer)
+        self.draft_cost_per_token[proposer] = per if prev is None else 0.8 * prev + 0.2 * per

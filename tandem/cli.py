@@ -1,0 +1,271 @@
+"""The `tandem` command line: every entry point of the project, with typed options.
+
+Options are parsed here, once, into typed config objects (`SamplingParams`, `SpecConfig`, service
+settings) and passed down; nothing below reads flags or the environment again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+
+app = typer.Typer(
+    name="tandem",
+    help=(
+        "Tandem: lossless speculative decoding. Cheap drafters propose tokens, the target model "
+        "verifies a whole block in one forward pass and keeps exactly what it would have produced."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+
+log = logging.getLogger("tandem.cli")
+
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Target model: a Hugging Face causal-LM directory, a .gguf file, or 'default' (the embedded "
+        "SmolLM2-135M-Instruct, converted once into the cache).",
+    ),
+]
+DraftModelOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--draft-model",
+        help="Draft model for --draft model: a causal LM directory or .gguf sharing the target's tokenizer.",
+    ),
+]
+ThreadsOpt = Annotated[
+    Optional[int],
+    typer.Option("--threads", help="Torch CPU threads for this process (default: all cores).", min=1),
+]
+MaxDraftOpt = Annotated[
+    int,
+    typer.Option("--max-draft-tokens", "-k", help="Upper bound on the drafts verified per step.", min=1, max=64),
+]
+AdaptiveOpt = Annotated[
+    bool,
+    typer.Option(
+        "--adaptive/--fixed",
+        help="Adaptive: choose each step's block length from measured acceptance and cost (0 = plain step). "
+        "Fixed: always draft --max-draft-tokens.",
+    ),
+]
+
+
+def _setup(threads: int | None, verbose: bool = False) -> None:
+    import torch
+
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("httpx", "transformers", "accelerate"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _load(model: str, draft_model: str | None):
+    from tandem.models import ModelError, check_same_tokenizer, load_model
+
+    try:
+        target = load_model(model)
+        draft = load_model(draft_model) if draft_model else None
+        if draft is not None:
+            check_same_tokenizer(target, draft)
+    except ModelError as exc:
+        _fail(str(exc))
+    return target, draft
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The user message (chat template applied).")],
+    system: Annotated[Optional[str], typer.Option("--system", help="An optional system message.")] = None,
+    draft: Annotated[
+        DraftStrategy, typer.Option("--draft", help="Proposer: none (plain decoding), ngram (prompt lookup), model.")
+    ] = DraftStrategy.ngram,
+    model: ModelOpt = "default",
+    draft_model: DraftModelOpt = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Generate at most this many tokens.", min=1)] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy; otherwise sample.", min=0.0)] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", min=0.0, max=1.0)] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0 = off).", min=0)] = 0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of a sampled request: same seed, same text.", min=0)] = None,
+    max_draft_tokens: MaxDraftOpt = 8,
+    adaptive: AdaptiveOpt = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Generate a reply on one machine, streaming the text, then print speculation statistics."""
+    _setup(threads)
+    from rich.console import Console
+
+    from tandem.models import apply_chat_template
+    from tandem.spec import Engine
+
+    if draft == DraftStrategy.model and not draft_model:
+        _fail("--draft model needs --draft-model PATH (a causal LM sharing the target's tokenizer)")
+    try:
+        sampling = SamplingParams(
+            temperature=temperature, top_p=top_p if top_p > 0 else 1.0, top_k=top_k, seed=seed,
+            max_new_tokens=max_new_tokens,
+        )
+        spec = SpecConfig(strategy=draft, max_draft_tokens=max_draft_tokens, adaptive=adaptive)
+    except ValueError as exc:
+        _fail(str(exc))
+    target, draft_lm = _load(model, draft_model)
+    engine = Engine(target, draft_lm, spec)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    context = apply_chat_template(target.tokenizer, messages)
+    stream = TextStream(target.tokenizer)
+
+    def on_step(step) -> None:
+        if not as_json:
+            sys.stdout.write(stream.push(step.tokens))
+            sys.stdout.flush()
+
+    try:
+        result = engine.generate(context, sampling, spec, on_step=on_step)
+    except ValueError as exc:
+        _fail(str(exc))
+    st = result.stats
+    text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if as_json:
+        print(json.dumps({
+            "text": text,
+            "token_ids": result.token_ids,
+            "drafted": st.drafted,
+            "accepted": st.accepted,
+            "steps": st.steps,
+            "mean_accepted_len": round(st.mean_accepted_len, 4),
+            "acceptance_rate": round(st.acceptance_rate, 4),
+            "tokens_per_s": round(result.tokens_per_s, 3),
+            "finish_reason": result.finish_reason.value,
+            "prompt_tokens": result.prompt_tokens,
+            "strategy": draft.value,
+            "model": target.model_id,
+        }))
+        return
+    sys.stdout.write(stream.flush() + "\n")
+    Console(stderr=True).print(
+        f"[bold]{len(result.token_ids)} tokens[/bold] in {result.seconds:.2f} s "
+        f"([bold]{result.tokens_per_s:.1f} tok/s[/bold]), {draft.value}: drafted {st.drafted}, "
+        f"accepted {st.accepted} ({st.acceptance_rate:.0%}), {st.steps} target steps, "
+        f"mean accepted length {st.mean_accepted_len:.2f} tokens/step, finish: {result.finish_reason.value}"
+    )
+
+
+class TextStream:
+    """Incremental detokenization: decode everything so far and emit the new suffix, holding back
+    an incomplete multi-byte character (shown by the tokenizer as U+FFFD) until it completes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, tokens: list[int]) -> str:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.sent = text[self.sent :], len(text)
+        return new
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        new, self.sent = text[self.sent :], len(text)
+        return new
+
+
+@app.command()
+def convert(
+    model: ModelOpt = "default",
+) -> None:
+    """Convert a GGUF model (default: the embedded SmolLM2) into the local safetensors cache, once."""
+    _setup(None)
+    from tandem.models import ModelError, convert_gguf, resolve_model_path
+
+    try:
+        _, path = resolve_model_path(model)
+    except ModelError as exc:
+        _fail(str(exc))
+    if path.suffix != ".gguf":
+        typer.echo(f"{path} is already a Hugging Face directory; nothing to convert")
+        return
+    typer.echo(str(convert_gguf(path)))
+
+
+DEMO_PROMPT = (
+    "Here is a list of users as CSV:\nname,age,city\nAlice,30,Paris\nBob,25,Rome\nCarol,41,Oslo\n"
+    "Convert it to a JSON array of objects with the keys name, age and city."
+)
+
+
+@app.command()
+def demo(
+    model: ModelOpt = "default",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1)] = 96,
+    threads: ThreadsOpt = None,
+) -> None:
+    """The main job on one machine: the same request decoded plainly and with prompt-lookup
+    speculation, showing the streamed text, the speculation figures and the speedup."""
+    _setup(threads)
+    from rich.console import Console
+
+    from tandem.models import apply_chat_template
+    from tandem.spec import Engine
+
+    console = Console(stderr=True)
+    target, _ = _load(model, None)
+    engine = Engine(target)
+    context = apply_chat_template(target.tokenizer, [{"role": "user", "content": DEMO_PROMPT}])
+    sampling = SamplingParams(max_new_tokens=max_new_tokens)
+    console.print(f"[bold]prompt[/bold] ({len(context)} tokens):\n{DEMO_PROMPT}\n")
+    engine.generate(context, sampling.model_copy(update={"max_new_tokens": 8}), SpecConfig(strategy="none"))  # warm-up
+    plain = engine.generate(context, sampling, SpecConfig(strategy="none"))
+    stream = TextStream(target.tokenizer)
+    console.print("[bold]speculative (ngram) output:[/bold]")
+    spec = engine.generate(
+        context, sampling, SpecConfig(strategy="ngram"),
+        on_step=lambda s: (sys.stdout.write(stream.push(s.tokens)), sys.stdout.flush()),
+    )
+    sys.stdout.write(stream.flush() + "\n\n")
+    st = spec.stats
+    same = spec.token_ids == plain.token_ids
+    console.print(
+        f"plain decoding: {len(plain.token_ids)} tokens in {plain.seconds:.2f} s ({plain.tokens_per_s:.1f} tok/s)\n"
+        f"speculative:    {len(spec.token_ids)} tokens in {spec.seconds:.2f} s ({spec.tokens_per_s:.1f} tok/s), "
+        f"drafted {st.drafted}, accepted {st.accepted} ({st.acceptance_rate:.0%}), "
+        f"mean accepted length {st.mean_accepted_len:.2f} tokens/step over {st.steps} target steps\n"
+        f"speedup {plain.seconds / max(spec.seconds, 1e-9):.2f}x, output identical to plain decoding: "
+        f"{'[green]yes[/green]' if same else '[red]NO[/red]'}"
+    )
+    if not same:
+        raise typer.Exit(1)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

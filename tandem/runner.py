@@ -1,0 +1,185 @@
+"""The target runner: a KV cache per sequence, one forward over a block of new tokens, rollback.
+
+Invariant of a `Sequence` between steps: `ids` are the committed tokens (prompt + output so far) and
+the KV cache holds exactly `ids[:-1]`. The last committed token is *pending*: the next step feeds it
+together with the k drafts, so one forward yields the k+1 distributions that verification needs:
+
+    input  = [ids[-1], d_0, ..., d_{k-1}]          # k+1 tokens
+    logits = [k+1, vocab]; row i predicts the token after input i
+    accept a drafts, commit a+1 tokens (accepted drafts + recovered/bonus), crop the cache to the
+    new len(ids) - 1, which drops the KV of rejected drafts.
+
+Worked example: ids = [5, 9] (cache holds [5]); drafts [7, 3]; forward [9, 7, 3] (cache now [5, 9, 7,
+3]); target argmax rows = [7, 4, ...] so a = 1 and 4 is the recovered token; ids = [5, 9, 7, 4] and
+the cache is cropped to 3 entries [5, 9, 7]. The pending token is 4.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from tandem.models import LoadedModel
+
+
+@dataclass
+class PrefillStats:
+    reused: int  # context tokens whose KV was already resident
+    computed: int  # context tokens run through the target now
+
+
+class ForwardCosts:
+    """The target's forward time by number of new tokens: the median of the last few measurements.
+
+    Shared by every sequence of a runner: the cost of a forward is a property of the model and the
+    machine, so a new session starts with measured costs instead of guesses. A median, not a mean:
+    on a shared machine one preempted forward can take ten times the usual, and must not make the
+    controller give up speculating.
+    """
+
+    WINDOW = 15
+
+    def __init__(self) -> None:
+        self._samples: dict[int, deque[float]] = {}
+        self.median: dict[int, float] = {}  # current median seconds per token count
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        window = self._samples.setdefault(num_tokens, deque(maxlen=self.WINDOW))
+        window.append(seconds)
+        self.median[num_tokens] = statistics.median(window)
+
+    def estimate(self, num_tokens: int) -> float | None:
+        """Seconds for a forward over `num_tokens` new tokens, interpolated from what was measured."""
+        if num_tokens in self.median:
+            return self.median[num_tokens]
+        known = sorted(self.median)
+        if not known:
+            return None
+        lo = max((n for n in known if n < num_tokens), default=None)
+        hi = min((n for n in known if n > num_tokens), default=None)
+        if lo is not None and hi is not None:
+            w = (num_tokens - lo) / (hi - lo)
+            return self.median[lo] * (1 - w) + self.median[hi] * w
+        if len(known) >= 2:  # extrapolate linearly from the two nearest measurements
+            a, b = (known[-2], known[-1]) if hi is None else (known[0], known[1])
+            slope = max(0.0, (self.median[b] - self.median[a]) / (b - a))
+            ref = b if hi is None else a
+            return max(1e-6, self.median[ref] + slope * (num_tokens - ref))
+        # One point only: assume the measured shape of a small dense model on a CPU, where each extra
+        # token of a block costs ~5% of a single-token step (DESIGN.md: 8 drafts ~ 1.4 steps).
+        ref = known[0]
+        return self.median[ref] * (1 + 0.05 * (num_tokens - 1)) / (1 + 0.05 * (ref - 1))
+
+
+class NominalCosts:
+    """A fixed cost curve, forward(n tokens) = 1 + 0.05 (n - 1) in units of a plain step.
+
+    Used where a choice must not depend on timing: a seeded sampled request must replay exactly, and
+    its random draws follow its block lengths, so those may depend only on the text.
+    """
+
+    def estimate(self, num_tokens: int) -> float:
+        return 1.0 + 0.05 * (num_tokens - 1)
+
+
+class TargetRunner:
+    """Owns a causal LM and runs forwards for its sequences. Not thread-safe: one caller at a time."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = next(self.model.parameters()).device
+        self.costs = ForwardCosts()
+        self.nominal_costs = NominalCosts()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.vocab_size
+
+    def new_sequence(self) -> "Sequence":
+        return Sequence(self)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: DynamicCache,
+        input_ids: list[int],
+        *,
+        all_logits: bool = True,
+    ) -> torch.Tensor | None:
+        """Run `input_ids` on top of `cache` (which grows by len(input_ids)).
+
+        Returns logits `# [len(input_ids), vocab]` float32 when `all_logits`, else None (prefill
+        skips the LM head, ~20% of a small model's cost per token).
+        """
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, n]
+        start = time.perf_counter()
+        out = self.model(
+            input_ids=ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        logits = out.logits[0].float() if all_logits else None  # [n, vocab]
+        if all_logits:
+            self.costs.observe(len(input_ids), time.perf_counter() - start)
+        return logits
+
+
+class Sequence:
+    """One sequence's committed tokens and KV cache (see the module docstring for the invariant)."""
+
+    def __init__(self, runner: TargetRunner):
+        self.runner = runner
+        self.cache = DynamicCache()
+        self.ids: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def cached_len(self) -> int:
+        return self.cache.get_seq_length()
+
+    def set_context(self, context_ids: list[int]) -> PrefillStats:
+        """Make the committed tokens equal `context_ids`, reusing the longest resident prefix.
+
+        A later turn of a conversation extends the previous one, so only its new tokens are computed;
+        a context that diverges earlier rolls the cache back to the divergence first.
+        """
+        if not context_ids:
+            raise ValueError("a sequence needs at least one context token")
+        common = 0
+        limit = min(len(self.ids), len(context_ids), self.cached_len)
+        while common < limit and self.ids[common] == context_ids[common]:
+            common += 1
+        # The cache may hold at most context[:-1]: the last context token stays pending.
+        keep = min(common, len(context_ids) - 1)
+        self.rollback(keep)
+        todo = context_ids[keep:-1]
+        if todo:
+            self.runner.forward(self.cache, todo, all_logits=False)
+        self.ids = list(context_ids)
+        return PrefillStats(reused=keep, computed=len(todo))
+
+    def forward_block(self, drafts: list[int]) -> torch.Tensor:
+        """One target forward over the pending token and `drafts`; logits `# [k+1, vocab]`."""
+        assert self.cached_len == len(self.ids) - 1, "cache must hold ids[:-1] between steps"
+        return self.runner.forward(self.cache, [self.ids[-1], *drafts])
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append the step's committed tokens (accepted drafts + one recovered/bonus token) and drop
+        the KV of everything after the new pending token."""
+        self.ids.extend(tokens)
+        self.rollback(len(self.ids) - 1)
+
+    def rollback(self, length: int) -> None:
+        """Crop the KV cache to its first `length` entries (a no-op when it is not longer)."""
+        excess = self.cached_len - length
+        if excess > 0:
+            self.cache.crop(-excess)  # transformers >= 5: a negative count removes from the end

@@ -1,0 +1,301 @@
+"""The speculative decoding loop, in one process. It documents the algorithm and is the oracle that
+the distributed system's tests compare against.
+
+    prefill(context)                       # KV for context[:-1], reusing any resident prefix
+    while not finished:
+        k     = controller.choose(...)     # 0 = plain decoding step
+        draft = proposer.propose(ids, k)   # at most k tokens after ids
+        logits = target.forward([ids[-1]] + draft)          # [k+1, vocab], one forward
+        tokens = verify(logits, draft)     # accepted drafts + one recovered/bonus token
+        commit(tokens); emit(tokens)       # KV of rejected drafts is dropped
+
+Each committed token is emitted once, in order, and the output equals plain decoding's: token for
+token when greedy, in distribution when sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+import torch
+
+from tandem.adaptive import AcceptanceCounts, BlockLengthController
+from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.models import LoadedModel
+from tandem.proposers import Draft, Proposer, ProposerFactory
+from tandem.runner import PrefillStats, Sequence, TargetRunner
+from tandem.sampling import make_generator
+from tandem.verify import verify
+
+
+class FinishReason(str, Enum):
+    stop = "stop"  # a stop token (EOS or a requested stop id) was generated
+    length = "length"  # max_new_tokens reached, or the context window is full
+    cancelled = "cancelled"
+    error = "error"
+
+
+@dataclass
+class SpecStats:
+    """Speculation figures of one generation, in DESIGN.md's terms. committed = accepted + steps."""
+
+    drafted: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # drafts the target agreed with
+    recovered: int = 0  # tokens emitted at a first rejection
+    bonus: int = 0  # tokens emitted after every draft of a step was accepted (plain steps included)
+    steps: int = 0  # target forwards of the decode loop
+    spec_steps: int = 0  # steps that verified at least one draft
+    fallback_steps: int = 0  # steps decoded plainly because the drafter failed or was too slow
+    rejected_blocks: int = 0  # stale or garbage draft blocks that were dropped
+    prefill_reused_tokens: int = 0
+    prefill_computed_tokens: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    # accepted count per draft position: accepted_by_position[i] = steps whose draft i was accepted
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Committed tokens per target step (1.0 for plain decoding)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted:
+            self.spec_steps += 1
+        if accepted == drafted:
+            self.bonus += 1
+        else:
+            self.recovered += 1
+        while len(self.drafted_by_position) < drafted:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+            if i < accepted:
+                self.accepted_by_position[i] += 1
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["mean_accepted_len"] = self.mean_accepted_len
+        d["acceptance_rate"] = self.acceptance_rate
+        return d
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int]  # newly committed output tokens of this step (after stop/length truncation)
+    first_index: int  # index of tokens[0] among the generated tokens
+    drafted: int
+    accepted: int
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stats: SpecStats
+    prompt_tokens: int
+    seconds: float  # decode time, prefill included
+    first_token_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+class Generation:
+    """The decode loop of one request on one sequence. Iterate to run it step by step."""
+
+    def __init__(
+        self,
+        runner: TargetRunner,
+        sequence: Sequence,
+        context_ids: list[int],
+        sampling: SamplingParams,
+        spec: SpecConfig,
+        proposer: Proposer | None,
+        *,
+        shared_acceptance: AcceptanceCounts,
+        eos_token_ids: list[int],
+    ):
+        if len(context_ids) >= runner.loaded.max_context:
+            raise ValueError(
+                f"prompt of {len(context_ids)} tokens does not fit the context window of "
+                f"{runner.loaded.max_context} tokens"
+            )
+        self.runner = runner
+        self.seq = sequence
+        self.sampling = sampling
+        self.spec = spec
+        self.proposer = proposer
+        self.gen = None if sampling.greedy else make_generator(sampling.seed)
+        self.stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+        self.controller = BlockLengthController(
+            spec.max_draft_tokens,
+            runner.costs if sampling.greedy or sampling.seed is None else runner.nominal_costs,
+            shared_acceptance,
+            adaptive=spec.adaptive,
+        )
+        self.stats = SpecStats()
+        self.output: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.prompt_len = len(context_ids)
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        prefill: PrefillStats = self.seq.set_context(list(context_ids))
+        self.stats.prefill_reused_tokens = prefill.reused
+        self.stats.prefill_computed_tokens = prefill.computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _draft(self) -> Draft | None:
+        if self.proposer is None:
+            return None
+        ids = self.seq.ids
+        room = min(
+            self.sampling.max_new_tokens - len(self.output) - 1,  # drafts past the limit are waste
+            self.runner.loaded.max_context - len(ids) - 1,
+        )
+        bucket = self.proposer.peek_confidence(ids)
+        if not self.proposer.costly and bucket == 0:
+            return None  # prompt lookup found nothing: a plain step, at no drafting cost
+        k = self.controller.choose(self.proposer.name, bucket, room)
+        if k <= 0:
+            return None
+        draft = self.proposer.propose(ids, k, self.sampling, self.gen)
+        self.stats.draft_seconds += draft.seconds
+        if self.proposer.costly:
+            self.controller.observe_draft_cost(self.proposer.name, len(draft), draft.seconds)
+        return draft if len(draft) else None
+
+    def step(self) -> StepOutput:
+        """Run one target forward; return what it committed."""
+        if self.finished:
+            raise RuntimeError("generation already finished")
+        draft = self._draft()
+        start = time.perf_counter()
+        logits = self.seq.forward_block(draft.tokens if draft else [])  # [k+1, vocab]
+        verdict = verify(logits, draft, self.sampling, self.gen)
+        self.stats.verify_seconds += time.perf_counter() - start
+        if draft is not None:
+            self.controller.observe(draft.proposer, draft.bucket, len(draft), verdict.accepted)
+        self.seq.commit(verdict.tokens)
+        self.stats.record(verdict.drafted, verdict.accepted)
+        return self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
+
+    def _emit(self, tokens: list[int], drafted: int, accepted: int) -> StepOutput:
+        first_index = len(self.output)
+        out: list[int] = []
+        for tok in tokens:
+            if tok in self.stop_ids:
+                self.finish_reason = FinishReason.stop
+                break
+            out.append(tok)
+            if len(self.output) + len(out) >= self.sampling.max_new_tokens:
+                self.finish_reason = FinishReason.length
+                break
+        if self.finish_reason is None and len(self.seq.ids) >= self.runner.loaded.max_context:
+            self.finish_reason = FinishReason.length
+        self.output.extend(out)
+        if out and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        return StepOutput(tokens=out, first_index=first_index, drafted=drafted, accepted=accepted)
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finish_reason = FinishReason.cancelled
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        while not self.finished:
+            yield self.step()
+
+    def result(self) -> GenerationResult:
+        end = time.perf_counter()
+        return GenerationResult(
+            token_ids=list(self.output),
+            finish_reason=self.finish_reason or FinishReason.cancelled,
+            stats=self.stats,
+            prompt_tokens=self.prompt_len,
+            seconds=end - self.started,
+            first_token_seconds=(self.first_token_at or end) - self.started,
+        )
+
+
+class Engine:
+    """A target (and optionally a draft model) in one process: what `tandem generate` and
+    `tandem bench` run, and the reference for the distributed services."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None):
+        self.target = target
+        self.draft = draft
+        self.runner = TargetRunner(target)
+        self.spec = spec or SpecConfig()
+        self.factory = ProposerFactory(self.spec, draft_model=draft, target_vocab=target.vocab_size)
+        self.acceptance = AcceptanceCounts()
+
+    def start(
+        self,
+        context_ids: list[int],
+        sampling: SamplingParams,
+        spec: SpecConfig | None = None,
+        *,
+        sequence: Sequence | None = None,
+        proposer: Proposer | None = None,
+    ) -> Generation:
+        spec = spec or self.spec
+        if proposer is None and spec.strategy != DraftStrategy.none:
+            proposer = self.factory.build(spec)
+        return Generation(
+            self.runner,
+            sequence or self.runner.new_sequence(),
+            context_ids,
+            sampling,
+            spec,
+            proposer,
+            shared_acceptance=self.acceptance,
+            eos_token_ids=self.target.eos_token_ids,
+        )
+
+    def generate(
+        self,
+        context_ids: list[int],
+        sampling: SamplingParams,
+        spec: SpecConfig | None = None,
+        *,
+        on_step: Callable[[StepOutput], None] | None = None,
+    ) -> GenerationResult:
+        gen = self.start(context_ids, sampling, spec)
+        for step in gen:
+            if on_step is not None:
+                on_step(step)
+        return gen.result()
+
+
+def plain_generate(model: torch.nn.Module, context_ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Greedy decoding with Hugging Face `generate`: an independent oracle for the tests."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([context_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=sorted(eos) or None,
+            pad_token_id=0,
+        )
+    toks = out[0, len(context_ids) :].tolist()
+    for i, t in enumerate(toks):
+        if t in eos:
+            return toks[:i]
+    return toks

@@ -1,0 +1,66 @@
+"""One verification step: target logits + a draft -> the committed tokens.
+
+This is where DESIGN.md's lossless rule is applied; the arithmetic itself lives in `tandem.kernels`
+(Triton for CUDA tensors, the PyTorch reference for CPU tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem import kernels
+from tandem.config import SamplingParams
+from tandem.proposers import Draft
+from tandem.sampling import logits_to_probs
+
+
+@dataclass
+class Verdict:
+    tokens: list[int]  # committed this step: accepted drafts, then one recovered or bonus token
+    accepted: int  # drafts accepted (len(tokens) - 1)
+    drafted: int
+
+    @property
+    def bonus(self) -> bool:
+        """True when every draft was accepted, so the last token came from the position after them."""
+        return self.accepted == self.drafted
+
+
+def verify(
+    logits: torch.Tensor,  # [k+1, vocab] target logits at the pending token and each draft
+    draft: Draft | None,
+    sampling: SamplingParams,
+    gen: torch.Generator | None,
+) -> Verdict:
+    tokens = draft.tokens if draft is not None else []
+    k = len(tokens)
+    device = logits.device
+    draft_ids = torch.tensor([tokens if k else [0]], dtype=torch.long, device=device)  # [1, max(k,1)]
+    num_drafts = torch.tensor([k], dtype=torch.long, device=device)  # [1]
+    if sampling.greedy:
+        target_argmax = logits.argmax(-1)  # [k+1]
+        if k == 0:
+            return Verdict(tokens=[int(target_argmax[0])], accepted=0, drafted=0)
+        out, acc = kernels.greedy_accept(draft_ids, num_drafts, target_argmax.unsqueeze(0))
+    else:
+        probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
+        vocab = probs.shape[-1]
+        q = draft.dense_probs(vocab) if (draft is not None and k) else None  # [k, vocab] or None
+        # Random numbers come from the request's CPU generator in a fixed order (k uniforms, then one
+        # noise row), so a seeded request replays exactly, on any device.
+        # 1 - U[0,1) lies in (0, 1]: a draft with p(x) = 0 can never be accepted.
+        uniform = (1.0 - torch.rand(1, max(k, 1), generator=gen)).to(device)  # [1, max(k,1)]
+        exp_noise = torch.empty(1, vocab).exponential_(generator=gen).to(device)  # [1, vocab]
+        if k == 0:
+            # No drafts: plain sampling, the same exponential race the kernel uses for the bonus.
+            return Verdict(tokens=[int((probs[0] / exp_noise[0]).argmax())], accepted=0, drafted=0)
+        q_b = None if q is None else q.to(device).unsqueeze(0)  # [1, k, vocab]
+        if probs.shape[0] < k + 1:
+            raise ValueError("logits must cover the pending token and every draft")
+        out, acc = kernels.rejection_sample(
+            draft_ids, num_drafts, q_b, probs.unsqueeze(0), uniform, exp_noise
+        )
+    a = int(acc[0])
+    return Verdict(tokens=[int(t) for t in out[0, : a + 1].tolist()], accepted=a, drafted=k)
