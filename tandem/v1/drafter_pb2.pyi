@@ -236,6 +236,7 @@ class DraftBlock(_message.Message):
     PROPOSER_FIELD_NUMBER: _builtins.int
     DRAFT_TIME_US_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
+    CONFIDENCE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Session the block belongs to."""
     base_len: _builtins.int
@@ -250,6 +251,11 @@ class DraftBlock(_message.Message):
     """Drafted ahead, before the commit of the previous block, on the guess that it is accepted
     whole: base_len is that block's bonus position and token_ids[0] the drafter's guess of the
     bonus token, so the block is used (trimmed by one) only if that guess is committed.
+    """
+    confidence: _builtins.int
+    """The proposer's confidence bucket for this block, which the verifier's adaptive block length
+    keys its acceptance statistics by: for n-gram, the length of the matched context suffix
+    (longer matches are accepted more often); 0 when the proposer has no such signal.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -272,10 +278,11 @@ class DraftBlock(_message.Message):
         proposer: _builtins.str = ...,
         draft_time_us: _builtins.int = ...,
         speculative: _builtins.bool = ...,
+        confidence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_len", b"base_len", "draft_time_us", b"draft_time_us", "proposals", b"proposals", "proposer", b"proposer", "session_id", b"session_id", "speculative", b"speculative", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_len", b"base_len", "confidence", b"confidence", "draft_time_us", b"draft_time_us", "proposals", b"proposals", "proposer", b"proposer", "session_id", b"session_id", "speculative", b"speculative", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
