@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -52,21 +52,40 @@ class Draft:
         return q
 
 
+@dataclass
+class Offer:
+    """What a proposer can offer for the next step, known before drafting (cheaply)."""
+
+    proposer: str  # name the acceptance statistics are keyed by
+    bucket: int  # confidence bucket (n-gram: matched suffix length; 0 = no signal)
+    available: int  # most drafts it can propose now; 0 = nothing (the step decodes plainly)
+
+
+UNBOUNDED = 1 << 30
+
+
 class Proposer(ABC):
     name: str = "base"
-    # True when proposing costs real time per token (a model); the controller then weighs it.
+    # True when proposing costs real time per token in this process (a local model); the
+    # controller then weighs that cost against acceptance.
     costly: bool = False
+
+    def peek(self, ids: list[int]) -> Offer:
+        """What `propose` could return for `ids`, without drafting."""
+        return Offer(self.name, 0, UNBOUNDED)
 
     @abstractmethod
     def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
         """At most k tokens that follow `ids` (the committed tokens, pending one included)."""
 
-    def peek_confidence(self, ids: list[int]) -> int:
-        """A cheap confidence bucket for the next proposal, before drafting (0 = nothing to go on)."""
-        return 0
+    def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
+        """A step committed `appended` (now the tail of `ids`); `next_k` drafts are wanted next."""
 
     def reset(self) -> None:
         """Forget per-sequence state (a new, unrelated sequence follows)."""
+
+    def close(self) -> None:
+        """The generation ended: release resources (a remote proposer closes its session)."""
 
 
 class NgramProposer(Proposer):
@@ -113,8 +132,9 @@ class NgramProposer(Proposer):
                 return size, end
         return 0, -1
 
-    def peek_confidence(self, ids: list[int]) -> int:
-        return self._match(ids)[0]
+    def peek(self, ids: list[int]) -> Offer:
+        size, end = self._match(ids)
+        return Offer(self.name, size, len(ids) - end if size else 0)
 
     def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
         start = time.perf_counter()
@@ -204,7 +224,6 @@ class ProposerFactory:
     spec: SpecConfig
     draft_model: LoadedModel | None = None
     target_vocab: int | None = None
-    _shared: dict = field(default_factory=dict)
 
     def build(self, spec: SpecConfig | None = None) -> Proposer | None:
         spec = spec or self.spec

@@ -169,10 +169,10 @@ class Generation:
             self.sampling.max_new_tokens - len(self.output) - 1,  # drafts past the limit are waste
             self.runner.loaded.max_context - len(ids) - 1,
         )
-        bucket = self.proposer.peek_confidence(ids)
-        if not self.proposer.costly and bucket == 0:
-            return None  # prompt lookup found nothing: a plain step, at no drafting cost
-        k = self.controller.choose(self.proposer.name, bucket, room)
+        offer = self.proposer.peek(ids)
+        if offer.available <= 0:
+            return None  # e.g. prompt lookup found no match: a plain step, at no drafting cost
+        k = self.controller.choose(offer.proposer, offer.bucket, min(room, offer.available))
         if k <= 0:
             return None
         draft = self.proposer.propose(ids, k, self.sampling, self.gen)
@@ -194,7 +194,22 @@ class Generation:
             self.controller.observe(draft.proposer, draft.bucket, len(draft), verdict.accepted)
         self.seq.commit(verdict.tokens)
         self.stats.record(verdict.drafted, verdict.accepted)
-        return self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
+        out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
+        if self.proposer is not None:
+            if self.finished:
+                self.proposer.close()
+            else:
+                self.proposer.on_commit(self.seq.ids, verdict.tokens, self._next_block_hint())
+        return out
+
+    def _next_block_hint(self) -> int:
+        """Drafts to ask a remote drafter for: cheap proposers may send up to the maximum (the
+        controller truncates per step); a costly one only as many as currently pay."""
+        if not self.spec.adaptive:
+            return self.spec.max_draft_tokens
+        if self.proposer.costly or self.spec.strategy == DraftStrategy.model:
+            return max(1, self.controller.choose(self.spec.strategy.value, 0, self.spec.max_draft_tokens))
+        return self.spec.max_draft_tokens
 
     def _emit(self, tokens: list[int], drafted: int, accepted: int) -> StepOutput:
         first_index = len(self.output)
@@ -217,6 +232,8 @@ class Generation:
     def cancel(self) -> None:
         if not self.finished:
             self.finish_reason = FinishReason.cancelled
+            if self.proposer is not None:
+                self.proposer.close()
 
     def __iter__(self) -> Iterator[StepOutput]:
         while not self.finished:
