@@ -214,6 +214,59 @@ def convert(
     typer.echo(str(convert_gguf(path)))
 
 
+@app.command()
+def bench(
+    dataset: Annotated[Path, typer.Option("--dataset", "-d", help="Prompt set: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns.", exists=True, dir_okay=False)],
+    limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N prompts.", min=1)] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens per generation.", min=1)] = 128,
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram, model (needs --draft-model).")] = "ar,ngram",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
+    model: ModelOpt = "default",
+    draft_model: DraftModelOpt = None,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy (lossless is checked token for token); > 0 samples.", min=0.0)] = 0.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for sampled runs.", min=0)] = None,
+    max_draft_tokens: MaxDraftOpt = 8,
+    adaptive: AdaptiveOpt = True,
+    repeats: Annotated[int, typer.Option("--repeats", help="Runs per prompt and mode; the median-time run counts.", min=1)] = 1,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Benchmark modes side by side in one process, interleaved per prompt, against plain decoding.
+
+    Reports per mode: tokens/s, speedup_vs_ar (median over prompts of the per-token time ratio),
+    acceptance, mean accepted length, and lossless (fraction of prompts equal to plain greedy output).
+    """
+    _setup(threads)
+    from rich.console import Console
+
+    from tandem.bench import format_table, run_bench
+    from tandem.datasets import load_prompts
+    from tandem.spec import Engine
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    try:
+        records = load_prompts(dataset, limit)
+        sampling = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
+        spec = SpecConfig(max_draft_tokens=max_draft_tokens, adaptive=adaptive)
+    except ValueError as exc:
+        _fail(str(exc))
+    target, draft_lm = _load(model, draft_model)
+    engine = Engine(target, draft_lm, spec)
+    try:
+        result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
+                           sampling=sampling, repeats=repeats)
+    except ValueError as exc:
+        _fail(str(exc))
+    result["config"]["dataset"] = str(dataset)
+    Console(stderr=True).print(format_table(result))
+    text = json.dumps(result, indent=2)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        typer.echo(f"wrote {out}", err=True)
+    else:
+        print(text)
+
+
 DEMO_PROMPT = (
     "Here is a list of users as CSV:\nname,age,city\nAlice,30,Paris\nBob,25,Rome\nCarol,41,Oslo\n"
     "Convert it to a JSON array of objects with the keys name, age and city."

@@ -69,6 +69,9 @@ class Proposer(ABC):
     # True when proposing costs real time per token in this process (a local model); the
     # controller then weighs that cost against acceptance.
     costly: bool = False
+    # Counters a remote proposer keeps (local proposers never fail nor send garbage).
+    fallback_steps: int = 0  # steps decoded plainly because no usable block arrived in time
+    rejected_blocks: int = 0  # stale or malformed blocks dropped
 
     def peek(self, ids: list[int]) -> Offer:
         """What `propose` could return for `ids`, without drafting."""
@@ -84,7 +87,7 @@ class Proposer(ABC):
     def reset(self) -> None:
         """Forget per-sequence state (a new, unrelated sequence follows)."""
 
-    def close(self) -> None:
+    def close(self, reason: str = "finished") -> None:
         """The generation ended: release resources (a remote proposer closes its session)."""
 
 

@@ -241,6 +241,9 @@ class Generation:
 
     def result(self) -> GenerationResult:
         end = time.perf_counter()
+        if self.proposer is not None:
+            self.stats.fallback_steps = self.proposer.fallback_steps
+            self.stats.rejected_blocks = self.proposer.rejected_blocks
         return GenerationResult(
             token_ids=list(self.output),
             finish_reason=self.finish_reason or FinishReason.cancelled,
@@ -277,7 +280,7 @@ class Engine:
             proposer = self.factory.build(spec)
         return Generation(
             self.runner,
-            sequence or self.runner.new_sequence(),
+            sequence if sequence is not None else self.runner.new_sequence(),
             context_ids,
             sampling,
             spec,

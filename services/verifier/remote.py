@@ -1,0 +1,289 @@
+"""The verifier's side of the drafter's `Draft` stream, as a `Proposer`.
+
+The speculative loop does not know its drafter is remote: `peek` returns the best block that has
+arrived for the current position (waiting a bounded time for one), `propose` hands it over, and
+`on_commit` tells the drafter what the target committed. Blocks arrive on a background thread.
+
+Nothing a drafter sends can change the output, only the speed: a block is used only if it is based
+at or before the committed length and its overlap equals the committed tokens (DESIGN.md: stale
+blocks are dropped and counted), its ids lie in the vocabulary, and its proposal distributions are
+well formed. Everything else is counted in `rejected_blocks` and ignored. A drafter that dies or
+stalls turns this proposer silent (plain decoding steps, counted in `fallback_steps`); it reconnects
+on its own and speculation resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from tandem.config import SamplingParams, SpecConfig
+from tandem.proposers import Draft, Offer, Proposer
+from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("tandem.verifier.remote")
+
+_STRATEGY = {
+    "ngram": common_pb2.DRAFT_STRATEGY_NGRAM,
+    "model": common_pb2.DRAFT_STRATEGY_MODEL,
+}
+_END = object()  # sentinel that ends the request iterator
+
+
+@dataclass
+class _Block:
+    base_len: int
+    tokens: list[int]
+    support: list[list[int]] | None
+    probs: list[list[float]] | None
+    proposer: str
+    confidence: int
+
+
+class ChannelPool:
+    """One channel per drafter address, shared by every session of a verifier."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = grpc.insecure_channel(address)
+                self._channels[address] = ch
+            return ch
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+class RemoteProposer(Proposer):
+    name = "remote"
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        session_id: str,
+        sampling: SamplingParams,
+        spec: SpecConfig,
+        vocab_size: int,
+        *,
+        wait_s: float = 0.010,
+        retry_s: float = 1.0,
+        metadata: tuple = (),
+    ):
+        self.stub = drafter_pb2_grpc.DrafterStub(channel)
+        self.session_id = session_id
+        self.sampling = sampling
+        self.spec = spec
+        self.vocab_size = vocab_size
+        self.wait_s = wait_s
+        self.retry_s = retry_s
+        self.metadata = metadata
+        self.rejected_blocks = 0
+        self.fallback_steps = 0
+        self._cond = threading.Condition()
+        self._blocks: list[_Block] = []
+        self._requests: queue.Queue | None = None
+        self._call = None
+        self._dead_since: float | None = None
+        self._misses = 0
+        self._offer: tuple[int, Draft] | None = None  # (committed len, trimmed draft) from peek
+        self._committed: list[int] = []
+        self._closed = False
+
+    # -- stream lifecycle ---------------------------------------------------------------------
+
+    def open(self, context_ids: list[int]) -> None:
+        """Start (or restart) the session on the drafter with the whole context."""
+        self._committed = list(context_ids)
+        requests: queue.Queue = queue.Queue()
+        self._requests = requests
+        with self._cond:
+            self._blocks.clear()
+        s = self.sampling
+        open_msg = drafter_pb2.OpenSession(
+            context_ids=context_ids,
+            strategy=_STRATEGY[self.spec.strategy.value],
+            max_draft_tokens=self.spec.max_draft_tokens,
+            sampling=common_pb2.SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                **({"seed": s.seed} if s.seed is not None else {}),
+            ),
+            vocab_size=self.vocab_size,
+            next_block_len=self.spec.max_draft_tokens,
+        )
+        requests.put(drafter_pb2.DraftRequest(session_id=self.session_id, open=open_msg))
+
+        def request_iter():
+            while True:
+                item = requests.get()
+                if item is _END:
+                    return
+                yield item
+
+        try:
+            self._call = self.stub.Draft(request_iter(), metadata=self.metadata)
+        except grpc.RpcError as exc:  # pragma: no cover - creation itself rarely fails
+            self._mark_dead(exc)
+            return
+        self._dead_since = None
+        threading.Thread(target=self._receive, args=(self._call,), daemon=True, name="draft-recv").start()
+
+    def _receive(self, call) -> None:
+        try:
+            for msg in call:
+                block = self._validate(msg)
+                if block is None:
+                    continue
+                with self._cond:
+                    self._blocks.append(block)
+                    del self._blocks[:-8]  # only the newest few can still be useful
+                    self._cond.notify_all()
+        except grpc.RpcError as exc:
+            if not self._closed and call is self._call:
+                self._mark_dead(exc)
+
+    def _mark_dead(self, exc: Exception) -> None:
+        code = exc.code() if hasattr(exc, "code") else None
+        if self._dead_since is None:
+            log.warning("drafter stream of session %s lost (%s); decoding plainly until it returns",
+                        self.session_id, code or exc)
+        self._dead_since = time.monotonic()
+        with self._cond:
+            self._blocks.clear()
+            self._cond.notify_all()
+
+    def _validate(self, msg: drafter_pb2.DraftBlock) -> _Block | None:
+        tokens = list(msg.token_ids)
+        bad = None
+        if msg.session_id and msg.session_id != self.session_id:
+            bad = f"block for another session {msg.session_id!r}"
+        elif not tokens:
+            bad = "empty block"
+        elif any(t < 0 or t >= self.vocab_size for t in tokens):
+            bad = "token id outside the vocabulary"
+        support = probs = None
+        if bad is None and msg.proposals:
+            if len(msg.proposals) != len(tokens):
+                bad = f"{len(msg.proposals)} proposal distributions for {len(tokens)} tokens"
+            else:
+                support, probs = [], []
+                for tok, dist in zip(tokens, msg.proposals):
+                    ids, ps = list(dist.token_ids), list(dist.probs)
+                    total = sum(ps)
+                    if (
+                        len(ids) != len(ps) or not ids or tok not in ids or len(set(ids)) != len(ids)
+                        or any(i < 0 or i >= self.vocab_size for i in ids)
+                        or any(not math.isfinite(p) or p < 0 for p in ps)
+                        or abs(total - 1.0) > 1e-3 or ps[ids.index(tok)] <= 0
+                    ):
+                        bad = "malformed proposal distribution"
+                        break
+                    support.append(ids)
+                    probs.append(ps)
+        if bad is None and not self.sampling.greedy and not msg.proposals and msg.proposer == "model":
+            # A sampling draft model must send q; without it the block cannot be verified exactly
+            # (treating it as one-hot would bias the output), so it is useless, not harmful.
+            bad = "sampled draft-model block without proposal distributions"
+        if bad is not None:
+            self.rejected_blocks += 1
+            log.debug("dropped a draft block of session %s: %s", self.session_id, bad)
+            return None
+        return _Block(msg.base_len, tokens, support, probs, msg.proposer or "remote", msg.confidence)
+
+    # -- Proposer interface -------------------------------------------------------------------
+
+    def _usable(self, ids: list[int]) -> Draft | None:
+        """The newest block that proposes tokens at len(ids) consistently with `ids`; stale blocks
+        are dropped and counted."""
+        n = len(ids)
+        keep, found = [], None
+        for block in self._blocks:
+            overlap = n - block.base_len
+            if overlap < 0:
+                keep.append(block)  # based in the future: maybe after the next commit
+                continue
+            if overlap >= len(block.tokens) or block.tokens[:overlap] != ids[block.base_len:n]:
+                self.rejected_blocks += 1  # stale: never verified against the wrong position
+                continue
+            keep.append(block)
+            found = block
+        self._blocks = keep
+        if found is None:
+            return None
+        overlap = n - found.base_len
+        draft = Draft(tokens=found.tokens[overlap:], proposer=found.proposer, bucket=found.confidence)
+        if found.support is not None:
+            rows = list(zip(found.support[overlap:], found.probs[overlap:]))
+            width = max(len(r[0]) for r in rows)
+            # Pad supports to one width with zero-probability entries (token of the row itself).
+            draft.support = torch.tensor([s + [s[0]] * (width - len(s)) for s, _ in rows], dtype=torch.long)
+            draft.support_probs = torch.tensor([p + [0.0] * (width - len(p)) for _, p in rows], dtype=torch.float32)
+        return draft
+
+    def peek(self, ids: list[int]) -> Offer:
+        self._offer = None
+        if self._dead_since is not None:
+            if time.monotonic() - self._dead_since >= self.retry_s:
+                self.open(ids)  # the drafter may be back: reopen with the whole context
+            else:
+                self.fallback_steps += 1
+                return Offer(self.name, 0, 0)
+        # A drafter that keeps missing its deadline gets no more waiting (a plain step costs less),
+        # but every 8th step still waits, so a recovered drafter is noticed.
+        wait = self.wait_s if (self._misses < 3 or self._misses % 8 == 0) else 0.0
+        deadline = time.monotonic() + wait
+        with self._cond:
+            while True:
+                draft = self._usable(ids)
+                remaining = deadline - time.monotonic()
+                if draft is not None or remaining <= 0 or self._dead_since is not None:
+                    break
+                self._cond.wait(remaining)
+        if draft is None:
+            self._misses += 1
+            self.fallback_steps += 1
+            return Offer(self.name, 0, 0)
+        self._misses = 0
+        self._offer = (len(ids), draft)
+        return Offer(draft.proposer, draft.bucket, len(draft))
+
+    def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
+        if self._offer is None or self._offer[0] != len(ids):
+            return Draft(tokens=[], proposer=self.name)
+        return self._offer[1].truncated(k)
+
+    def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
+        self._offer = None
+        if self._requests is None or self._dead_since is not None:
+            return
+        self._requests.put(drafter_pb2.DraftRequest(
+            session_id=self.session_id,
+            commit=drafter_pb2.Commit(committed_len=len(ids), appended_ids=appended, next_block_len=next_k),
+        ))
+
+    def close(self, reason: str = "finished") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._requests is not None:
+            self._requests.put(drafter_pb2.DraftRequest(
+                session_id=self.session_id, close=drafter_pb2.CloseSession(reason=reason)))
+            self._requests.put(_END)
+        call = self._call
+        if call is not None:
+            # Let the Close reach the drafter, then make sure the stream is torn down.
+            threading.Timer(1.0, call.cancel).start()

@@ -1,0 +1,60 @@
+"""What every Tandem gRPC server has in common: health checking, reflection, graceful stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("tandem.grpc")
+
+
+def build_server(
+    register,  # callable(server) adding the service's servicers
+    service_names: list[str],  # full names, e.g. "tandem.v1.Verifier", for health and reflection
+    address: str,
+    *,
+    max_workers: int = 32,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A started-ready (not yet started) server bound to `address` ("host:0" = any free port)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *service_names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    return server, port, health_servicer
+
+
+def wait_for_termination(server: grpc.Server, health_servicer, *, grace_s: float = 10.0, on_stop=None) -> None:
+    """Block until SIGINT/SIGTERM, then report NOT_SERVING (so balancers drain us), let running
+    calls finish for `grace_s`, and stop."""
+    stop = threading.Event()
+
+    def handle(signum, _frame):
+        log.info("received %s: draining (grace %.0f s)", signal.Signals(signum).name, grace_s)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace_s).wait()
+    if on_stop is not None:
+        on_stop()
+    log.info("stopped")

@@ -1,0 +1,117 @@
+"""The verifier over real gRPC: output equal to the single-process reference, prefix reuse across
+turns, clear errors for bad input, KV budget eviction."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tandem.services.verifier.core import VerifierCore
+from tandem.services.verifier.server import build_server
+from tandem.services.verifier.settings import VerifierSettings
+from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.spec import Engine
+from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+
+@pytest.fixture()
+def verifier(tiny_loaded):
+    core = VerifierCore(VerifierSettings(verifier_id="v-test", port=0, kv_capacity_tokens=4096), tiny_loaded)
+    server, port, _ = build_server(core)
+    server.start()
+    core.start(f"127.0.0.1:{port}")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield core, verifier_pb2_grpc.VerifierStub(channel)
+    channel.close()
+    server.stop(None)
+    core.stop()
+
+
+def _request(context, session="", max_new=24, strategy=common_pb2.DRAFT_STRATEGY_NGRAM, **sampling):
+    return verifier_pb2.SessionGenerateRequest(
+        session_id=session,
+        context_ids=context,
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new, **sampling),
+        speculation=common_pb2.SpeculationParams(strategy=strategy),
+    )
+
+
+def _collect(stream):
+    tokens, last = [], None
+    for msg in stream:
+        if msg.token_ids:
+            assert msg.first_index == len(tokens), "each committed token is emitted once, in order"
+            tokens.extend(msg.token_ids)
+        last = msg
+    return tokens, last
+
+
+def _reference(loaded, context, max_new, strategy=DraftStrategy.none):
+    engine = Engine(loaded)
+    return engine.generate(context, SamplingParams(max_new_tokens=max_new), SpecConfig(strategy=strategy)).token_ids
+
+
+CONTEXT = [5, 17, 42, 99, 17, 42, 7, 250, 17, 42, 99, 3, 11]
+
+
+def test_greedy_output_equals_reference(verifier, tiny_loaded):
+    core, stub = verifier
+    expected = _reference(tiny_loaded, CONTEXT, 24)
+    for strategy in (common_pb2.DRAFT_STRATEGY_NONE, common_pb2.DRAFT_STRATEGY_NGRAM):
+        tokens, last = _collect(stub.Generate(_request(CONTEXT, strategy=strategy)))
+        assert tokens == expected
+        assert last.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
+        assert last.stats.steps >= 1
+        assert last.stats.accepted + last.stats.steps >= len(tokens)
+
+
+def test_second_turn_prefills_only_new_tokens(verifier):
+    core, stub = verifier
+    tokens, last = _collect(stub.Generate(_request(CONTEXT, session="s1")))
+    assert last.stats.prefill_reused_tokens == 0
+    assert last.stats.prefill_computed_tokens == len(CONTEXT) - 1
+    turn2 = CONTEXT + tokens + [9, 8, 7, 6]
+    _, last2 = _collect(stub.Generate(_request(turn2, session="s1")))
+    # Everything up to the last committed token was resident; only the new turn is computed.
+    assert last2.stats.prefill_reused_tokens >= len(CONTEXT) + len(tokens) - 1
+    assert last2.stats.prefill_computed_tokens == len(turn2) - 1 - last2.stats.prefill_reused_tokens
+    assert last2.stats.prefill_computed_tokens <= 5
+    assert "s1" in core.session_ids()
+
+
+def test_bad_input_is_invalid_argument_and_service_keeps_serving(verifier, tiny_loaded):
+    core, stub = verifier
+    cases = {
+        "outside the vocabulary": _request([1, 2, 100000]),
+        "is empty": _request([]),
+        "does not fit": _request([7] * 600),
+    }
+    for needle, req in cases.items():
+        with pytest.raises(grpc.RpcError) as err:
+            _collect(stub.Generate(req))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        _collect(stub.Generate(_request(CONTEXT, temperature=-1.0)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    tokens, _ = _collect(stub.Generate(_request(CONTEXT)))
+    assert tokens == _reference(tiny_loaded, CONTEXT, 24)
+
+
+def test_kv_budget_evicts_least_recently_used(tiny_loaded):
+    core = VerifierCore(VerifierSettings(verifier_id="v-small", port=0, kv_capacity_tokens=80), tiny_loaded)
+    sampling, spec = SamplingParams(max_new_tokens=8), SpecConfig(strategy=DraftStrategy.none)
+    for sid in ("a", "b", "c"):
+        list(core.generate(sid, CONTEXT * 2, sampling, spec))
+    # Each session holds 26 + 8 tokens: two fit in 80, so the oldest was evicted.
+    assert core.session_ids() == ["b", "c"]
+    assert core.counters.evictions == 1
+    assert core.kv_used_tokens() <= 80
+
+
+def test_get_info(verifier, tiny_loaded):
+    core, stub = verifier
+    info = stub.GetInfo(verifier_pb2.InfoRequest())
+    assert info.verifier_id == "v-test"
+    assert info.vocab_size == tiny_loaded.vocab_size
+    assert list(info.eos_token_ids) == tiny_loaded.eos_token_ids
