@@ -21,10 +21,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import logging
+
 import torch
 from transformers import DynamicCache
 
 from tandem.models import LoadedModel
+
+log = logging.getLogger("tandem.runner")
 
 
 @dataclass
@@ -87,13 +91,82 @@ class NominalCosts:
         return 1.0 + 0.05 * (num_tokens - 1)
 
 
+class HFBackend:
+    """Any `transformers` causal LM, with its DynamicCache (one sequence per forward)."""
+
+    name = "transformers"
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.device = next(model.parameters()).device
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache()
+
+    @staticmethod
+    def cache_len(cache: DynamicCache) -> int:
+        return cache.get_seq_length()
+
+    @staticmethod
+    def crop(cache: DynamicCache, length: int) -> None:
+        excess = cache.get_seq_length() - length
+        if excess > 0:
+            cache.crop(-excess)  # transformers >= 5: a negative count removes from the end
+
+    @torch.inference_mode()
+    def forward(self, cache: DynamicCache, input_ids: list[int], all_logits: bool) -> torch.Tensor | None:
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        return out.logits[0].float() if all_logits else None  # [n, vocab]
+
+
+class NativeBackend:
+    """The native Llama-family forward (tandem.llama): preallocated KV, chunked LM head."""
+
+    name = "native"
+
+    def __init__(self, model: torch.nn.Module):
+        from tandem.llama import NativeLlama
+
+        self.impl = NativeLlama(model)
+
+    def new_cache(self):
+        return self.impl.new_cache()
+
+    @staticmethod
+    def cache_len(cache) -> int:
+        return cache.length
+
+    @staticmethod
+    def crop(cache, length: int) -> None:
+        cache.crop_to(length)
+
+    def forward(self, cache, input_ids: list[int], all_logits: bool) -> torch.Tensor | None:
+        return self.impl.forward(input_ids, cache, all_logits=all_logits)
+
+
+def make_backend(model: torch.nn.Module, choice: str = "auto"):
+    """`auto`: native for the Llama family, transformers otherwise (saying why, once)."""
+    if choice == "transformers":
+        return HFBackend(model)
+    from tandem.llama import Unsupported
+
+    try:
+        return NativeBackend(model)
+    except Unsupported as exc:
+        if choice == "native":
+            raise
+        log.info("using the transformers forward: %s", exc)
+        return HFBackend(model)
+
+
 class TargetRunner:
     """Owns a causal LM and runs forwards for its sequences. Not thread-safe: one caller at a time."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, backend: str = "auto"):
         self.loaded = loaded
         self.model = loaded.model
-        self.device = next(self.model.parameters()).device
+        self.backend = make_backend(loaded.model, backend)
         self.costs = ForwardCosts()
         self.nominal_costs = NominalCosts()
 
@@ -104,28 +177,14 @@ class TargetRunner:
     def new_sequence(self) -> "Sequence":
         return Sequence(self)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        cache: DynamicCache,
-        input_ids: list[int],
-        *,
-        all_logits: bool = True,
-    ) -> torch.Tensor | None:
+    def forward(self, cache, input_ids: list[int], *, all_logits: bool = True) -> torch.Tensor | None:
         """Run `input_ids` on top of `cache` (which grows by len(input_ids)).
 
         Returns logits `# [len(input_ids), vocab]` float32 when `all_logits`, else None (prefill
         skips the LM head, ~20% of a small model's cost per token).
         """
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, n]
         start = time.perf_counter()
-        out = self.model(
-            input_ids=ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
-        )
-        logits = out.logits[0].float() if all_logits else None  # [n, vocab]
+        logits = self.backend.forward(cache, input_ids, all_logits)
         if all_logits:
             self.costs.observe(len(input_ids), time.perf_counter() - start)
         return logits
@@ -136,7 +195,7 @@ class Sequence:
 
     def __init__(self, runner: TargetRunner):
         self.runner = runner
-        self.cache = DynamicCache()
+        self.cache = runner.backend.new_cache()
         self.ids: list[int] = []
 
     def __len__(self) -> int:
@@ -144,7 +203,7 @@ class Sequence:
 
     @property
     def cached_len(self) -> int:
-        return self.cache.get_seq_length()
+        return self.runner.backend.cache_len(self.cache)
 
     def set_context(self, context_ids: list[int]) -> PrefillStats:
         """Make the committed tokens equal `context_ids`, reusing the longest resident prefix.
@@ -180,6 +239,4 @@ class Sequence:
 
     def rollback(self, length: int) -> None:
         """Crop the KV cache to its first `length` entries (a no-op when it is not longer)."""
-        excess = self.cached_len - length
-        if excess > 0:
-            self.cache.crop(-excess)  # transformers >= 5: a negative count removes from the end
+        self.runner.backend.crop(self.cache, length)

@@ -1,0 +1,489 @@
+"""The drafter's domain object: per-session draft state and the draft-ahead pipeline.
+
+No gRPC here: `server.py` unpacks requests, calls `DrafterCore` and packs its `Block`s.
+
+Sessions. A verifier opens a session with its context, then commits what each verification step
+accepted; the core answers with blocks of drafts. Sessions are keyed by (owner, session_id), the
+owner being the Draft stream that opened them, so a session moved to another verifier (a new
+stream re-opening the same id) never shares state with, or is closed by, the stream it left.
+
+Draft-ahead. While the verifier checks the block just sent (the *anchor*), the core drafts the
+next one on the guess that the anchor is accepted whole and followed by a guessed bonus token:
+
+    context ids[0:13]; regular block R: base 13, [a b c d]          (verifier checks R now)
+    speculative S: base 17, [g e f h i]    g = guessed bonus at 17, e f h i drafts from 18
+    Commit(committed_len=18, appended=[a b c d g]) -> S is consistent: the verifier trims g and
+        verifies [e f h i] at once; the core drafts no regular block, only the next S' (based
+        at 22, assuming e f h i and a guessed bonus), again overlapping verification.
+    Commit(committed_len=15, appended=[a x])       -> S is stale (wasted): a fresh regular
+        block at 15, then a speculative block after it.
+
+`open` and `commit` validate and update the state at once, and return a lazy iterator of blocks:
+the regular block is drafted when the caller asks for the first item, the speculative block only
+when it asks for the next, so the caller can send the regular block before drafting ahead. That
+ordering is what lets the speculative drafting overlap verification.
+
+Accounting: a speculative block is *used* when it is consistent at the next commit, *wasted*
+otherwise (or when its session closes first). hidden_fraction = drafting seconds of used
+speculative blocks / all drafting seconds: the share of drafting taken off the critical path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.config import DraftStrategy, SamplingParams
+from tandem.proposers import Draft, DraftModelProposer, NgramProposer, Proposer
+from tandem.sampling import make_generator
+from tandem.services.drafter.settings import DrafterSettings
+
+log = logging.getLogger("tandem.drafter")
+
+
+class DrafterError(Exception):
+    """A request the drafter refuses; the message says why (it reaches the verifier's logs)."""
+
+
+class InvalidRequest(DrafterError):
+    """Malformed or inconsistent input: a wrong committed_len, ids outside the vocabulary, ..."""
+
+
+class UnknownSession(DrafterError):
+    """A commit for a session that is not open (never opened, closed, or dropped after an error)."""
+
+
+class Overloaded(DrafterError):
+    """No room for another session (DrafterSettings.max_sessions)."""
+
+
+@dataclass
+class Block:
+    """A block of drafts for one session (mirrors tandem.v1.DraftBlock)."""
+
+    session_id: str
+    base_len: int  # token_ids[0] proposes the token at this sequence index
+    token_ids: list[int]
+    # Proposal distribution q_i of each token as (support ids, probs) when the drafter sampled;
+    # None for deterministic drafters (q_i one-hot at token_ids[i]).
+    proposals: list[tuple[list[int], list[float]]] | None
+    proposer: str  # "ngram" or "model"
+    draft_time_us: int
+    speculative: bool  # drafted ahead: token_ids[0] is the guessed bonus of the previous block
+    confidence: int  # proposer's confidence bucket (n-gram: matched suffix length); 0 = none
+
+
+@dataclass
+class DrafterInfo:
+    drafter_id: str
+    strategies: list[DraftStrategy]
+    model_id: str  # "" without a draft model
+    vocab_size: int  # draft model's vocabulary; 0 without one
+    active_sessions: int
+
+
+@dataclass
+class DrafterStats:
+    """Counters of one drafter process. Seconds are drafting work (proposer time, lock waits
+    excluded)."""
+
+    sessions_opened: int = 0
+    regular_blocks: int = 0
+    speculative_blocks: int = 0
+    speculative_used: int = 0  # consistent with the commit that followed them
+    speculative_wasted: int = 0  # inconsistent, or their session ended first
+    draft_seconds: float = 0.0  # every block
+    speculative_seconds: float = 0.0  # speculative blocks, used or not
+    used_speculative_seconds: float = 0.0  # speculative blocks that were used: hidden by overlap
+    # status name -> failed session messages (each dropped its session, or found it dropped)
+    session_errors: Counter = field(default_factory=Counter)
+
+    @property
+    def hidden_fraction(self) -> float:
+        return self.used_speculative_seconds / self.draft_seconds if self.draft_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "sessions_opened": self.sessions_opened,
+            "regular_blocks": self.regular_blocks,
+            "speculative_blocks": self.speculative_blocks,
+            "speculative_used": self.speculative_used,
+            "speculative_wasted": self.speculative_wasted,
+            "draft_seconds": self.draft_seconds,
+            "speculative_seconds": self.speculative_seconds,
+            "used_speculative_seconds": self.used_speculative_seconds,
+            "hidden_fraction": self.hidden_fraction,
+            "session_errors": dict(self.session_errors),
+        }
+
+
+def drafter_seed(seed: int) -> int:
+    """The drafter's generator seed for a request seed. Derived, never equal: if the drafter drew
+    its proposals from the very stream the verifier draws its acceptance tests from, the two would
+    be correlated and rejection sampling would no longer be exact."""
+    digest = hashlib.sha256(f"tandem.drafter:{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass
+class _Pending:
+    """The last speculative block sent, with the context it assumed: the anchor's drafts from
+    `start` on. It is consistent with a commit iff committed ids[start:] match `assumed` and the
+    block still proposes something at or past the committed length."""
+
+    block: Block
+    start: int  # sequence index of assumed[0]
+    assumed: list[int]  # anchor drafts from `start`, then the block's own tokens
+    seconds: float
+
+
+@dataclass
+class _Session:
+    session_id: str
+    strategy: DraftStrategy
+    proposer: Proposer
+    sampling: SamplingParams
+    gen: torch.Generator
+    vocab_size: int
+    max_block_len: int  # min(max_draft_tokens, settings.max_block_len)
+    ids: list[int]  # committed ids: context, then every committed token (append-only)
+    next_block_len: int
+    max_id: int  # largest committed id (a draft model cannot embed ids past its vocabulary)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    epoch: int = 0  # bumped by every commit, so a lazy block iterator of an older one stops
+    closed: bool = False
+    anchor: Block | None = None  # the block the verifier is checking now (draft-ahead extends it)
+    pending: _Pending | None = None
+
+
+SessionKey = tuple[str, str]  # (owner, session_id)
+
+
+class DrafterCore:
+    """Per-session draft state for every stream of one drafter process. Thread safe: calls for
+    different sessions may run concurrently; per-session state is guarded by the session's lock,
+    the draft model (shared by all sessions, not thread safe) by one lock. Lock order: sessions
+    map -> session -> draft model -> stats."""
+
+    def __init__(self, settings: DrafterSettings):
+        self.settings = settings
+        self._lock = threading.Lock()  # guards _sessions
+        self._sessions: dict[SessionKey, _Session] = {}
+        self._model_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._stats = DrafterStats()
+        model = settings.draft_model
+        self._draft_vocab = int(model.model.get_input_embeddings().weight.shape[0]) if model else 0
+
+    # -- session lifecycle ----------------------------------------------------------------------
+
+    def open(
+        self,
+        session_id: str,
+        context_ids: list[int],
+        strategy: DraftStrategy,
+        max_draft_tokens: int,
+        sampling: SamplingParams,
+        vocab_size: int,
+        next_block_len: int,
+        *,
+        owner: str = "",
+    ) -> Iterator[Block]:
+        """(Re)start a session; blocks: a regular one at len(context_ids) with up to
+        next_block_len drafts, then a speculative one (none when next_block_len is 0).
+
+        max_draft_tokens bounds the drafts of every block; 0 leaves only next_block_len and
+        DrafterSettings.max_block_len as bounds. A speculative block carries its guessed bonus
+        plus at most that many drafts.
+        """
+        if not session_id:
+            raise InvalidRequest("session_id is empty")
+        if strategy not in (DraftStrategy.ngram, DraftStrategy.model):
+            raise InvalidRequest(
+                f"session {session_id}: strategy {strategy.value!r} cannot be drafted "
+                "(ngram or model; the verifier resolves the default before opening)"
+            )
+        if strategy == DraftStrategy.model and self.settings.draft_model is None:
+            raise InvalidRequest(
+                f"session {session_id}: strategy 'model' but drafter {self.settings.drafter_id} has no "
+                "draft model (start it with a draft model, or use strategy 'ngram')"
+            )
+        if vocab_size <= 0:
+            raise InvalidRequest(f"session {session_id}: vocab_size must be > 0, got {vocab_size}")
+        ids = [int(t) for t in context_ids]
+        _check_ids(session_id, ids, vocab_size, "context_ids")
+        key = (owner, session_id)
+        with self._lock:
+            old = self._sessions.get(key)
+            if old is None and len(self._sessions) >= self.settings.max_sessions:
+                raise Overloaded(
+                    f"drafter {self.settings.drafter_id} holds {len(self._sessions)} sessions "
+                    f"(max_sessions={self.settings.max_sessions}); session {session_id} refused"
+                )
+            reusable = None
+            if old is not None:
+                with old.lock:
+                    self._end(old)
+                    reusable = old.proposer
+            session = _Session(
+                session_id=session_id,
+                strategy=strategy,
+                proposer=self._proposer(strategy, vocab_size, reusable),
+                sampling=sampling,
+                gen=make_generator(None if sampling.seed is None else drafter_seed(sampling.seed)),
+                vocab_size=vocab_size,
+                max_block_len=min(max_draft_tokens or self.settings.max_block_len, self.settings.max_block_len),
+                ids=ids,
+                next_block_len=next_block_len,
+                max_id=max(ids, default=-1),
+            )
+            self._sessions[key] = session
+        with self._stats_lock:
+            self._stats.sessions_opened += 1
+        if next_block_len <= 0:
+            return iter(())
+        return self._blocks(session, session.epoch, regular=True)
+
+    def commit(
+        self, session_id: str, committed_len: int, appended_ids: list[int], next_block_len: int, *, owner: str = ""
+    ) -> Iterator[Block]:
+        """Extend the session by the committed tokens; blocks: nothing when the last speculative
+        block is consistent (the verifier uses it) and a speculative block after it, else a fresh
+        regular block at committed_len and a speculative block after that. Nothing at all when
+        next_block_len is 0 (drafting paused; the state keeps following the commits)."""
+        session = self._get(owner, session_id)
+        appended = [int(t) for t in appended_ids]
+        with session.lock:
+            if session.closed:
+                raise UnknownSession(f"session {session_id} is not open on this stream")
+            expected = len(session.ids) + len(appended)
+            if committed_len != expected:
+                raise InvalidRequest(
+                    f"session {session_id}: committed_len {committed_len} does not match the previous "
+                    f"committed length {len(session.ids)} + {len(appended)} appended ids = {expected}"
+                )
+            _check_ids(session_id, appended, session.vocab_size, "appended_ids")
+            session.ids.extend(appended)
+            session.max_id = max([session.max_id, *appended])
+            session.epoch += 1
+            session.next_block_len = next_block_len
+            used = self._settle(session)
+            session.anchor = used
+            if next_block_len <= 0:
+                session.anchor = None
+                return iter(())
+            return self._blocks(session, session.epoch, regular=used is None)
+
+    def close(self, session_id: str, *, owner: str = "", error: str | None = None) -> bool:
+        """Free a session's draft state; False when it was not open (closing twice is harmless).
+        `error` names why it is dropped (counted in stats()["session_errors"])."""
+        with self._lock:
+            session = self._sessions.pop((owner, session_id), None)
+        if error is not None:
+            with self._stats_lock:
+                self._stats.session_errors[error] += 1
+        if session is None:
+            return False
+        with session.lock:
+            self._end(session)
+        return True
+
+    def close_owner(self, owner: str) -> int:
+        """Close every session of one stream (it ended or was cancelled); returns how many."""
+        with self._lock:
+            keys = [key for key in self._sessions if key[0] == owner]
+            sessions = [self._sessions.pop(key) for key in keys]
+        for session in sessions:
+            with session.lock:
+                self._end(session)
+        return len(sessions)
+
+    def info(self) -> DrafterInfo:
+        model = self.settings.draft_model
+        with self._lock:
+            active = len(self._sessions)
+        return DrafterInfo(
+            drafter_id=self.settings.drafter_id,
+            strategies=[DraftStrategy.ngram] + ([DraftStrategy.model] if model is not None else []),
+            model_id=model.model_id if model is not None else "",
+            vocab_size=self._draft_vocab,
+            active_sessions=active,
+        )
+
+    def stats(self) -> dict:
+        with self._lock:
+            active = len(self._sessions)
+        with self._stats_lock:
+            out = self._stats.as_dict()
+        out["active_sessions"] = active
+        return out
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _get(self, owner: str, session_id: str) -> _Session:
+        with self._lock:
+            session = self._sessions.get((owner, session_id))
+        if session is None:
+            raise UnknownSession(f"session {session_id} is not open on this stream (open it first)")
+        return session
+
+    def _proposer(self, strategy: DraftStrategy, vocab_size: int, reusable: Proposer | None) -> Proposer:
+        # A re-open (a new turn) usually extends the old context: reusing the proposer keeps its
+        # n-gram index or draft KV cache, which resync to the new ids by their common prefix.
+        if strategy == DraftStrategy.ngram:
+            if isinstance(reusable, NgramProposer):
+                return reusable
+            return NgramProposer(self.settings.ngram_min, self.settings.ngram_max)
+        if isinstance(reusable, DraftModelProposer) and reusable.vocab_limit == vocab_size:
+            return reusable
+        return DraftModelProposer(
+            self.settings.draft_model, draft_top_k=self.settings.draft_top_k, vocab_limit=vocab_size
+        )
+
+    def _end(self, session: _Session) -> None:
+        """Mark a session closed (its lazy iterators stop) and count its pending block as wasted."""
+        session.closed = True
+        if session.pending is not None:
+            with self._stats_lock:
+                self._stats.speculative_wasted += 1
+            session.pending = None
+        session.anchor = None
+
+    def _settle(self, session: _Session) -> Block | None:
+        """Judge the pending speculative block against the commit just applied; return it when
+        the verifier can use it."""
+        pending, session.pending = session.pending, None
+        if pending is None:
+            return None
+        ids, block = session.ids, pending.block
+        committed = len(ids)
+        end = block.base_len + len(block.token_ids)
+        consistent = (
+            block.base_len <= committed < end
+            and ids[pending.start : committed] == pending.assumed[: committed - pending.start]
+        )
+        with self._stats_lock:
+            if consistent:
+                self._stats.speculative_used += 1
+                self._stats.used_speculative_seconds += pending.seconds
+            else:
+                self._stats.speculative_wasted += 1
+        return block if consistent else None
+
+    def _blocks(self, session: _Session, epoch: int, *, regular: bool) -> Iterator[Block]:
+        if regular:
+            with session.lock:
+                if session.closed or session.epoch != epoch:
+                    return
+                block = self._draft_regular(session)
+                session.anchor = block
+            if block is None:
+                return  # nothing was sent, so there is no block to guess the acceptance of
+            yield block
+        if not self.settings.lookahead:
+            return
+        with session.lock:
+            if session.closed or session.epoch != epoch or session.anchor is None:
+                return
+            block = self._draft_ahead(session)
+        if block is not None:
+            yield block
+
+    def _draft_regular(self, session: _Session) -> Block | None:
+        k = min(session.next_block_len, session.max_block_len)
+        draft = self._propose(session, session.ids, k)
+        if draft is None:
+            return None
+        block = self._block(session, len(session.ids), draft, speculative=False)
+        with self._stats_lock:
+            self._stats.draft_seconds += draft.seconds
+            if block is not None:
+                self._stats.regular_blocks += 1
+        return block
+
+    def _draft_ahead(self, session: _Session) -> Block | None:
+        """The speculative block after the anchor: [guessed bonus, up to k drafts], based at the
+        anchor's end. Records it as pending; None when no guess exists."""
+        anchor, ids = session.anchor, session.ids
+        tail = anchor.token_ids[len(ids) - anchor.base_len :]  # anchor drafts not yet committed
+        k = min(session.next_block_len, session.max_block_len)
+        if session.strategy == DraftStrategy.ngram:
+            # Prompt lookup drafts by copying what followed an earlier occurrence; on the context
+            # extended by the anchor, that match simply continues. So one lookup on the committed
+            # ids yields the anchor's drafts, the bonus guess (the continuation token after them)
+            # and the next drafts, and the n-gram index only ever holds committed tokens: no
+            # rollback when the guess fails.
+            draft = self._propose(session, ids, len(tail) + 1 + k)
+            if draft is None or draft.tokens[: len(tail)] != tail:
+                return None
+            draft = _drop_head(draft, len(tail))
+        else:
+            # The draft model's next token after the anchor is the bonus guess (argmax, or
+            # sampled with its q); its KV cache rolls back cheaply when the guess fails.
+            draft = self._propose(session, ids + tail, 1 + k)
+            if draft is None:
+                return None
+        with self._stats_lock:
+            self._stats.draft_seconds += draft.seconds
+        block = self._block(session, anchor.base_len + len(anchor.token_ids), draft, speculative=True)
+        if block is None or len(block.token_ids) < 2:
+            return None  # a guess with no drafts after it gives the verifier nothing to check
+        session.pending = _Pending(
+            block=block, start=len(ids), assumed=tail + block.token_ids, seconds=draft.seconds
+        )
+        with self._stats_lock:
+            self._stats.speculative_blocks += 1
+            self._stats.speculative_seconds += draft.seconds
+        return block
+
+    def _propose(self, session: _Session, ids: list[int], k: int) -> Draft | None:
+        if k <= 0 or not ids:
+            return None
+        if session.strategy == DraftStrategy.model:
+            if session.max_id >= self._draft_vocab:
+                return None  # the target committed an id the draft model has no embedding for
+            with self._model_lock:
+                draft = session.proposer.propose(ids, k, session.sampling, session.gen)
+        else:
+            draft = session.proposer.propose(ids, k, session.sampling, session.gen)
+        return draft if len(draft) else None
+
+    def _block(self, session: _Session, base_len: int, draft: Draft, *, speculative: bool) -> Block | None:
+        """Pack a draft, cut at its first id outside [0, vocab_size) (the verifier would reject
+        the whole block for it); None when nothing is left."""
+        tokens = draft.tokens
+        n = next((i for i, t in enumerate(tokens) if not 0 <= t < session.vocab_size), len(tokens))
+        if n == 0:
+            return None
+        proposals = None
+        if draft.support is not None:
+            proposals = [
+                (draft.support[i].tolist(), draft.support_probs[i].tolist()) for i in range(n)
+            ]
+        return Block(
+            session_id=session.session_id,
+            base_len=base_len,
+            token_ids=list(tokens[:n]),
+            proposals=proposals,
+            proposer=draft.proposer,
+            draft_time_us=int(draft.seconds * 1e6),
+            speculative=speculative,
+            confidence=draft.bucket,
+        )
+
+
+def _check_ids(session_id: str, ids: list[int], vocab_size: int, what: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"session {session_id}: {what} holds id {bad}, outside [0, {vocab_size})")
+
+
+def _drop_head(draft: Draft, n: int) -> Draft:
+    """The draft without its first n tokens (n-gram drafts carry no proposals)."""
+    return Draft(tokens=draft.tokens[n:], proposer=draft.proposer, bucket=draft.bucket, seconds=draft.seconds)

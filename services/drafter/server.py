@@ -1,0 +1,277 @@
+"""The drafter's gRPC face: a thin servicer over `DrafterCore`, health checking, reflection.
+
+Error policy of the Draft stream. A bidi stream ends with one status, but it multiplexes sessions,
+so an error about one session must not end the others:
+- An Open, Commit or Close that fails (InvalidRequest -> INVALID_ARGUMENT, UnknownSession ->
+  NOT_FOUND, Overloaded -> RESOURCE_EXHAUSTED, anything unexpected -> INTERNAL) drops that session:
+  its draft state is freed, nothing is sent for it, the reason is logged with the session id and
+  counted in `DrafterCore.stats()["session_errors"]` under the status name. The stream goes on.
+  The verifier sees no block for the session and decodes it plainly (a drafter changes speed, never
+  text); later Commits for it are dropped as NOT_FOUND (logged at debug level) until it is re-opened.
+- A message that names no session cannot be attributed, so it means a broken peer: the stream
+  ends with INVALID_ARGUMENT, which closes all its sessions.
+- When the stream ends (half-close, cancellation, deadline, server stop), all its sessions close.
+Status codes are chosen in one place, `status_for`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
+
+from tandem.config import DraftStrategy, SamplingParams
+from tandem.services.drafter.core import (
+    Block,
+    DrafterCore,
+    InvalidRequest,
+    Overloaded,
+    UnknownSession,
+)
+from tandem.services.drafter.settings import DrafterSettings
+from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("tandem.drafter")
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # "tandem.v1.Drafter"
+DEFAULT_ADDRESS = "0.0.0.0:50052"
+
+_STATUS = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownSession: grpc.StatusCode.NOT_FOUND,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+_STRATEGY_FROM_PB = {
+    common_pb2.DRAFT_STRATEGY_NGRAM: DraftStrategy.ngram,
+    common_pb2.DRAFT_STRATEGY_MODEL: DraftStrategy.model,
+}
+_STRATEGY_TO_PB = {v: k for k, v in _STRATEGY_FROM_PB.items()}
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The one mapping from domain errors to gRPC status codes."""
+    for kind, code in _STATUS.items():
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+@dataclass
+class _StreamStats:
+    """What one Draft stream carried, logged when it ends."""
+
+    sessions: int = 0
+    regular_blocks: int = 0
+    speculative_blocks: int = 0
+    errors: Counter = field(default_factory=Counter)  # status name -> failed messages
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, core: DrafterCore):
+        self.core = core
+
+    def Draft(
+        self, request_iterator: Iterator[drafter_pb2.DraftRequest], context: grpc.ServicerContext
+    ) -> Iterator[drafter_pb2.DraftBlock]:
+        owner = uuid.uuid4().hex  # the stream's sessions are keyed under it
+        stats = _StreamStats()
+        dropped: set[str] = set()  # sessions dropped on this stream (quiet follow-up errors)
+        # A cancelled stream may never resume this generator (so `finally` would wait for garbage
+        # collection): the termination callback frees its sessions at once. Closing is idempotent.
+        context.add_callback(lambda: self.core.close_owner(owner))
+        try:
+            for request in request_iterator:
+                sid = request.session_id
+                if not sid:
+                    exc = InvalidRequest("DraftRequest without session_id: the stream cannot be attributed")
+                    context.abort(status_for(exc), str(exc))
+                try:
+                    for block in self._dispatch(request, owner, stats):
+                        if block.speculative:
+                            stats.speculative_blocks += 1
+                        else:
+                            stats.regular_blocks += 1
+                        yield _block_to_pb(block)
+                    if request.WhichOneof("kind") == "open":
+                        dropped.discard(sid)
+                except Exception as exc:  # noqa: BLE001 - one session's failure must not end the stream
+                    self._drop(sid, owner, exc, stats, dropped)
+        finally:
+            left_open = self.core.close_owner(owner)
+            core = self.core.stats()
+            log.info(
+                "draft stream ended: %d opens (%d sessions closed at the end), %d regular + %d "
+                "speculative blocks, errors %s; drafter so far: %d/%d speculative blocks used, "
+                "overlap hid %.0f%% of %.1f ms drafting",
+                stats.sessions, left_open, stats.regular_blocks, stats.speculative_blocks, dict(stats.errors),
+                core["speculative_used"], core["speculative_blocks"], 100 * core["hidden_fraction"],
+                1e3 * core["draft_seconds"],
+            )
+
+    def _drop(self, sid: str, owner: str, exc: Exception, stats: _StreamStats, dropped: set[str]) -> None:
+        """The stream's per-session error policy (module docstring): free, count, log, go on."""
+        code = status_for(exc)
+        stats.errors[code.name] += 1
+        self.core.close(sid, owner=owner, error=code.name)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("draft session %s dropped (INTERNAL)", sid, exc_info=exc)
+        elif sid in dropped:
+            log.debug("draft session %s (already dropped): %s: %s", sid, code.name, exc)
+        else:
+            log.warning("draft session %s dropped (%s): %s", sid, code.name, exc)
+        dropped.add(sid)
+
+    def _dispatch(self, request: drafter_pb2.DraftRequest, owner: str, stats: _StreamStats) -> Iterator[Block]:
+        sid, kind = request.session_id, request.WhichOneof("kind")
+        if kind == "open":
+            msg = request.open
+            blocks = self.core.open(
+                sid,
+                list(msg.context_ids),
+                _strategy_from_pb(sid, msg.strategy),
+                msg.max_draft_tokens,
+                _sampling_from_pb(sid, msg.sampling),
+                msg.vocab_size,
+                msg.next_block_len,
+                owner=owner,
+            )
+            stats.sessions += 1
+            return blocks
+        if kind == "commit":
+            msg = request.commit
+            return self.core.commit(sid, msg.committed_len, list(msg.appended_ids), msg.next_block_len, owner=owner)
+        if kind == "close":
+            self.core.close(sid, owner=owner)
+            return iter(())
+        raise InvalidRequest(f"DraftRequest for session {sid} carries no open, commit or close")
+
+    def GetInfo(
+        self, request: drafter_pb2.DrafterInfoRequest, context: grpc.ServicerContext
+    ) -> drafter_pb2.DrafterInfo:
+        info = self.core.info()
+        return drafter_pb2.DrafterInfo(
+            drafter_id=info.drafter_id,
+            strategies=[_STRATEGY_TO_PB[s] for s in info.strategies],
+            model_id=info.model_id,
+            vocab_size=info.vocab_size,
+            active_sessions=info.active_sessions,
+        )
+
+
+def _strategy_from_pb(session_id: str, strategy: int) -> DraftStrategy:
+    if strategy not in _STRATEGY_FROM_PB:
+        name = common_pb2.DraftStrategy.Name(strategy) if strategy in common_pb2.DraftStrategy.values() else strategy
+        raise InvalidRequest(
+            f"session {session_id}: strategy {name} cannot be drafted "
+            "(NGRAM or MODEL; the verifier resolves the default before opening)"
+        )
+    return _STRATEGY_FROM_PB[strategy]
+
+
+def _sampling_from_pb(session_id: str, msg: common_pb2.SamplingParams) -> SamplingParams:
+    # Only what drafting uses; stop ids and lengths are the verifier's business.
+    try:
+        return SamplingParams(
+            temperature=msg.temperature,
+            top_p=msg.top_p if msg.top_p != 0.0 else 1.0,  # proto: 0 = off
+            top_k=msg.top_k,
+            seed=msg.seed if msg.HasField("seed") else None,
+        )
+    except ValidationError as exc:
+        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequest(f"session {session_id}: invalid sampling parameters: {errors}") from None
+
+
+def _block_to_pb(block: Block) -> drafter_pb2.DraftBlock:
+    return drafter_pb2.DraftBlock(
+        session_id=block.session_id,
+        base_len=block.base_len,
+        token_ids=block.token_ids,
+        proposals=[
+            drafter_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in block.proposals or ()
+        ],
+        proposer=block.proposer,
+        draft_time_us=block.draft_time_us,
+        speculative=block.speculative,
+        confidence=block.confidence,
+    )
+
+
+def _build(
+    core: DrafterCore, address: str, max_workers: int
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    # Each open Draft stream holds one worker thread for its lifetime (a verifier keeps one stream
+    # and multiplexes its sessions on it), so max_workers must exceed the number of verifiers,
+    # with room left for GetInfo and health checks.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="drafter"))
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(core), server)
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the drafter to {address}")
+    return server, port, health_servicer
+
+
+def build_server(core: DrafterCore, address: str = "127.0.0.1:0", max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """A drafter server bound to `address` (port 0 picks a free port), not yet started: call
+    `server.start()`, and `server.stop(grace)` to end it (streams still open get `grace` seconds,
+    then are cancelled, which frees their sessions)."""
+    server, port, _ = _build(core, address, max_workers)
+    return server, port
+
+
+def serve(
+    settings: DrafterSettings,
+    address: str = DEFAULT_ADDRESS,
+    *,
+    max_workers: int = 16,
+    grace_s: float = 5.0,
+    stop: threading.Event | None = None,
+    on_ready: Callable[[int], None] | None = None,
+) -> None:
+    """Run a drafter until SIGTERM/SIGINT (or `stop` is set), then stop gracefully: health turns
+    NOT_SERVING first so load balancers move away, then open streams get `grace_s` seconds.
+    Signal handlers are installed only when called from the main thread. `on_ready(port)` runs
+    once the server accepts calls."""
+    core = DrafterCore(settings)
+    server, port, health_servicer = _build(core, address, max_workers)
+    stop = stop or threading.Event()
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+    server.start()
+    info = core.info()
+    log.info(
+        "drafter %s serving on port %d: strategies %s%s",
+        info.drafter_id, port, [s.value for s in info.strategies],
+        f", draft model {info.model_id}" if info.model_id else "",
+    )
+    try:
+        if on_ready is not None:
+            on_ready(port)
+        stop.wait()
+    finally:
+        log.info("drafter %s stopping (grace %.1f s)", info.drafter_id, grace_s)
+        health_servicer.enter_graceful_shutdown()
+        server.stop(grace_s).wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        log.info("drafter %s stopped: %s", info.drafter_id, core.stats())

@@ -1,0 +1,38 @@
+"""Typed settings of one drafter process (built once at the CLI edge, then passed down)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
+
+from tandem.models import LoadedModel
+
+
+def default_drafter_id() -> str:
+    # Unique per process and readable in logs and Redis: two drafters on one host differ by pid.
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class DrafterSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    drafter_id: str = Field(default_factory=default_drafter_id, min_length=1)
+    ngram_min: int = Field(1, ge=1, le=16)  # shortest context suffix the prompt lookup may match
+    ngram_max: int = Field(4, ge=1, le=16)  # longest suffix tried first
+    # Offers DRAFT_STRATEGY_MODEL when set. InstanceOf keeps the caller's object (no copy of the
+    # weights, no re-validation of the dataclass).
+    draft_model: InstanceOf[LoadedModel] | None = None
+    draft_top_k: int = Field(16, ge=1, le=1024)  # support size of a sampled draft's proposals
+    lookahead: bool = True  # draft block n+1 while block n is verified (speculative blocks)
+    max_sessions: int = Field(1024, ge=1)  # open sessions over all streams; more are refused
+    # Hard cap on the drafts of one block whatever a request asks for: a model drafts token by
+    # token, so an unbounded next_block_len would hold the draft model for arbitrarily long.
+    max_block_len: int = Field(64, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> "DrafterSettings":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        return self
