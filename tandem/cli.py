@@ -64,11 +64,16 @@ AdaptiveOpt = Annotated[
 ]
 
 
-def _setup(threads: int | None, verbose: bool = False) -> None:
+LogLevelOpt = Annotated[
+    str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
+]
+
+
+def _setup(threads: int | None, log_level: str = "info") -> None:
     import torch
 
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -314,6 +319,87 @@ def demo(
     )
     if not same:
         raise typer.Exit(1)
+
+
+# -- services ----------------------------------------------------------------------------------
+
+HostOpt = Annotated[str, typer.Option("--host", help="Interface to bind (0.0.0.0 for all).")]
+RedisOpt = Annotated[
+    Optional[str],
+    typer.Option("--redis-url", envvar="TANDEM_REDIS_URL",
+                 help="Redis URL for registration and KV residency metadata (redis://host:port/0); "
+                      "without it the service runs standalone."),
+]
+
+
+@app.command()
+def verifier(
+    host: HostOpt = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="gRPC port (0 = any free port).", min=0, max=65535)] = 50061,
+    model: ModelOpt = "default",
+    redis_url: RedisOpt = None,
+    verifier_id: Annotated[Optional[str], typer.Option("--id", envvar="TANDEM_VERIFIER_ID", help="Stable verifier id (default: POD_NAME or host-pid).")] = None,
+    advertise_address: Annotated[Optional[str], typer.Option("--advertise-address", envvar="TANDEM_ADVERTISE_ADDRESS", help="host:port that gateways reach this verifier at (default: --host:--port).")] = None,
+    kv_capacity_tokens: Annotated[int, typer.Option("--kv-capacity-tokens", help="KV cache budget over all resident sessions, in tokens.", min=1)] = 65536,
+    max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most sessions kept resident.", min=1)] = 64,
+    draft_wait_ms: Annotated[float, typer.Option("--draft-wait-ms", help="Longest wait for a draft block before a plain step.", min=0)] = 10.0,
+    max_draft_tokens: MaxDraftOpt = 8,
+    heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Registration heartbeat period (TTL = 5x).", min=0.1)] = 2.0,
+    threads: ThreadsOpt = None,
+    log_level: LogLevelOpt = "info",
+) -> None:
+    """Run a verifier: owns the target model and the KV caches of its sessions, verifies draft
+    blocks in one forward each, streams committed tokens. Publishes residency to Redis."""
+    _setup(threads, log_level)
+    from tandem.services.verifier.server import serve
+    from tandem.services.verifier.settings import VerifierSettings
+
+    fields = dict(host=host, port=port, model=model, redis_url=redis_url, advertise_address=advertise_address,
+                  kv_capacity_tokens=kv_capacity_tokens, max_sessions=max_sessions, draft_wait_ms=draft_wait_ms,
+                  max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=threads)
+    if verifier_id:
+        fields["verifier_id"] = verifier_id
+    serve(VerifierSettings(**fields))
+
+
+@app.command()
+def drafter(
+    host: HostOpt = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="gRPC port (0 = any free port).", min=0, max=65535)] = 50052,
+    draft_model: DraftModelOpt = None,
+    drafter_id: Annotated[Optional[str], typer.Option("--id", envvar="TANDEM_DRAFTER_ID", help="Drafter id (default: POD_NAME or host-pid).")] = None,
+    ngram_min: Annotated[int, typer.Option("--ngram-min", help="Shortest context suffix prompt lookup matches.", min=1, max=16)] = 1,
+    ngram_max: Annotated[int, typer.Option("--ngram-max", help="Longest context suffix prompt lookup tries first.", min=1, max=16)] = 4,
+    draft_top_k: Annotated[int, typer.Option("--draft-top-k", help="Support size of a sampling draft model's proposals.", min=1)] = 16,
+    lookahead: Annotated[bool, typer.Option("--lookahead/--no-lookahead", help="Draft the next block while the current one is verified.")] = True,
+    max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most open draft sessions.", min=1)] = 1024,
+    threads: ThreadsOpt = None,
+    log_level: LogLevelOpt = "info",
+) -> None:
+    """Run a drafter: hosts the proposers (prompt lookup, a draft model), keeps per-session draft
+    state and drafts ahead while the verifier checks the previous block."""
+    _setup(threads, log_level)
+    from tandem.services.drafter.server import serve
+    from tandem.services.drafter.settings import DrafterSettings
+
+    draft = None
+    if draft_model:
+        from tandem.models import ModelError, load_model
+
+        try:
+            draft = load_model(draft_model)
+        except ModelError as exc:
+            _fail(str(exc))
+    fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
+                  lookahead=lookahead, max_sessions=max_sessions)
+    if drafter_id:
+        fields["drafter_id"] = drafter_id
+    try:
+        settings = DrafterSettings(**fields)
+    except ValueError as exc:
+        _fail(str(exc))
+    # Each open Draft stream holds a server thread for its life: allow many concurrent sessions.
+    serve(settings, f"{host}:{port}", max_workers=max(64, 2 * max_sessions if max_sessions < 512 else 256))
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -29,6 +29,7 @@ class VerifierSettings(BaseModel):
     kv_capacity_tokens: int = Field(65536, ge=1)  # KV budget over all resident sessions
     max_sessions: int = Field(64, ge=1)
     draft_wait_ms: float = Field(10.0, ge=0)  # longest wait for a draft block before a plain step
+    drafter_retry_s: float = Field(1.0, gt=0)  # after a drafter stream fails, reconnect this often
     max_draft_tokens: int = Field(8, ge=1, le=64)
     default_strategy: DraftStrategy = DraftStrategy.ngram
     threads: int | None = Field(None, ge=1)  # torch CPU threads (default: all cores)

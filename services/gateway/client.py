@@ -1,0 +1,125 @@
+"""The gateway's gRPC clients of verifiers and drafters: one channel per address, and the
+translation of gRPC failures into the gateway's domain errors, so that core.py never sees grpc.
+
+A Verifier.Generate failure means different things depending on when it happens:
+- before the first message, UNAVAILABLE (or a server-side CANCELLED) means the verifier is not
+  there: the core tries the next candidate, which is safe because nothing was streamed and the
+  request carries the whole context;
+- RESOURCE_EXHAUSTED before the first message: that verifier's KV cache is full, try another;
+- INVALID_ARGUMENT: the request itself is bad, retrying elsewhere cannot help;
+- anything after the first message: the stream was cut mid-way. Tokens already streamed stand, but
+  the client must learn that the rest is missing (never a silent truncation).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from tandem.services.gateway.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    UpstreamFailed,
+    VerifierBusy,
+    VerifierUnreachable,
+)
+from tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger("tandem.gateway.client")
+
+# A verifier that restarts is found again within a fraction of a second, not after gRPC's default
+# reconnect backoff (1 s growing to 120 s).
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),  # long contexts travel whole
+]
+
+
+class VerifierStream:
+    """The CommittedTokens stream of one Verifier.Generate call (async iterator), with errors
+    translated as described in the module docstring. `cancel()` ends the upstream call."""
+
+    def __init__(self, call, address: str):
+        self._call = call
+        self.address = address
+        self.received = 0  # messages read so far
+
+    def __aiter__(self) -> "VerifierStream":
+        return self
+
+    async def __anext__(self) -> verifier_pb2.CommittedTokens:
+        try:
+            msg = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise self._translate(exc) from None
+        if msg is grpc.aio.EOF:
+            raise StopAsyncIteration
+        self.received += 1
+        return msg
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def _translate(self, exc: grpc.aio.AioRpcError) -> Exception:
+        code, details = exc.code(), exc.details() or ""
+        where = f"verifier at {self.address}"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceeded(f"the request's deadline passed while the {where} was generating")
+        if self.received:
+            return UpstreamFailed(
+                f"the {where} stream broke after {self.received} messages ({code.name}: {details}); "
+                "the completion is incomplete"
+            )
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return VerifierUnreachable(f"{where}: {code.name}: {details}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return VerifierBusy(f"{where}: {details}")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidRequest(f"the verifier rejected the request: {details}")
+        return UpstreamFailed(f"the {where} failed before streaming ({code.name}: {details})")
+
+
+class RpcClients:
+    """Channels and stubs to verifiers and drafters, one channel per address (grpc.aio: create and
+    use in one event loop)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        return channel
+
+    async def verifier_info(self, address: str, timeout_s: float) -> verifier_pb2.VerifierInfo | None:
+        """GetInfo, or None when the verifier does not answer in time."""
+        stub = verifier_pb2_grpc.VerifierStub(self._channel(address))
+        try:
+            return await stub.GetInfo(verifier_pb2.InfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("verifier %s GetInfo failed: %s", address, exc.code().name)
+            return None
+
+    async def drafter_info(self, address: str, timeout_s: float) -> drafter_pb2.DrafterInfo | None:
+        stub = drafter_pb2_grpc.DrafterStub(self._channel(address))
+        try:
+            return await stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("drafter %s GetInfo failed: %s", address, exc.code().name)
+            return None
+
+    def generate(
+        self, address: str, request: verifier_pb2.SessionGenerateRequest, timeout_s: float | None
+    ) -> VerifierStream:
+        stub = verifier_pb2_grpc.VerifierStub(self._channel(address))
+        return VerifierStream(stub.Generate(request, timeout=timeout_s), address)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()

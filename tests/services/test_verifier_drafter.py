@@ -1,0 +1,162 @@
+"""Verifier and drafter over real gRPC sockets: output equals the single-process reference for
+every strategy, and drafter faults (death, return, garbage) change speed, never text."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.services.drafter.core import DrafterCore
+from tandem.services.drafter.server import build_server as build_drafter
+from tandem.services.drafter.settings import DrafterSettings
+from tandem.services.verifier.core import VerifierCore
+from tandem.services.verifier.settings import VerifierSettings
+from tandem.spec import Engine, GenerationResult
+from tandem.v1 import drafter_pb2, drafter_pb2_grpc
+
+CONTEXT = [5, 17, 42, 99, 17, 42, 7, 250, 17, 42, 99, 3, 11, 5, 17, 42]
+
+
+def _drafter(draft_loaded=None, port: int = 0):
+    core = DrafterCore(DrafterSettings(drafter_id="d-test", draft_model=draft_loaded))
+    server, bound = build_drafter(core, f"127.0.0.1:{port}")
+    server.start()
+    return core, server, f"127.0.0.1:{bound}"
+
+
+def _verifier(loaded, **overrides) -> VerifierCore:
+    settings = VerifierSettings(**{"verifier_id": "v-test", "port": 0, "draft_wait_ms": 200, **overrides})
+    return VerifierCore(settings, loaded)
+
+
+def _run(core, drafter_address, strategy, max_new=32, session="s", sampling=None):
+    sampling = sampling or SamplingParams(max_new_tokens=max_new)
+    items = list(core.generate(session, CONTEXT, sampling, SpecConfig(strategy=strategy), drafter_address))
+    result = items[-1]
+    assert isinstance(result, GenerationResult)
+    emitted = [t for step in items[:-1] for t in step.tokens]
+    assert emitted == result.token_ids, "every committed token is streamed exactly once, in order"
+    return result
+
+
+def _reference(loaded, max_new=32):
+    return Engine(loaded).generate(
+        CONTEXT, SamplingParams(max_new_tokens=max_new), SpecConfig(strategy=DraftStrategy.none)
+    ).token_ids
+
+
+@pytest.mark.parametrize("strategy", [DraftStrategy.ngram, DraftStrategy.model])
+def test_remote_drafting_is_lossless(tiny_loaded, tiny_draft_loaded, strategy):
+    # The target itself as the draft model makes every draft right: all of them must be accepted.
+    draft = tiny_loaded if strategy == DraftStrategy.model else None
+    dcore, server, address = _drafter(draft)
+    try:
+        core = _verifier(tiny_loaded)
+        result = _run(core, address, strategy)
+        assert result.token_ids == _reference(tiny_loaded)
+        assert result.stats.drafted > 0 and result.stats.accepted > 0, "speculation must actually happen"
+        if strategy == DraftStrategy.model:
+            assert result.stats.accepted == result.stats.drafted
+        assert result.stats.rejected_blocks >= 0
+    finally:
+        server.stop(None)
+    assert dcore.info().active_sessions == 0, "the verifier closes its draft session"
+
+
+def test_sampled_remote_drafts_are_verified(tiny_loaded, tiny_draft_loaded):
+    # Sampled drafts arrive with their proposal distributions and go through rejection sampling;
+    # their statistics are checked in tests/test_engine.py, here the wire path.
+    dcore, server, address = _drafter(tiny_draft_loaded)
+    try:
+        core = _verifier(tiny_loaded)
+        sampling = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
+        result = _run(core, address, DraftStrategy.model, sampling=sampling, session="a")
+        assert len(result.token_ids) == 16
+        assert result.stats.drafted > 0 and result.stats.fallback_steps == 0
+    finally:
+        server.stop(None)
+
+
+def test_drafter_killed_mid_generation_then_back(tiny_loaded):
+    dcore, server, address = _drafter()
+    port = int(address.rsplit(":", 1)[1])
+    core = _verifier(tiny_loaded)
+    core.settings.drafter_retry_s = 0.05
+    sampling = SamplingParams(max_new_tokens=60)
+    steps = core.generate("s", CONTEXT, sampling, SpecConfig(strategy=DraftStrategy.ngram), address)
+    tokens, drafted_after_return = [], 0
+    restarted = None
+    for i, item in enumerate(steps):
+        if isinstance(item, GenerationResult):
+            result = item
+            break
+        tokens.extend(item.tokens)
+        if i == 3:
+            server.stop(None)  # the drafter dies mid-generation
+        if i == 12:
+            _, restarted, _ = _drafter(port=port)  # ... and comes back on the same address
+            time.sleep(0.2)
+        if restarted is not None and i > 14:
+            drafted_after_return += item.drafted
+    try:
+        assert tokens == result.token_ids == _reference(tiny_loaded, 60)
+        assert result.stats.fallback_steps > 0, "steps without a drafter decode plainly"
+        assert drafted_after_return > 0, "speculation resumes when the drafter returns"
+    finally:
+        if restarted is not None:
+            restarted.stop(None)
+
+
+class GarbageDrafter(drafter_pb2_grpc.DrafterServicer):
+    """A drafter that sends everything a broken or hostile drafter could, then one good block."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def Draft(self, request_iterator, context):
+        for req in request_iterator:
+            kind = req.WhichOneof("kind")
+            if kind == "close":
+                return
+            n = len(req.open.context_ids) if kind == "open" else req.commit.committed_len
+            sid = req.session_id
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[self.vocab + 5, 1])  # out of vocabulary
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[-3])  # negative id
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=n + 7, token_ids=[1, 2])  # based in the future
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=max(0, n - 2), token_ids=[0, 0, 1])  # stale overlap
+            yield drafter_pb2.DraftBlock(  # malformed distribution: does not sum to 1
+                session_id=sid, base_len=n, token_ids=[4],
+                proposals=[drafter_pb2.SparseDistribution(token_ids=[4], probs=[3.0])])
+            yield drafter_pb2.DraftBlock(  # support does not contain the drafted token
+                session_id=sid, base_len=n, token_ids=[4],
+                proposals=[drafter_pb2.SparseDistribution(token_ids=[5], probs=[1.0])])
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[])  # empty
+            yield drafter_pb2.DraftBlock(session_id="someone-else", base_len=n, token_ids=[1])  # other session
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[7, 7, 7, 7], proposer="ngram")  # wrong but valid
+
+
+def test_garbage_drafter_changes_nothing(tiny_loaded):
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    drafter_pb2_grpc.add_DrafterServicer_to_server(GarbageDrafter(tiny_loaded.vocab_size), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        core = _verifier(tiny_loaded)
+        for sampling in (SamplingParams(max_new_tokens=24),):
+            result = _run(core, f"127.0.0.1:{port}", DraftStrategy.ngram, max_new=24, sampling=sampling)
+            assert result.token_ids == _reference(tiny_loaded, 24)
+            assert result.stats.rejected_blocks > 0, "garbage is counted"
+    finally:
+        server.stop(None)
+
+
+def test_unreachable_drafter_decodes_plainly(tiny_loaded):
+    core = _verifier(tiny_loaded, draft_wait_ms=5)
+    result = _run(core, "127.0.0.1:1", DraftStrategy.ngram)
+    assert result.token_ids == _reference(tiny_loaded)
+    assert result.stats.drafted == 0 and result.stats.fallback_steps > 0
