@@ -272,55 +272,6 @@ def bench(
         print(text)
 
 
-DEMO_PROMPT = (
-    "Here is a list of users as CSV:\nname,age,city\nAlice,30,Paris\nBob,25,Rome\nCarol,41,Oslo\n"
-    "Convert it to a JSON array of objects with the keys name, age and city."
-)
-
-
-@app.command()
-def demo(
-    model: ModelOpt = "default",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1)] = 96,
-    threads: ThreadsOpt = None,
-) -> None:
-    """The main job on one machine: the same request decoded plainly and with prompt-lookup
-    speculation, showing the streamed text, the speculation figures and the speedup."""
-    _setup(threads)
-    from rich.console import Console
-
-    from tandem.models import apply_chat_template
-    from tandem.spec import Engine
-
-    console = Console(stderr=True)
-    target, _ = _load(model, None)
-    engine = Engine(target)
-    context = apply_chat_template(target.tokenizer, [{"role": "user", "content": DEMO_PROMPT}])
-    sampling = SamplingParams(max_new_tokens=max_new_tokens)
-    console.print(f"[bold]prompt[/bold] ({len(context)} tokens):\n{DEMO_PROMPT}\n")
-    engine.generate(context, sampling.model_copy(update={"max_new_tokens": 8}), SpecConfig(strategy="none"))  # warm-up
-    plain = engine.generate(context, sampling, SpecConfig(strategy="none"))
-    stream = TextStream(target.tokenizer)
-    console.print("[bold]speculative (ngram) output:[/bold]")
-    spec = engine.generate(
-        context, sampling, SpecConfig(strategy="ngram"),
-        on_step=lambda s: (sys.stdout.write(stream.push(s.tokens)), sys.stdout.flush()),
-    )
-    sys.stdout.write(stream.flush() + "\n\n")
-    st = spec.stats
-    same = spec.token_ids == plain.token_ids
-    console.print(
-        f"plain decoding: {len(plain.token_ids)} tokens in {plain.seconds:.2f} s ({plain.tokens_per_s:.1f} tok/s)\n"
-        f"speculative:    {len(spec.token_ids)} tokens in {spec.seconds:.2f} s ({spec.tokens_per_s:.1f} tok/s), "
-        f"drafted {st.drafted}, accepted {st.accepted} ({st.acceptance_rate:.0%}), "
-        f"mean accepted length {st.mean_accepted_len:.2f} tokens/step over {st.steps} target steps\n"
-        f"speedup {plain.seconds / max(spec.seconds, 1e-9):.2f}x, output identical to plain decoding: "
-        f"{'[green]yes[/green]' if same else '[red]NO[/red]'}"
-    )
-    if not same:
-        raise typer.Exit(1)
-
-
 # -- services ----------------------------------------------------------------------------------
 
 HostOpt = Annotated[str, typer.Option("--host", help="Interface to bind (0.0.0.0 for all).")]
@@ -400,6 +351,123 @@ def drafter(
         _fail(str(exc))
     # Each open Draft stream holds a server thread for its life: allow many concurrent sessions.
     serve(settings, f"{host}:{port}", max_workers=max(64, 2 * max_sessions if max_sessions < 512 else 256))
+
+
+@app.command()
+def gateway(
+    host: HostOpt = "0.0.0.0",
+    http_port: Annotated[int, typer.Option("--http-port", help="OpenAI-compatible HTTP port (0 = any free port).", min=0, max=65535)] = 8000,
+    grpc_port: Annotated[int, typer.Option("--grpc-port", help="gRPC port of tandem.v1.Gateway (0 = any free port).", min=0, max=65535)] = 50051,
+    model: Annotated[str, typer.Option("--model", "-m", help="Model whose tokenizer and chat template the gateway applies: HF directory, .gguf, or 'default'.")] = "default",
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients use (default: the model's own).")] = None,
+    verifiers: Annotated[Optional[list[str]], typer.Option("--verifier", help="Verifier host:port (repeatable); with Redis, registered verifiers are used too.")] = None,
+    drafters: Annotated[Optional[list[str]], typer.Option("--drafter", help="Drafter host:port (repeatable).")] = None,
+    redis_url: RedisOpt = None,
+    max_tokens_cap: Annotated[int, typer.Option("--max-tokens-cap", help="Largest max_tokens a request may ask for.", min=1)] = 4096,
+    max_concurrent_requests: Annotated[int, typer.Option("--max-concurrent-requests", help="More requests in flight are refused with 429 / RESOURCE_EXHAUSTED.", min=1)] = 256,
+    log_level: LogLevelOpt = "info",
+) -> None:
+    """Run the gateway: OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models,
+    SSE streaming) and gRPC Generate; routes each session to the verifier holding its KV cache."""
+    _setup(1, log_level)
+    from pydantic import ValidationError
+
+    from tandem.services.gateway.serve import serve
+    from tandem.services.gateway.settings import GatewaySettings
+
+    try:
+        settings = GatewaySettings(
+            http_host=host, grpc_host=host, http_port=http_port, grpc_port=grpc_port, model=model,
+            served_model_name=served_model_name, verifiers=tuple(verifiers or ()), drafters=tuple(drafters or ()),
+            redis_url=redis_url, max_tokens_cap=max_tokens_cap, max_concurrent_requests=max_concurrent_requests,
+        )
+    except ValidationError as exc:
+        _fail(f"bad gateway configuration: {exc}")
+    serve(settings)
+
+
+@app.command()
+def up(
+    model: ModelOpt = "default",
+    draft_model: DraftModelOpt = None,
+    redis_url: Annotated[Optional[str], typer.Option("--redis-url", help="Use this Redis instead of starting an embedded Valkey.")] = None,
+    host: HostOpt = "127.0.0.1",
+    http_port: Annotated[int, typer.Option("--http-port", help="Gateway HTTP port (OpenAI API).", min=1, max=65535)] = 8000,
+    grpc_port: Annotated[int, typer.Option("--grpc-port", help="Gateway gRPC port.", min=1, max=65535)] = 50051,
+    verifiers: Annotated[int, typer.Option("--verifiers", help="Verifier processes to start.", min=1, max=16)] = 1,
+    verifier_threads: Annotated[Optional[int], typer.Option("--verifier-threads", help="Torch threads per verifier (default: all cores).", min=1)] = None,
+    log_level: LogLevelOpt = "warning",
+) -> None:
+    """Start the whole stack on this machine: embedded Valkey (unless --redis-url), a drafter,
+    verifier(s) and the gateway, as separate processes. Prints the endpoints; Ctrl-C stops all."""
+    from tandem.stack import StackConfig
+
+    _run_stack(StackConfig(model=model, draft_model=draft_model, redis_url=redis_url, host=host, http_port=http_port,
+                           grpc_port=grpc_port, verifiers=verifiers, verifier_threads=verifier_threads,
+                           log_level=log_level), demo_request=False)
+
+
+@app.command()
+def demo(
+    model: ModelOpt = "default",
+    http_port: Annotated[int, typer.Option("--http-port", help="Gateway HTTP port.", min=1, max=65535)] = 8000,
+    grpc_port: Annotated[int, typer.Option("--grpc-port", help="Gateway gRPC port.", min=1, max=65535)] = 50051,
+    log_level: LogLevelOpt = "warning",
+) -> None:
+    """The main job: bring the whole stack up (as `tandem up`), send real requests through the
+    gateway's OpenAI API (streamed speculative, plain for comparison, a second turn of the same
+    session), show text and speculation figures, then stop everything."""
+    from tandem.stack import StackConfig
+
+    _run_stack(StackConfig(model=model, http_port=http_port, grpc_port=grpc_port, log_level=log_level),
+               demo_request=True)
+
+
+def _run_stack(cfg, *, demo_request: bool) -> None:
+    _setup(None, "info")
+    from rich.console import Console
+
+    from tandem.stack import Stack
+
+    console = Console(stderr=True)
+    with console.status("starting valkey, drafter, verifier(s) and gateway (first run converts the model once) ..."):
+        stack = Stack(cfg)
+        try:
+            stack.start()
+        except (RuntimeError, TimeoutError) as exc:
+            _fail(f"the stack did not come up: {exc}")
+    try:
+        console.print(
+            f"[bold green]Tandem is up[/bold green]\n"
+            f"  OpenAI API  {stack.http_url}/v1   (try: curl {stack.http_url}/v1/models)\n"
+            f"  gRPC        {stack.grpc_address}   (tandem.v1.Gateway/Generate; reflection on)\n"
+            f"  verifiers   {', '.join(stack.verifier_addresses)}\n"
+            f"  drafter     {stack.drafter_address}\n"
+            f"  redis       {stack.redis_url}"
+        )
+        if demo_request:
+            from tandem.demo import run_demo
+
+            ok = run_demo(stack.http_url, console)
+            if not ok:
+                raise typer.Exit(1)
+            return
+        console.print("Ctrl-C stops everything.")
+        import signal as _signal
+        import threading as _threading
+
+        stop = _threading.Event()
+        _signal.signal(_signal.SIGINT, lambda *_: stop.set())
+        _signal.signal(_signal.SIGTERM, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            dead = [name for name, proc in stack.procs if proc.poll() is not None]
+            if dead:
+                console.print(f"[red]{', '.join(dead)} exited; stopping the stack[/red]")
+                break
+    finally:
+        with console.status("stopping ..."):
+            stack.stop()
+        console.print("stopped")
 
 
 def main() -> None:  # pragma: no cover - console entry

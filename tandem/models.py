@@ -205,3 +205,21 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
     if hasattr(out, "keys"):  # transformers >= 5 returns a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def load_tokenizer(name_or_path: str | None = DEFAULT_MODEL, *, progress: bool = True) -> tuple[str, object, int]:
+    """(model_id, tokenizer, max_context) of a model without loading its weights, for services that
+    only tokenize (the gateway). Ids and context window follow `load_model`'s rules, so a gateway and
+    a verifier given the same value agree on both. A GGUF goes through the same one-time conversion
+    (its cache is shared with `load_model`), where transformers finds a regular tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_id, path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        path = convert_gguf(path, progress=progress)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    return model_id, tokenizer, int(getattr(config, "max_position_embeddings", 2048) or 2048)

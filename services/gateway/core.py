@@ -26,6 +26,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -48,6 +49,8 @@ from tandem.spec import FinishReason
 from tandem.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger("tandem.gateway")
+
+_DRAIN_S = 1.0  # how long a verifier may take to close its stream after the final message
 
 _STRATEGY_TO_PROTO = {
     DraftStrategy.none: common_pb2.DRAFT_STRATEGY_NONE,
@@ -382,8 +385,11 @@ class GatewayCore:
                 )
             self._active += 1
             try:
-                async for chunk in self._generate(prep):
-                    yield chunk
+                # aclosing: a consumer that stops early (client gone) ends the verifier call now,
+                # not whenever the abandoned generator is collected.
+                async with aclosing(self._generate(prep)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
             finally:
                 self._active -= 1
         except Exception as exc:
@@ -485,8 +491,8 @@ class GatewayCore:
         exclude = exclude | {vid for vid, until in self._down.items() if until > now}
         candidates = [r for r in self._static.values() if r is not None]
         inflight = dict(self._inflight)
-        # Where this gateway last sent the session: fresher than Redis, where the verifier publishes
-        # the session only after its turn ended, and all there is while Redis is down.
+        # Where this gateway last sent the session: it stands in for a session key Redis lacks (a
+        # verifier publishes a turn only as it ends; Redis may be down or disabled).
         session = self.sessions.get(prep.session_id) if prep.session_id else None
         affinity = None
         if session is not None and session.verifier_id is not None:
@@ -516,15 +522,16 @@ class GatewayCore:
         """Open the stream on the best verifier that answers; the first message proves it did."""
         tried: set[str] = set()
         failures: list[str] = []
-        busy = False
+        busy = 0  # verifiers that refused for lack of KV cache (the other failures: unreachable)
         while True:
             decision = await self._route(prep, tried)
             if decision is None:
-                if busy and len(failures) == len(tried):
-                    raise Overloaded("every verifier's KV cache is full; retry later")
+                if failures and busy == len(failures):
+                    raise Overloaded(f"every verifier's KV cache is full ({'; '.join(failures)}); retry later")
+                known = {r.model_id for r in [*self._registered, *self._static.values()] if r is not None}
                 detail = "; ".join(failures) if failures else (
                     f"no live verifier serves model {self.model_id!r}"
-                    + (f" (live ones serve: {sorted({r.model_id for r in self._registered})})" if self._registered else "")
+                    + (f" (live ones serve: {sorted(known)})" if known else "")
                 )
                 raise NoVerifierAvailable(f"no verifier available: {detail}")
             stream = self._clients.generate(decision.address, request, deadline - time.monotonic())
@@ -539,9 +546,23 @@ class GatewayCore:
                 log.warning("verifier %s unreachable, trying the next one: %s", decision.verifier_id, exc)
                 failures.append(str(exc))
             except VerifierBusy as exc:
-                busy = True
+                busy += 1
                 failures.append(str(exc))
             tried.add(decision.verifier_id)
+
+    @staticmethod
+    async def _drain(stream: VerifierStream, vid: str) -> None:
+        """After the final message, let the verifier end the call itself rather than cancel it: it
+        publishes the session's residency as the turn ends, so the client's next turn (sent once
+        this one completed) finds it in Redis. A verifier that does not close promptly is
+        cancelled by the caller's cleanup; the output is complete either way."""
+        try:
+            extra = await asyncio.wait_for(anext(stream, None), _DRAIN_S)
+        except Exception as exc:  # timeout or a failure after the final message: nothing is lost
+            log.debug("verifier %s did not close cleanly after its final message: %r", vid, exc)
+            return
+        if extra is not None:
+            log.warning("verifier %s sent a message after its final one; ignored", vid)
 
     async def _generate(self, prep: _Prepared) -> AsyncIterator[Chunk]:
         sid, context, sampling = prep.session_id, prep.context_ids, prep.sampling
@@ -602,6 +623,7 @@ class GatewayCore:
                     stats=msg.stats,
                     routing=decision,
                 )
+                await self._drain(stream, vid)
                 return
             raise UpstreamFailed(
                 f"verifier {vid} ended the stream after {len(generated)} tokens without a finish reason; "

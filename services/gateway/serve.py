@@ -38,33 +38,35 @@ async def run_gateway(
     """Serve until `stop` is set. `on_ready(http_port, grpc_port)` is called once both listen
     (the real ports, when the settings asked for port 0)."""
     await core.start()
-    grpc_server, grpc_port = build_grpc_server(core, f"{settings.grpc_host}:{settings.grpc_port}")
-    sock = _bind(settings.http_host, settings.http_port)
-    http_port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        create_app(core), lifespan="off", log_config=None, access_log=False,
-        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
-    )
-    http = uvicorn.Server(config)
     try:
-        await grpc_server.start()
-        http_task = asyncio.create_task(http.serve(sockets=[sock]), name="gateway-http")
-        while not http.started and not http_task.done():
-            await asyncio.sleep(0.01)
-        if http_task.done():
-            http_task.result()  # uvicorn failed to start: raise its error
-        log.info("gateway serving %s: HTTP on %d, gRPC on %d", core.model_name, http_port, grpc_port)
-        if on_ready is not None:
-            on_ready(http_port, grpc_port)
-        stop_task = asyncio.create_task(stop.wait())
-        await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        stop_task.cancel()
-        log.info("gateway stopping (grace %.1f s)", settings.shutdown_grace_s)
-        http.should_exit = True
-        await asyncio.gather(http_task, grpc_server.stop(settings.shutdown_grace_s), return_exceptions=True)
+        host = f"[{settings.grpc_host}]" if ":" in settings.grpc_host else settings.grpc_host  # IPv6
+        grpc_server, grpc_port = build_grpc_server(core, f"{host}:{settings.grpc_port}")
+        with _bind(settings.http_host, settings.http_port) as sock:
+            http_port = sock.getsockname()[1]
+            config = uvicorn.Config(
+                create_app(core), lifespan="off", log_config=None, access_log=False,
+                timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
+            )
+            http = uvicorn.Server(config)
+            await grpc_server.start()
+            try:
+                http_task = asyncio.create_task(http.serve(sockets=[sock]), name="gateway-http")
+                while not http.started and not http_task.done():
+                    await asyncio.sleep(0.01)
+                if http_task.done():
+                    http_task.result()  # uvicorn failed to start: raise its error
+                log.info("gateway serving %s: HTTP on %d, gRPC on %d", core.model_name, http_port, grpc_port)
+                if on_ready is not None:
+                    on_ready(http_port, grpc_port)
+                stop_task = asyncio.create_task(stop.wait())
+                await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+                stop_task.cancel()
+                log.info("gateway stopping (grace %.1f s)", settings.shutdown_grace_s)
+                http.should_exit = True
+                await asyncio.gather(http_task, grpc_server.stop(settings.shutdown_grace_s), return_exceptions=True)
+            finally:
+                await grpc_server.stop(0)
     finally:
-        sock.close()
-        await grpc_server.stop(0)
         await core.close()
 
 

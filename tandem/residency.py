@@ -1,0 +1,523 @@
+"""KV residency in Redis: which verifier is alive, which holds a session, which holds a prompt prefix.
+
+Verifiers publish (`ResidencyPublisher`), gateways read and route (`ResidencyIndex`). Redis holds
+metadata only, never tensors. It is an optimization, never a dependency: every method catches Redis
+errors, counts them and logs once per outage, so a verifier keeps serving and a gateway keeps
+routing (by load) while Redis is down. While an outage lasts, calls skip Redis for `retry_after_s`
+after each failure, so a dead server costs one short timeout per interval, not one per request.
+
+Key schema (version `v1`; every key carries a TTL; every write is idempotent; a missing key means
+"unknown", never an error):
+
+    tandem:v1:verifier:{id}   hash  address, model_id, max_context_tokens, kv_capacity_tokens,
+                                    kv_used_tokens, active_sessions, updated_at (unix seconds).
+                                    TTL heartbeat_ttl_s, refreshed by every heartbeat: a verifier
+                                    whose key expired is dead.
+    tandem:v1:verifiers       zset  member = verifier id, score = its last heartbeat (unix seconds).
+                                    An index so that readers need no SCAN; it only names candidates:
+                                    a member is live only while its verifier hash exists. TTL
+                                    heartbeat_ttl_s, refreshed by every heartbeat.
+    tandem:v1:session:{sid}   hash  verifier_id, resident_tokens (context + generated tokens whose
+                                    KV the verifier holds), last_used (unix seconds). TTL
+                                    session_ttl_s, renewed by every publish (pinning while active);
+                                    deleted on eviction.
+    tandem:v1:prefix:{hash}   set   ids of the verifiers holding the KV of the token block that
+                                    `hash` names. TTL session_ttl_s, renewed by every publish; a
+                                    verifier is removed (SREM) when its last session holding the
+                                    block is evicted.
+
+Prefix hashes chain fixed-size blocks of token ids, so one hash names a whole prefix, not just a
+block (only full blocks count; a trailing partial block is never published):
+
+    h_0 = sha256(b"tandem")
+    h_i = sha256(h_{i-1} || block_i as little-endian int32)      hex digest in the key
+
+Worked example, block size 4: contexts [5 6 7 8 | 9 9 9 9 | 1] and [5 6 7 8 | 9 9 9 0] share h_1
+and differ from h_2 on. A gateway routing the second context finds the first one's verifier under
+h_1 and learns it already holds 4 tokens of the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Literal, TypeVar
+
+import redis
+from pydantic import BaseModel, ConfigDict, Field
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+log = logging.getLogger("tandem.residency")
+
+KEY_PREFIX = "tandem:v1:"
+VERIFIER_INDEX_KEY = KEY_PREFIX + "verifiers"
+_HASH_SEED = hashlib.sha256(b"tandem").digest()
+_STALE_INDEX_S = 300.0  # heartbeats prune index members silent for this long (their hashes expired long ago)
+
+T = TypeVar("T")
+
+
+def verifier_key(verifier_id: str) -> str:
+    return f"{KEY_PREFIX}verifier:{verifier_id}"
+
+
+def session_key(session_id: str) -> str:
+    return f"{KEY_PREFIX}session:{session_id}"
+
+
+def prefix_key(block_hash: str) -> str:
+    return f"{KEY_PREFIX}prefix:{block_hash}"
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int = 32) -> list[str]:
+    """Chained hashes of the full blocks of `token_ids`: element i names the prefix of
+    (i + 1) * block_size tokens. Equal prefixes give equal hashes; the first differing block and
+    every block after it give different ones."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    digest = _HASH_SEED
+    out: list[str] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = struct.pack(f"<{block_size}i", *token_ids[start : start + block_size])
+        digest = hashlib.sha256(digest + block).digest()
+        out.append(digest.hex())
+    return out
+
+
+class ResidencyConfig(BaseModel):
+    """Where Redis is and how residency keys live. Publishers and readers must agree on block_size."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str  # redis://host:port/db, rediss://..., unix:///path.sock
+    block_size: int = Field(32, ge=1, le=4096)  # tokens per prefix block
+    heartbeat_ttl_s: float = Field(10.0, gt=0)  # a verifier silent this long is dead
+    session_ttl_s: float = Field(600.0, gt=0)  # idle sessions' residency (and KV) lifetime
+    socket_timeout_s: float = Field(0.2, gt=0)  # connect and read timeout of every Redis call
+    retry_after_s: float = Field(1.0, ge=0)  # during an outage, skip Redis this long after a failure
+
+
+@dataclass(frozen=True)
+class VerifierRecord:
+    """A live verifier as routing sees it (the Redis hash, or the gateway's own GetInfo poll)."""
+
+    verifier_id: str
+    address: str  # host:port of its gRPC Verifier service
+    model_id: str
+    max_context_tokens: int = 0  # 0 = unknown
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
+    active_sessions: int = 0
+    updated_at: float = 0.0  # unix seconds of the information
+
+    @classmethod
+    def from_info(cls, info, address: str) -> "VerifierRecord":
+        """From a `tandem.v1.VerifierInfo` message (or anything with its field names)."""
+        return cls(
+            verifier_id=info.verifier_id,
+            address=address,
+            model_id=info.model_id,
+            max_context_tokens=int(info.max_context_tokens),
+            kv_capacity_tokens=int(info.kv_capacity_tokens),
+            kv_used_tokens=int(info.kv_used_tokens),
+            active_sessions=int(info.active_sessions),
+            updated_at=time.time(),
+        )
+
+    @classmethod
+    def coerce(cls, info: "VerifierRecord | Mapping") -> "VerifierRecord":
+        """A record from itself or from a mapping with its field names (extra keys ignored)."""
+        if isinstance(info, VerifierRecord):
+            return info
+        names = [f.name for f in fields(cls)]
+        return cls(**{k: info[k] for k in names if k in info})
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            "address": self.address,
+            "model_id": self.model_id,
+            "max_context_tokens": str(self.max_context_tokens),
+            "kv_capacity_tokens": str(self.kv_capacity_tokens),
+            "kv_used_tokens": str(self.kv_used_tokens),
+            "active_sessions": str(self.active_sessions),
+            "updated_at": repr(self.updated_at or time.time()),
+        }
+
+    @classmethod
+    def from_hash(cls, verifier_id: str, h: Mapping[str, str]) -> "VerifierRecord":
+        return cls(
+            verifier_id=verifier_id,
+            address=h.get("address", ""),
+            model_id=h.get("model_id", ""),
+            max_context_tokens=int(h.get("max_context_tokens", 0) or 0),
+            kv_capacity_tokens=int(h.get("kv_capacity_tokens", 0) or 0),
+            kv_used_tokens=int(h.get("kv_used_tokens", 0) or 0),
+            active_sessions=int(h.get("active_sessions", 0) or 0),
+            updated_at=float(h.get("updated_at", 0) or 0),
+        )
+
+
+RoutingReason = Literal["session", "prefix", "load", "redis-unavailable"]
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    verifier_id: str
+    address: str
+    reason: RoutingReason  # why this verifier: it holds the session, the longest prefix, or is least loaded
+    matched_tokens: int  # prompt tokens expected resident there (0 when routed by load)
+
+
+def least_loaded(
+    candidates: Sequence[VerifierRecord], inflight: Mapping[str, int] | None = None
+) -> VerifierRecord | None:
+    """Fewest active sessions, then least KV in use; ties go to the smaller id (deterministic).
+    `inflight` holds requests the caller itself has in flight per verifier: a lower bound on its
+    active sessions that is fresher than the last heartbeat."""
+    inflight = inflight or {}
+
+    def load(rec: VerifierRecord) -> tuple[int, int, str]:
+        return (max(rec.active_sessions, inflight.get(rec.verifier_id, 0)), rec.kv_used_tokens, rec.verifier_id)
+
+    return min(candidates, key=load, default=None)
+
+
+def route_locally(
+    candidates: Sequence[VerifierRecord],
+    *,
+    affinity: tuple[str, int] | None = None,
+    inflight: Mapping[str, int] | None = None,
+    reason: RoutingReason = "load",
+) -> RoutingDecision | None:
+    """Routing without Redis, from what the caller knows itself. `affinity` = (verifier id, tokens
+    of this context it holds): where the caller last sent this session; if that verifier is a
+    candidate the session stays there (its KV is likely still resident), else the least loaded
+    candidate wins, labelled `reason`."""
+    by_id = {c.verifier_id: c for c in candidates}
+    if affinity is not None and affinity[0] in by_id:
+        return RoutingDecision(affinity[0], by_id[affinity[0]].address, "session", affinity[1])
+    rec = least_loaded(candidates, inflight)
+    return None if rec is None else RoutingDecision(rec.verifier_id, rec.address, reason, 0)
+
+
+class _RedisHealth:
+    """Counts Redis errors, logs once per outage (its start and its end), and tells callers to skip
+    Redis for `retry_after_s` after each failure while the outage lasts."""
+
+    def __init__(self, role: str, url: str, retry_after_s: float):
+        self._role, self._url, self._retry_after_s = role, url, retry_after_s
+        self._lock = threading.Lock()
+        self.errors = 0  # Redis errors since start (skipped calls not included)
+        self.skipped = 0  # calls not attempted because an outage was in progress
+        self._down_since: float | None = None
+        self._next_try = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self._down_since is None
+
+    def call(self, fn: Callable[[], T], default: T) -> tuple[T, bool]:
+        """Run fn against Redis; on failure (or while skipping) return (default, False)."""
+        if self._down_since is not None and time.monotonic() < self._next_try:
+            with self._lock:
+                self.skipped += 1
+            return default, False
+        try:
+            result = fn()
+        except redis.RedisError as exc:
+            now = time.monotonic()
+            with self._lock:
+                self.errors += 1
+                self._next_try = now + self._retry_after_s
+                first = self._down_since is None
+                if first:
+                    self._down_since = now
+            if first:
+                log.warning("%s: Redis at %s unavailable (%s); carrying on without residency", self._role, self._url, exc)
+            return default, False
+        if self._down_since is not None:
+            with self._lock:
+                down_for, self._down_since = time.monotonic() - self._down_since, None
+            log.warning("%s: Redis at %s reachable again after %.1f s", self._role, self._url, down_for)
+        return result, True
+
+
+def _config(config: ResidencyConfig | str, overrides: dict) -> ResidencyConfig:
+    if isinstance(config, str):
+        return ResidencyConfig(url=config, **overrides)
+    return config.model_copy(update=overrides) if overrides else config
+
+
+def _connect(config: ResidencyConfig) -> redis.Redis:
+    # One retry covers a pooled connection that went stale when Redis restarted; no backoff, since
+    # a caller on a request path must not wait.
+    return redis.Redis.from_url(
+        config.url,
+        socket_timeout=config.socket_timeout_s,
+        socket_connect_timeout=config.socket_timeout_s,
+        retry=Retry(NoBackoff(), 1),
+        decode_responses=True,
+    )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class ResidencyPublisher:
+    """Verifier side: registration, heartbeat and the residency of its sessions' KV.
+
+    It remembers locally which prefix blocks each session holds, so that evicting one session
+    removes the verifier from a block's set only when no other session of it still holds the block
+    (sessions sharing a system prompt share its blocks). Thread-safe. Never raises on Redis errors.
+    """
+
+    def __init__(self, config: ResidencyConfig | str, client: redis.Redis | None = None, **overrides):
+        """`config`: a ResidencyConfig, or a Redis URL with ResidencyConfig fields as keywords."""
+        self.config = config = _config(config, overrides)
+        self._redis = client or _connect(config)
+        self._health = _RedisHealth("residency publisher", config.url, config.retry_after_s)
+        self._lock = threading.Lock()
+        self._verifier_id: str | None = None
+        self._sessions: dict[str, tuple[str, list[str]]] = {}  # sid -> (verifier id, block hashes)
+        self._block_refs: Counter[tuple[str, str]] = Counter()  # (verifier id, hash) -> sessions holding it
+
+    @property
+    def redis_ok(self) -> bool:
+        return self._health.ok
+
+    @property
+    def errors(self) -> int:
+        return self._health.errors
+
+    def register(self, info: VerifierRecord | Mapping) -> bool:
+        """Announce a verifier (idempotent; the same write as a heartbeat). True if Redis took it.
+        `info`: a VerifierRecord or a mapping with its field names (e.g. a verifier's info dict)."""
+        info = VerifierRecord.coerce(info)
+        self._verifier_id = info.verifier_id
+        ok = self.heartbeat(info)
+        if ok:
+            log.info("registered verifier %s (%s, %s) in Redis", info.verifier_id, info.address, info.model_id)
+        return ok
+
+    def heartbeat(self, info: VerifierRecord | Mapping) -> bool:
+        """Refresh the verifier's record and TTL with its current load. True if Redis took it."""
+        info = VerifierRecord.coerce(info)
+        now = time.time()
+        ttl = _ms(self.config.heartbeat_ttl_s)
+
+        def write() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            key = verifier_key(info.verifier_id)
+            pipe.hset(key, mapping=info.to_hash())
+            pipe.pexpire(key, ttl)
+            pipe.zadd(VERIFIER_INDEX_KEY, {info.verifier_id: now})
+            pipe.zremrangebyscore(VERIFIER_INDEX_KEY, "-inf", now - _STALE_INDEX_S)
+            pipe.pexpire(VERIFIER_INDEX_KEY, ttl)
+            pipe.execute()
+
+        return self._health.call(write, None)[1]
+
+    def publish_session(self, session_id: str, verifier_id: str, token_ids: Sequence[int]) -> bool:
+        """Record that `verifier_id` holds the KV of `token_ids` (the session's whole history) and
+        renew the session's and its blocks' TTLs. Blocks the session no longer holds (its history
+        diverged) are released."""
+        hashes = prefix_hashes(token_ids, self.config.block_size)
+        with self._lock:
+            released = self._track(session_id, verifier_id, hashes)
+        ttl = _ms(self.config.session_ttl_s)
+
+        def write() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            key = session_key(session_id)
+            pipe.hset(
+                key,
+                mapping={"verifier_id": verifier_id, "resident_tokens": str(len(token_ids)), "last_used": repr(time.time())},
+            )
+            pipe.pexpire(key, ttl)
+            for h in hashes:
+                pipe.sadd(prefix_key(h), verifier_id)
+                pipe.pexpire(prefix_key(h), ttl)
+            for vid, h in released:
+                pipe.srem(prefix_key(h), vid)
+            pipe.execute()
+
+        return self._health.call(write, None)[1]
+
+    def evict_session(self, session_id: str, token_ids: Sequence[int] | None = None) -> bool:
+        """The verifier dropped the session's KV: delete its key and release its blocks.
+        `token_ids` is needed only for a session this publisher did not publish itself."""
+        with self._lock:
+            tracked = self._sessions.get(session_id)
+            if tracked is None and token_ids is not None and self._verifier_id is not None:
+                # Not ours to refcount: release the blocks outright.
+                released = [(self._verifier_id, h) for h in prefix_hashes(token_ids, self.config.block_size)]
+            else:
+                released = self._track(session_id, None, [])
+
+        def write() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.delete(session_key(session_id))
+            for vid, h in released:
+                pipe.srem(prefix_key(h), vid)
+            pipe.execute()
+
+        return self._health.call(write, None)[1]
+
+    def deregister(self, verifier_id: str | None = None) -> bool:
+        """Graceful shutdown: remove the verifier (default: the last registered) and everything
+        this publisher published."""
+        with self._lock:
+            sessions = list(self._sessions)
+            blocks = list(self._block_refs)
+            self._sessions.clear()
+            self._block_refs.clear()
+        verifier_id = verifier_id or self._verifier_id
+
+        def write() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            if verifier_id is not None:
+                pipe.delete(verifier_key(verifier_id))
+                pipe.zrem(VERIFIER_INDEX_KEY, verifier_id)
+            for sid in sessions:
+                pipe.delete(session_key(sid))
+            for vid, h in blocks:
+                pipe.srem(prefix_key(h), vid)
+            pipe.execute()
+
+        return self._health.call(write, None)[1]
+
+    def close(self) -> None:
+        self._redis.close()
+
+    def _track(self, session_id: str, verifier_id: str | None, hashes: list[str]) -> list[tuple[str, str]]:
+        """Replace the session's blocks by `hashes` (none: forget it); return the blocks whose last
+        holder this was. Caller holds the lock."""
+        old_vid, old = self._sessions.pop(session_id, (None, []))
+        if verifier_id is not None:
+            self._sessions[session_id] = (verifier_id, hashes)
+            for h in hashes:
+                self._block_refs[(verifier_id, h)] += 1
+        released = []
+        for h in old:
+            ref = (old_vid, h)
+            self._block_refs[ref] -= 1
+            if self._block_refs[ref] <= 0:
+                del self._block_refs[ref]
+                released.append(ref)
+        return released
+
+
+class ResidencyIndex:
+    """Gateway side: reads residency and routes. Never raises on Redis errors: it answers
+    "unknown" (empty results) and routes by load, with `redis_ok` False until Redis answers again."""
+
+    def __init__(self, config: ResidencyConfig | str, client: redis.Redis | None = None, **overrides):
+        """`config`: a ResidencyConfig, or a Redis URL with ResidencyConfig fields as keywords."""
+        self.config = config = _config(config, overrides)
+        self._redis = client or _connect(config)
+        self._health = _RedisHealth("residency index", config.url, config.retry_after_s)
+
+    @property
+    def redis_ok(self) -> bool:
+        return self._health.ok
+
+    @property
+    def errors(self) -> int:
+        return self._health.errors
+
+    def verifiers(self) -> list[VerifierRecord]:
+        """Live registered verifiers (empty when Redis is unreachable)."""
+        return self._health.call(self._verifiers, [])[0]
+
+    def session_verifier(self, session_id: str) -> str | None:
+        return self._health.call(lambda: self._redis.hget(session_key(session_id), "verifier_id"), None)[0]
+
+    def longest_prefix(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """verifier id -> tokens of `token_ids` whose KV it holds (full blocks of the prefix)."""
+        return self._health.call(lambda: self._longest_prefix(token_ids), {})[0]
+
+    def route(
+        self,
+        session_id: str | None,
+        token_ids: Sequence[int],
+        candidates: Sequence[VerifierRecord] = (),
+        *,
+        model_id: str | None = None,
+        exclude: Collection[str] = (),
+        inflight: Mapping[str, int] | None = None,
+        affinity: tuple[str, int] | None = None,
+    ) -> RoutingDecision | None:
+        """Pick a verifier for a request: the one holding the session, else the one holding the
+        longest prefix of `token_ids`, else the least loaded. `candidates` are verifiers the caller
+        knows without Redis (its static configuration); registered ones are added. Verifiers in
+        `exclude` or serving another model are skipped. `affinity` is the caller's own memory of the
+        session (see `route_locally`): it stands in for a session key that Redis lacks (not yet
+        published, or Redis down). None: no verifier at all."""
+
+        def usable(rec: VerifierRecord) -> bool:
+            return rec.verifier_id not in exclude and (model_id is None or rec.model_id == model_id)
+
+        def decide() -> RoutingDecision | None:
+            live = {c.verifier_id: c for c in candidates if usable(c)}
+            live.update((r.verifier_id, r) for r in self._verifiers() if usable(r))
+            if not live:
+                return None
+            if session_id:
+                owner, resident = self._redis.hmget(session_key(session_id), ["verifier_id", "resident_tokens"])
+                if owner in live:
+                    matched = min(int(resident or 0), len(token_ids))
+                    return RoutingDecision(owner, live[owner].address, "session", matched)
+                if affinity is not None and affinity[0] in live:
+                    return RoutingDecision(affinity[0], live[affinity[0]].address, "session", affinity[1])
+            held = {vid: n for vid, n in self._longest_prefix(token_ids).items() if vid in live}
+            if held:
+                best_n = max(held.values())
+                best = least_loaded([live[vid] for vid, n in held.items() if n == best_n], inflight)
+                return RoutingDecision(best.verifier_id, best.address, "prefix", best_n)
+            rec = least_loaded(list(live.values()), inflight)
+            return RoutingDecision(rec.verifier_id, rec.address, "load", 0)
+
+        decision, ok = self._health.call(decide, None)
+        if ok:
+            return decision
+        return route_locally([c for c in candidates if usable(c)], affinity=affinity, inflight=inflight,
+                             reason="redis-unavailable")
+
+    def close(self) -> None:
+        self._redis.close()
+
+    def _verifiers(self) -> list[VerifierRecord]:
+        ids = self._redis.zrange(VERIFIER_INDEX_KEY, 0, -1)
+        if not ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for vid in ids:
+            pipe.hgetall(verifier_key(vid))
+        return [VerifierRecord.from_hash(vid, h) for vid, h in zip(ids, pipe.execute()) if h]
+
+    def _longest_prefix(self, token_ids: Sequence[int]) -> dict[str, int]:
+        hashes = prefix_hashes(token_ids, self.config.block_size)
+        if not hashes:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for h in hashes:
+            pipe.smembers(prefix_key(h))
+        held: dict[str, int] = {}
+        holders: set[str] | None = None
+        # A verifier holds the prefix up to block i only if it holds every block before it: walk
+        # the chain, keeping those still present, and stop when none is left.
+        for i, members in enumerate(pipe.execute()):
+            holders = set(members) if holders is None else holders & set(members)
+            if not holders:
+                break
+            for vid in holders:
+                held[vid] = (i + 1) * self.config.block_size
+        return held
