@@ -397,7 +397,8 @@ class GatewayCore:
             raise
 
     def _prepare(self, req: GenerationRequest) -> _Prepared:
-        if req.model and req.model not in (self.model_name, self.model_id):
+        # "default" names whatever this deployment serves, so scripts need not know the model id.
+        if req.model and req.model not in (self.model_name, self.model_id, "default"):
             raise InvalidRequest(f"model {req.model!r} is not served here; available: {self.model_name!r}")
         sid = req.session_id or None
         context = self._context_ids(req, sid)
