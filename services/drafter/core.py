@@ -399,7 +399,10 @@ class DrafterCore:
         k = min(session.next_block_len, session.max_block_len)
         draft = self._propose(session, session.ids, k)
         if draft is None:
-            return None
+            # Say so rather than stay silent: the verifier then decodes plainly at once instead of
+            # waiting for a block that is not coming.
+            return Block(session_id=session.session_id, base_len=len(session.ids), token_ids=[], proposals=None,
+                         proposer=session.strategy.value, draft_time_us=0, speculative=False, confidence=0)
         block = self._block(session, len(session.ids), draft, speculative=False)
         with self._stats_lock:
             self._stats.draft_seconds += draft.seconds

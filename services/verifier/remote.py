@@ -35,6 +35,7 @@ _STRATEGY = {
     "model": common_pb2.DRAFT_STRATEGY_MODEL,
 }
 _END = object()  # sentinel that ends the request iterator
+NOTHING = Draft(tokens=[], proposer="none")  # the drafter said it has no proposal for this position
 
 
 @dataclass
@@ -171,8 +172,8 @@ class RemoteProposer(Proposer):
         bad = None
         if msg.session_id and msg.session_id != self.session_id:
             bad = f"block for another session {msg.session_id!r}"
-        elif not tokens:
-            bad = "empty block"
+        elif not tokens and msg.speculative:
+            bad = "empty speculative block"
         elif any(t < 0 or t >= self.vocab_size for t in tokens):
             bad = "token id outside the vocabulary"
         support = probs = None
@@ -216,6 +217,11 @@ class RemoteProposer(Proposer):
             if overlap < 0:
                 keep.append(block)  # based in the future: maybe after the next commit
                 continue
+            if not block.tokens:  # "nothing to propose here": valid only at its own position
+                if overlap == 0:
+                    keep.append(block)
+                    found = found or block
+                continue
             if overlap >= len(block.tokens) or block.tokens[:overlap] != ids[block.base_len:n]:
                 self.rejected_blocks += 1  # stale: never verified against the wrong position
                 continue
@@ -224,6 +230,8 @@ class RemoteProposer(Proposer):
         self._blocks = keep
         if found is None:
             return None
+        if not found.tokens:
+            return NOTHING
         overlap = n - found.base_len
         draft = Draft(tokens=found.tokens[overlap:], proposer=found.proposer, bucket=found.confidence)
         if found.support is not None:
@@ -253,6 +261,9 @@ class RemoteProposer(Proposer):
                 if draft is not None or remaining <= 0 or self._dead_since is not None:
                     break
                 self._cond.wait(remaining)
+        if draft is NOTHING:
+            self._misses = 0  # the drafter answered in time: it just has no proposal here
+            return Offer(self.name, 0, 0)
         if draft is None:
             self._misses += 1
             self.fallback_steps += 1

@@ -259,7 +259,10 @@ class DraftBlock(_message.Message):
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Drafted token ids, proposing indices base_len, base_len + 1, ... (target vocabulary ids)."""
+        """Drafted token ids, proposing indices base_len, base_len + 1, ... (target vocabulary ids).
+        Empty in a regular block: the proposer has nothing for base_len (e.g. no n-gram match), so
+        the verifier decodes that step plainly at once instead of waiting for drafts.
+        """
 
     @_builtins.property
     def proposals(self) -> _containers.RepeatedCompositeFieldContainer[Global___SparseDistribution]:
