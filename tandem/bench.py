@@ -94,48 +94,68 @@ def median_run(runs: Sequence[GenerationResult]) -> GenerationResult:
     return ordered[(len(ordered) - 1) // 2]
 
 
+class EngineTarget:
+    """Bench target: an in-process Engine (the single-process reference loop)."""
+
+    def __init__(self, engine: Engine, tokenizer):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_id = engine.target.model_id
+        self.draft_id = engine.draft.model_id if engine.draft is not None else None
+
+    def prepare(self, rec: PromptRecord) -> tuple[list[int], int]:
+        ids = apply_chat_template(self.tokenizer, to_chat(rec, 0))
+        if len(ids) >= self.engine.target.max_context:
+            raise ValueError(
+                f"prompt {rec.id!r} of {rec.dataset} has {len(ids)} tokens and does not fit the "
+                f"{self.engine.target.max_context}-token context window of {self.model_id}"
+            )
+        return ids, len(ids)
+
+    def generate(self, ctx, sampling: SamplingParams, mode: str) -> GenerationResult:
+        return self.engine.generate(ctx, sampling, self.engine.spec.model_copy(update={"strategy": MODES[mode]}))
+
+    def machine(self) -> dict:
+        return machine_info(self.engine)
+
+
 def run_bench(
-    engine: Engine,
+    engine,
     records: Sequence[PromptRecord],
     modes: list[str],
     max_new_tokens: int,
     *,
-    tokenizer,
+    tokenizer=None,
     sampling: SamplingParams | None = None,
     progress: bool = True,
     repeats: int = 1,
 ) -> dict:
     """Run the first turn of every record in every mode, interleaved; return the JSON-able report.
 
+    `engine` is an in-process `Engine` (with `tokenizer`) or any bench target with the interface of
+    `EngineTarget` (e.g. `tandem.bench_remote.GatewayTarget`, the same modes through a stack).
     `ar` is the baseline of every ratio, so it is run even when `modes` leaves it out. `sampling`
     defaults to greedy; its max_new_tokens is replaced by `max_new_tokens`. With repeats > 1 each
     prompt runs that many times per mode and its figures are those of the median-time repeat;
     equality with ar is required of every repeat.
     """
-    modes = _check_modes(engine, modes)
+    target = EngineTarget(engine, tokenizer) if isinstance(engine, Engine) else engine
+    modes = _check_modes(target, modes)
     if not records:
         raise ValueError("no prompts to benchmark")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     sampling = (sampling or SamplingParams()).model_copy(update={"max_new_tokens": max_new_tokens})
     greedy = sampling.greedy
-    specs = {m: engine.spec.model_copy(update={"strategy": MODES[m]}) for m in modes}
 
-    contexts = []
-    for rec in records:
-        ids = apply_chat_template(tokenizer, to_chat(rec, 0))
-        if len(ids) >= engine.target.max_context:
-            raise ValueError(
-                f"prompt {rec.id!r} of {rec.dataset} has {len(ids)} tokens and does not fit the "
-                f"{engine.target.max_context}-token context window of {engine.target.model_id}"
-            )
-        contexts.append(ids)
+    prepared = [target.prepare(rec) for rec in records]
+    contexts = [p[0] for p in prepared]
 
     # Untimed: the first forwards pay for allocation and kernel selection, and the draft model's
     # first forward for its own; one short generation per mode keeps that out of the first prompt.
     warmup = sampling.model_copy(update={"max_new_tokens": min(max_new_tokens, WARMUP_TOKENS)})
     for m in modes:
-        engine.generate(contexts[0], warmup, specs[m])
+        target.generate(contexts[0], warmup, m)
 
     runs: list[dict[str, list[GenerationResult]]] = [{m: [] for m in modes} for _ in records]
     with progress_bar(enabled=progress) as bar:
@@ -143,14 +163,14 @@ def run_bench(
         for i, ctx in enumerate(contexts):
             for r in range(repeats):
                 for m in rotated(modes, i * repeats + r):
-                    runs[i][m].append(engine.generate(ctx, sampling, specs[m]))
+                    runs[i][m].append(target.generate(ctx, sampling, m))
                     bar.advance(task)
 
     chosen = [{m: median_run(prompt_runs[m]) for m in modes} for prompt_runs in runs]
     ar_ids = [prompt_runs["ar"][0].token_ids for prompt_runs in runs]
     prompts = []
-    for rec, ctx, prompt_runs, best in zip(records, contexts, runs, chosen):
-        entry = {"id": rec.id, "dataset": rec.dataset, "category": rec.category, "prompt_tokens": len(ctx), "modes": {}}
+    for rec, (_, prompt_tokens), prompt_runs, best in zip(records, prepared, runs, chosen):
+        entry = {"id": rec.id, "dataset": rec.dataset, "category": rec.category, "prompt_tokens": prompt_tokens, "modes": {}}
         for m in modes:
             res = best[m]
             entry["modes"][m] = {
@@ -191,12 +211,12 @@ def run_bench(
         "modes": summary,
         "prompts": prompts,
         "config": {
-            "model": engine.target.model_id,
-            "draft_model": engine.draft.model_id if engine.draft is not None else None,
+            "model": target.model_id,
+            "draft_model": target.draft_id,
             "max_new_tokens": max_new_tokens,
             "limit": len(records),
             "repeats": repeats,
-            "machine": machine_info(engine),
+            "machine": target.machine(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "sampling": sampling.model_dump(mode="json"),
         },
@@ -252,12 +272,12 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def _check_modes(engine: Engine, modes: Sequence[str]) -> list[str]:
+def _check_modes(target, modes: Sequence[str]) -> list[str]:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(map(repr, unknown))}; choose from {', '.join(MODES)}")
     if len(set(modes)) != len(modes):
         raise ValueError(f"modes repeat: {list(modes)}")
-    if "model" in modes and engine.draft is None:
+    if "model" in modes and target.draft_id is None:
         raise ValueError("mode 'model' needs a draft model (--draft-model PATH)")
     return list(modes) if "ar" in modes else ["ar", *modes]

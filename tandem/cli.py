@@ -233,6 +233,7 @@ def bench(
     max_draft_tokens: MaxDraftOpt = 8,
     adaptive: AdaptiveOpt = True,
     repeats: Annotated[int, typer.Option("--repeats", help="Runs per prompt and mode; the median-time run counts.", min=1)] = 1,
+    endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="Benchmark a running stack through its gateway's gRPC address (HOST:PORT) instead of in process.")] = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Benchmark modes side by side in one process, interleaved per prompt, against plain decoding.
@@ -254,11 +255,17 @@ def bench(
         spec = SpecConfig(max_draft_tokens=max_draft_tokens, adaptive=adaptive)
     except ValueError as exc:
         _fail(str(exc))
-    target, draft_lm = _load(model, draft_model)
-    engine = Engine(target, draft_lm, spec)
     try:
-        result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
-                           sampling=sampling, repeats=repeats)
+        if endpoint:
+            from tandem.bench_remote import GatewayTarget
+
+            bench_target = GatewayTarget(endpoint)
+            result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats)
+        else:
+            target, draft_lm = _load(model, draft_model)
+            engine = Engine(target, draft_lm, spec)
+            result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
+                               sampling=sampling, repeats=repeats)
     except ValueError as exc:
         _fail(str(exc))
     result["config"]["dataset"] = str(dataset)

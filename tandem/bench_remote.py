@@ -1,0 +1,96 @@
+"""Bench target over a running stack: the same modes, through the gateway's gRPC `Generate`.
+
+`tandem bench --endpoint HOST:PORT` uses this instead of an in-process engine, and writes the same
+JSON, so in-process and distributed speculation can be compared side by side. Times are measured at
+the client, end to end (gateway, verifier, drafter and the network between them included). Every
+request is a one-off (no session id), so no run reuses another's KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+import grpc
+
+from tandem.config import SamplingParams
+from tandem.datasets import PromptRecord, to_chat
+from tandem.spec import FinishReason, GenerationResult, SpecStats
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+_STRATEGY = {
+    "ar": common_pb2.DRAFT_STRATEGY_NONE,
+    "ngram": common_pb2.DRAFT_STRATEGY_NGRAM,
+    "model": common_pb2.DRAFT_STRATEGY_MODEL,
+}
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: FinishReason.stop,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.length,
+    common_pb2.FINISH_REASON_CANCELLED: FinishReason.cancelled,
+    common_pb2.FINISH_REASON_ERROR: FinishReason.error,
+}
+
+
+class GatewayTarget:
+    def __init__(self, endpoint: str, *, timeout_s: float = 600.0):
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(endpoint)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        try:
+            models = self.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models
+        except grpc.RpcError as exc:
+            raise ValueError(f"no gateway answers at {endpoint}: {exc.code().name} {exc.details()}") from exc
+        if not models:
+            raise ValueError(f"the gateway at {endpoint} serves no model")
+        default = next((m for m in models if m.is_default), models[0])
+        self.model_id = default.id
+        self.draft_id = "remote drafter" if common_pb2.DRAFT_STRATEGY_MODEL in default.strategies else None
+
+    def prepare(self, rec: PromptRecord) -> tuple[gateway_pb2.ChatMessages, int | None]:
+        msgs = [gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in to_chat(rec, 0)]
+        return gateway_pb2.ChatMessages(messages=msgs), None
+
+    def generate(self, ctx: gateway_pb2.ChatMessages, sampling: SamplingParams, mode: str) -> GenerationResult:
+        req = gateway_pb2.GenerateRequest(
+            messages=ctx,
+            sampling=common_pb2.SamplingParams(
+                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_new_tokens=sampling.max_new_tokens, **({"seed": sampling.seed} if sampling.seed is not None else {}),
+            ),
+            speculation=common_pb2.SpeculationParams(strategy=_STRATEGY[mode]),
+        )
+        start = time.perf_counter()
+        first = None
+        tokens: list[int] = []
+        last = None
+        for msg in self.stub.Generate(req, timeout=self.timeout_s):
+            if msg.token_ids:
+                first = first or time.perf_counter()
+                tokens.extend(msg.token_ids)
+            last = msg
+        end = time.perf_counter()
+        st = last.stats
+        stats = SpecStats(
+            drafted=st.drafted, accepted=st.accepted, recovered=st.recovered, bonus=st.bonus, steps=st.steps,
+            fallback_steps=st.fallback_steps, rejected_blocks=st.rejected_blocks,
+            prefill_reused_tokens=st.prefill_reused_tokens, prefill_computed_tokens=st.prefill_computed_tokens,
+        )
+        # The stop token is streamed (it belongs to the session's history) but is not output.
+        if last.finish_reason == common_pb2.FINISH_REASON_STOP and tokens:
+            tokens = tokens[:-1]
+        return GenerationResult(
+            token_ids=tokens, finish_reason=_FINISH.get(last.finish_reason, FinishReason.error), stats=stats,
+            prompt_tokens=last.usage.prompt_tokens, seconds=end - start,
+            first_token_seconds=(first or end) - start,
+        )
+
+    def machine(self) -> dict:
+        return {
+            "endpoint": self.endpoint,
+            "client_platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "cpu_count": os.cpu_count(),
+        }

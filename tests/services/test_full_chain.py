@@ -1,0 +1,151 @@
+"""The whole chain, every part real: client -> gateway (HTTP + gRPC) -> verifier <- drafter, with
+a real Valkey for registration and residency, on a tiny random Llama.
+
+Checked: greedy output through the chain equals the single-process reference token for token (for
+every strategy, over both APIs, streaming and not); a session's second turn lands on the verifier
+that holds it (one of two) and prefills only its new tokens; a verifier that dies is replaced, and
+the session is rebuilt there from the gateway's history; `tandem bench --endpoint` works over it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from tandem.bench import run_bench
+from tandem.bench_remote import GatewayTarget
+from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.datasets import PromptRecord
+from tandem.models import apply_chat_template
+from tandem.residency import ResidencyPublisher
+from tandem.services.drafter.core import DrafterCore
+from tandem.services.drafter.server import build_server as build_drafter
+from tandem.services.drafter.settings import DrafterSettings
+from tandem.services.verifier.core import VerifierCore
+from tandem.services.verifier.server import build_server as build_verifier
+from tandem.services.verifier.settings import VerifierSettings
+from tandem.spec import Engine
+from tandem.v1 import common_pb2, gateway_pb2
+
+from test_gateway import Gateway
+
+MESSAGES = [{"role": "user", "content": "the answer is the answer is the answer is"}]
+
+
+class RealVerifier:
+    def __init__(self, vid: str, loaded, redis_url: str):
+        self.publisher = ResidencyPublisher(redis_url, heartbeat_ttl_s=5, session_ttl_s=60)
+        self.core = VerifierCore(VerifierSettings(verifier_id=vid, port=0, heartbeat_s=0.5, draft_wait_ms=200),
+                                 loaded, publisher=self.publisher)
+        self.server, port, _ = build_verifier(self.core)
+        self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        self.core.start(self.address)
+
+    def stop(self) -> None:
+        self.server.stop(None)
+        self.core.stop()
+
+
+@pytest.fixture
+def chain(tiny_loaded, tiny_draft_loaded, redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    dcore = DrafterCore(DrafterSettings(drafter_id="d0", draft_model=tiny_draft_loaded))
+    dserver, dport = build_drafter(dcore)
+    dserver.start()
+    verifiers = [RealVerifier(f"v{i}", tiny_loaded, redis_url) for i in range(2)]
+    gw = Gateway(tiny_loaded.tokenizer, model="tiny", redis_url=redis_url, drafters=(f"127.0.0.1:{dport}",),
+                 verifiers=tuple(v.address for v in verifiers), poll_interval_s=0.5)
+    time.sleep(0.6)  # one poll of the drafter's and verifiers' GetInfo
+    yield gw, verifiers
+    gw.close()
+    for v in verifiers:
+        v.stop()
+    dserver.stop(None)
+
+
+def _reference(loaded, max_new: int, ignore_eos: bool = True) -> list[int]:
+    ctx = apply_chat_template(loaded.tokenizer, MESSAGES)
+    return Engine(loaded).generate(ctx, SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos),
+                                   SpecConfig(strategy=DraftStrategy.none)).token_ids
+
+
+def _grpc_generate(gw, strategy, session="", max_new=24, messages=MESSAGES):
+    req = gateway_pb2.GenerateRequest(
+        session_id=session,
+        messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(**m) for m in messages]),
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True),
+        speculation=common_pb2.SpeculationParams(strategy=strategy),
+    )
+    tokens, last = [], None
+    for msg in gw.stub.Generate(req, timeout=30):
+        assert msg.first_index == len(tokens) or not msg.token_ids
+        tokens.extend(msg.token_ids)
+        last = msg
+    return tokens, last
+
+
+@pytest.mark.parametrize("strategy", [common_pb2.DRAFT_STRATEGY_NONE, common_pb2.DRAFT_STRATEGY_NGRAM,
+                                      common_pb2.DRAFT_STRATEGY_MODEL])
+def test_chain_output_equals_single_process_reference(chain, tiny_loaded, strategy):
+    gw, _ = chain
+    tokens, last = _grpc_generate(gw, strategy)
+    assert tokens == _reference(tiny_loaded, 24)
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    if strategy != common_pb2.DRAFT_STRATEGY_NONE:
+        assert last.stats.drafted > 0, "the drafter must actually have been used"
+
+
+def test_openai_client_streaming_and_not_equal_reference(chain, tiny_loaded):
+    gw, _ = chain
+    expected = _reference(tiny_loaded, 16, ignore_eos=False)
+    expected_text = tiny_loaded.tokenizer.decode(expected, skip_special_tokens=True)
+    reply = gw.openai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == expected_text
+    assert {"drafted", "accepted", "mean_accepted_len"} <= set(reply.usage.speculation)
+    stream = gw.openai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                               stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected_text
+
+
+def test_second_turn_sticks_to_its_verifier_and_prefills_only_new_tokens(chain):
+    gw, verifiers = chain
+    tokens1, last1 = _grpc_generate(gw, common_pb2.DRAFT_STRATEGY_NGRAM, session="conv")
+    first = last1.verifier_id
+    history = MESSAGES + [{"role": "assistant", "content": "the answer"}, {"role": "user", "content": "and again"}]
+    for _ in range(2):
+        _, last2 = _grpc_generate(gw, common_pb2.DRAFT_STRATEGY_NGRAM, session="conv", messages=history)
+        assert last2.verifier_id == first
+        assert last2.usage.cached_prompt_tokens > 0
+        assert last2.stats.prefill_computed_tokens < last2.stats.prefill_reused_tokens
+    holder = next(v for v in verifiers if v.core.settings.verifier_id == first)
+    other = next(v for v in verifiers if v is not holder)
+    assert "conv" in holder.core.session_ids() and "conv" not in other.core.session_ids()
+    assert other.core.counters.prefill_computed_tokens == 0
+
+
+def test_dead_verifier_session_moves_and_is_rebuilt(chain, tiny_loaded):
+    gw, verifiers = chain
+    _, last1 = _grpc_generate(gw, common_pb2.DRAFT_STRATEGY_NGRAM, session="moving")
+    holder = next(v for v in verifiers if v.core.settings.verifier_id == last1.verifier_id)
+    holder.stop()
+    holder.publisher.evict_session("moving")  # what its residency TTL would do, without the wait
+    tokens, last2 = _grpc_generate(gw, common_pb2.DRAFT_STRATEGY_NGRAM, session="moving")
+    assert last2.verifier_id != last1.verifier_id
+    assert tokens == _reference(tiny_loaded, 24)
+    assert last2.stats.prefill_reused_tokens == 0, "the new verifier rebuilt the session from scratch"
+
+
+def test_bench_through_the_gateway_matches_in_process(chain, tiny_loaded):
+    gw, _ = chain
+    records = [PromptRecord(id=str(i), dataset="tiny", category=None, system=None,
+                            turns=[f"the answer is {i} the answer is {i} the answer"]) for i in range(3)]
+    remote = run_bench(GatewayTarget(f"127.0.0.1:{gw.grpc_port}"), records, ["ar", "ngram", "model"], 12,
+                       progress=False)
+    local = run_bench(Engine(tiny_loaded), records, ["ar"], 12, tokenizer=tiny_loaded.tokenizer, progress=False)
+    assert set(remote["modes"]) == {"ar", "ngram", "model"}
+    assert remote["modes"]["ngram"]["lossless"] == 1.0 and remote["modes"]["model"]["lossless"] == 1.0
+    for p_remote, p_local in zip(remote["prompts"], local["prompts"]):
+        assert p_remote["modes"]["ar"]["tokens"] == p_local["modes"]["ar"]["tokens"]
