@@ -1,0 +1,217 @@
+"""The `tandem` command line, run in-process on a tiny model saved to disk.
+
+The commands must parse what they document, fail with a message a user can act on, and print what
+scripts read (generate --json, bench --out); generate's tokens must be the target's own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from conftest import make_tiny_tokenizer
+from tandem.cli import app
+from tandem.config import SamplingParams, SpecConfig
+from tandem.models import apply_chat_template, load_model
+from tandem.spec import Engine
+
+# Rich wraps help text to the terminal: wide enough that no option name is cut with an ellipsis.
+ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
+THREADS = ["--threads", "1"]  # the CLI sets torch's thread count for the process; keep the suite's
+
+EXPECTED_OPTIONS = {
+    "generate": [
+        "--prompt", "-p", "--system", "--draft", "--model", "-m", "--draft-model", "--max-new-tokens", "-n",
+        "--temperature", "-t", "--top-p", "--top-k", "--seed", "--max-draft-tokens", "-k", "--adaptive",
+        "--fixed", "--json", "--threads",
+    ],
+    "bench": [
+        "--dataset", "-d", "--limit", "-l", "--max-new-tokens", "-n", "--modes", "--out", "-o", "--model", "-m",
+        "--draft-model", "--temperature", "-t", "--seed", "--max-draft-tokens", "-k", "--adaptive", "--fixed",
+        "--repeats", "--threads",
+    ],
+    "convert": ["--model", "-m"],
+}
+COMMANDS = sorted(typer.main.get_command(app).commands)  # every command, the service ones included
+
+GENERATE_KEYS = {"text", "token_ids", "drafted", "accepted", "steps", "mean_accepted_len", "tokens_per_s"}
+BENCH_MODE_KEYS = {
+    "tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_len", "lossless",
+}
+BENCH_PROMPT_MODE_KEYS = {
+    "tokens", "seconds", "tokens_per_s", "drafted", "accepted", "steps", "mean_accepted_len", "equal_to_ar",
+}
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env=ENV)
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """A command without --threads sets torch's threads to every core, process-wide: restore them."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tiny_loaded) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "tiny-llama"
+    tiny_loaded.model.save_pretrained(str(path))
+    tiny_loaded.tokenizer.save_pretrained(str(path))
+    return path
+
+
+# --- help -----------------------------------------------------------------------------------------
+
+
+def test_top_level_help_lists_every_command() -> None:
+    res = invoke("--help")
+    assert res.exit_code == 0, res.output
+    for command in COMMANDS:
+        assert re.search(rf"\b{command}\b", res.stdout), command
+    assert "lossless speculative decoding" in res.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help_mentions_every_option(command) -> None:
+    res = invoke(command, "--help")
+    assert res.exit_code == 0, res.output
+    # What the code declares (so a new option cannot go undocumented) ...
+    click_command = typer.main.get_command(app).commands[command]
+    declared = {opt for p in click_command.params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("-")}
+    # ... and what users rely on (so an option cannot silently disappear).
+    assert set(EXPECTED_OPTIONS.get(command, [])) <= declared
+    for opt in sorted(declared):  # as a whole word: "-n" inside "--max-new-tokens" does not count
+        assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", res.stdout), f"{command} --help lacks {opt}"
+
+
+# --- generate -------------------------------------------------------------------------------------
+
+
+def test_generate_json_prints_one_object_with_the_targets_tokens(tiny_dir) -> None:
+    res = invoke(
+        "generate", "--model", str(tiny_dir), "--prompt", "the cat is on the mat", "--json",
+        "--max-new-tokens", "8", "--draft", "ngram", "--fixed", "-k", "4", *THREADS,
+    )
+    assert res.exit_code == 0, res.output
+    lines = [line for line in res.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stdout
+    out = json.loads(lines[0])
+    assert GENERATE_KEYS <= set(out)
+    assert len(out["token_ids"]) == 8 and out["steps"] + out["accepted"] >= 8
+    assert out["mean_accepted_len"] == pytest.approx((out["accepted"] + out["steps"]) / out["steps"], abs=1e-4)
+    # Lossless through the command line: the tokens of plain greedy decoding, and their text.
+    target = load_model(str(tiny_dir), progress=False)
+    ctx = apply_chat_template(target.tokenizer, [{"role": "user", "content": "the cat is on the mat"}])
+    plain = Engine(target).generate(ctx, SamplingParams(max_new_tokens=8), SpecConfig(strategy="none"))
+    assert out["token_ids"] == plain.token_ids
+    assert out["text"] == target.tokenizer.decode(plain.token_ids, skip_special_tokens=True)
+
+
+def test_generate_streams_text_and_reports_statistics(tiny_dir) -> None:
+    res = invoke("generate", "-m", str(tiny_dir), "-p", "the cat", "-n", "6", "--draft", "none", *THREADS)
+    assert res.exit_code == 0, res.output
+    target = load_model(str(tiny_dir), progress=False)
+    ctx = apply_chat_template(target.tokenizer, [{"role": "user", "content": "the cat"}])
+    ids = Engine(target).generate(ctx, SamplingParams(max_new_tokens=6), SpecConfig(strategy="none")).token_ids
+    assert res.stdout.strip() == target.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    assert "6 tokens" in res.stderr and "target steps" in res.stderr
+
+
+def test_seeded_generate_replays(tiny_dir) -> None:
+    args = ["generate", "-m", str(tiny_dir), "-p", "the cat", "-n", "8", "--json", "-t", "1.0", "--seed", "3", *THREADS]
+    first = json.loads(invoke(*args).stdout)
+    assert json.loads(invoke(*args).stdout)["token_ids"] == first["token_ids"]
+
+
+def test_draft_model_strategy_without_a_draft_model_fails_clearly(tiny_dir) -> None:
+    res = invoke("generate", "--model", str(tiny_dir), "--prompt", "hi", "--draft", "model", *THREADS)
+    assert res.exit_code == 2
+    assert "--draft-model" in res.stderr and "error" in res.stderr
+    assert res.stdout == ""
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path, tiny_dir, tiny_draft_loaded) -> None:
+    other = tmp_path / "other-draft"
+    tiny_draft_loaded.model.save_pretrained(str(other))
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.add_tokens(["zebra"])  # one entry more: no longer the target's vocabulary
+    tokenizer.save_pretrained(str(other))
+    res = invoke("generate", "-m", str(tiny_dir), "-p", "hi", "--draft", "model", "--draft-model", str(other), *THREADS)
+    assert res.exit_code == 2
+    assert "does not share the tokenizer" in res.stderr and "other-draft" in res.stderr and "tiny-llama" in res.stderr
+
+
+def test_a_missing_model_fails_clearly(tmp_path) -> None:
+    res = invoke("generate", "-m", str(tmp_path / "nowhere"), "-p", "hi", *THREADS)
+    assert res.exit_code == 2 and "does not exist" in res.stderr
+
+
+def test_a_draft_model_through_the_cli_is_lossless(tiny_dir, tmp_path, tiny_draft_loaded) -> None:
+    draft = tmp_path / "tiny-draft"
+    tiny_draft_loaded.model.save_pretrained(str(draft))
+    make_tiny_tokenizer().save_pretrained(str(draft))
+    args = ["generate", "-m", str(tiny_dir), "-p", "the dog", "-n", "8", "--json", *THREADS]
+    plain = json.loads(invoke(*args, "--draft", "none").stdout)
+    res = invoke(*args, "--draft", "model", "--draft-model", str(draft), "--fixed", "-k", "3")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["token_ids"] == plain["token_ids"] and out["drafted"] > 0
+
+
+# --- bench and convert ----------------------------------------------------------------------------
+
+
+def test_bench_writes_the_documented_report(tiny_dir, tmp_path) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "a", "prompt": "def add ( a , b ) : return a + b def sub ( a , b ) :"},
+                {"id": "b", "turns": ["the cat is on the mat and the cat is on the"]},
+                {"id": "c", "prompt": "never read: past the limit"},
+            ]
+        )
+        + "\n"
+    )
+    report = tmp_path / "out" / "bench.json"
+    res = invoke(
+        "bench", "--model", str(tiny_dir), "--dataset", str(dataset), "--limit", "2", "--max-new-tokens", "8",
+        "--modes", "ar,ngram", "--out", str(report), *THREADS,
+    )
+    assert res.exit_code == 0, res.output
+    result = json.loads(report.read_text())
+    assert set(result) >= {"modes", "prompts", "config"}
+    assert set(result["modes"]) == {"ar", "ngram"}
+    for mode in result["modes"].values():
+        assert BENCH_MODE_KEYS <= set(mode)
+        assert mode["tokens"] == 16 and mode["lossless"] == 1.0
+    assert [p["id"] for p in result["prompts"]] == ["a", "b"]
+    for prompt in result["prompts"]:
+        assert set(prompt["modes"]) == {"ar", "ngram"}
+        for m in prompt["modes"].values():
+            assert BENCH_PROMPT_MODE_KEYS <= set(m) and m["equal_to_ar"] is True
+    cfg = result["config"]
+    assert cfg["model"] == "tiny-llama" and cfg["limit"] == 2 and cfg["max_new_tokens"] == 8
+    assert cfg["dataset"] == str(dataset) and cfg["machine"]["torch_threads"] == 1
+
+
+def test_bench_refuses_an_unknown_mode(tiny_dir, tmp_path) -> None:
+    dataset = tmp_path / "p.jsonl"
+    dataset.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    res = invoke("bench", "-m", str(tiny_dir), "-d", str(dataset), "--modes", "ar,eagle", *THREADS)
+    assert res.exit_code == 2 and "eagle" in res.stderr
+
+
+def test_convert_leaves_a_hf_directory_alone(tiny_dir) -> None:
+    res = invoke("convert", "--model", str(tiny_dir))
+    assert res.exit_code == 0 and "nothing to convert" in res.stdout
