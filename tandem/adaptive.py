@@ -25,14 +25,18 @@ from tandem.runner import ForwardCosts
 
 MAX_POSITIONS = 64
 
-# Prior conditional acceptance by matched n-gram length (first bucket: draft model or unknown).
-_PRIOR = {0: 0.3, 1: 0.25, 2: 0.4, 3: 0.55, 4: 0.65}
+# Prior conditional acceptance by bucket (n-gram: matched length, grouped; 0: draft model or
+# unknown). Only a starting point: measured counts take over within a few steps.
+_PRIOR = {0: 0.3, 1: 0.2, 2: 0.35, 3: 0.45, 4: 0.55, 5: 0.65, 6: 0.75, 7: 0.85}
 _PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior
 _SESSION_SHRINK = 8.0  # pseudo-observations of the runner-wide estimate in a session's estimate
 
 
 def _bucket(proposer: str, bucket: int) -> tuple[str, int]:
-    return proposer, min(bucket, 4)
+    """Group confidence values: 1, 2, 3, 4 stay; 5-7 -> 5; 8-15 -> 6; 16 and more -> 7."""
+    if bucket <= 4:
+        return proposer, bucket
+    return proposer, 5 if bucket < 8 else 6 if bucket < 16 else 7
 
 
 @dataclass
@@ -78,9 +82,16 @@ class BlockLengthController:
             out.append((o_acc + _SESSION_SHRINK * global_rate) / (o_reached + _SESSION_SHRINK))
         return out
 
-    def choose(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0) -> int:
-        """Best block length in 0..min(max_k, available). `batch_tokens` are tokens other sessions
-        add to the same forward (the forward's cost is that of the whole batch)."""
+    def choose(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0,
+               batch_committed: float = 0.0) -> int:
+        """Best block length in 0..min(max_k, available).
+
+        Alone, this maximises E(k) / C(k). In a batch, the forward also carries `batch_tokens` of
+        other sessions that commit `batch_committed` tokens, and its cost is that of all tokens:
+        we maximise the batch's (batch_committed + E(k)) / C(batch_tokens + k + 1). Once the
+        forward is compute-bound, C grows with every token and drafts must be likelier to pay,
+        down to k = 0: plain batched decoding.
+        """
         limit = min(self.max_k, available)
         if limit <= 0:
             return 0
@@ -90,14 +101,14 @@ class BlockLengthController:
         if base is None:  # nothing measured yet: one plain step measures the baseline
             return 0
         draft_cost = self.draft_cost_per_token.get(proposer, 0.0)
-        best_k, best_rate = 0, 1.0 / base
+        best_k, best_rate = 0, (batch_committed + 1.0) / base
         expected, survive = 1.0, 1.0
         for k, rate in enumerate(self.rates(proposer, bucket, limit), start=1):
             survive *= rate
             expected += survive
             cost = self.costs.estimate(batch_tokens + k + 1) + draft_cost * k
-            if expected / cost > best_rate:
-                best_k, best_rate = k, expected / cost
+            if (batch_committed + expected) / cost > best_rate:
+                best_k, best_rate = k, (batch_committed + expected) / cost
         return best_k
 
     def observe(self, proposer: str, bucket: int, drafted: int, accepted: int) -> None:
