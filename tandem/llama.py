@@ -156,6 +156,81 @@ class NativeLlama:
         return torch.cat([h @ c for c in self.head_chunks], -1)
 
     @torch.inference_mode()
+    def forward_batch(
+        self, blocks: list[tuple[list[int], KVCache]], need_logits: list[bool] | None = None
+    ) -> list[torch.Tensor | None]:
+        """One forward for the blocks of several sequences (ragged: any lengths, any contexts).
+
+        The tokens of all blocks are flattened into one `[N, hidden]` activation, so every weight
+        matrix is read once for the whole batch (where batching wins: a small-batch forward is
+        memory-bound); attention runs per sequence against its own cache. Returns each block's
+        logits `# [len(block), vocab]`, as `forward` would, or None where `need_logits` says so
+        (prefill blocks: the LM head over a long prompt would cost more than the rest).
+        """
+        need = need_logits or [True] * len(blocks)
+        if len(blocks) == 1:
+            ids, cache = blocks[0]
+            return [self.forward(ids, cache, all_logits=need[0])]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        lens = [len(ids) for ids, _ in blocks]
+        starts = [cache.length for _, cache in blocks]
+        for (ids, cache), n in zip(blocks, lens):
+            cache.ensure(cache.length + n)
+        flat = torch.tensor([t for ids, _ in blocks for t in ids], dtype=torch.long, device=self.device)  # [N]
+        positions = torch.cat([torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lens)])  # [N]
+        cos, sin = self._rope(positions)  # [N, D]
+        masks = [
+            None if n == 1 else torch.ones(n, s + n, dtype=torch.bool, device=self.device).tril(diagonal=s)
+            for s, n in zip(starts, lens)
+        ]
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        N = offsets[-1]
+        x = self.embed[flat]  # [N, hidden]
+        for li, w in enumerate(self.layers):
+            h = self._rms(x, w["in_norm"])
+            qkv = h @ w["wqkv_t"]  # [N, (H+2KV)D]
+            if w["bqkv"] is not None:
+                qkv = qkv + w["bqkv"]
+            q = self._rotate(qkv[:, : H * D].view(N, H, D).transpose(0, 1), cos, sin)  # [H, N, D]
+            k = self._rotate(qkv[:, H * D : (H + KV) * D].view(N, KV, D).transpose(0, 1), cos, sin)  # [KV, N, D]
+            v = qkv[:, (H + KV) * D :].view(N, KV, D).transpose(0, 1)  # [KV, N, D]
+            outs = []
+            for b, (_, cache) in enumerate(blocks):
+                a, e, s = offsets[b], offsets[b + 1], starts[b]
+                cache.k[li, :, s : s + (e - a)] = k[:, a:e]
+                cache.v[li, :, s : s + (e - a)] = v[:, a:e]
+                outs.append(F.scaled_dot_product_attention(
+                    q[:, a:e].unsqueeze(0), cache.k[li, :, : s + e - a].unsqueeze(0),
+                    cache.v[li, :, : s + e - a].unsqueeze(0), attn_mask=masks[b], scale=self.scale,
+                    enable_gqa=H != KV,
+                )[0])  # [H, n_b, D]
+            att = torch.cat(outs, 1)  # [H, N, D]
+            o = att.transpose(0, 1).reshape(N, H * D) @ w["wo_t"]  # [N, hidden]
+            if w["bo"] is not None:
+                o = o + w["bo"]
+            x = x + o
+            h = self._rms(x, w["post_norm"])
+            gu = h @ w["wgu_t"]  # [N, 2I]
+            inter = gu.shape[-1] // 2
+            x = x + (F.silu(gu[:, :inter]) * gu[:, inter:]) @ w["wdown_t"]
+        for (_, cache), s, n in zip(blocks, starts, lens):
+            cache.length = s + n
+        rows = [torch.arange(offsets[b], offsets[b + 1], device=self.device) for b in range(len(blocks)) if need[b]]
+        if not rows:
+            return [None] * len(blocks)
+        logits = self.lm_head(self._rms(x[torch.cat(rows)], self.final_norm)).float()  # [rows, vocab]
+        out, at = [], 0
+        for b, n in enumerate(lens):
+            if need[b]:
+                out.append(logits[at : at + n])
+                at += n
+            else:
+                out.append(None)
+        return out
+
+    @torch.inference_mode()
     def forward(self, input_ids: list[int], cache: KVCache, *, all_logits: bool = True) -> torch.Tensor | None:
         """Run `input_ids` after the cache's `length` positions; the cache grows by len(input_ids).
 

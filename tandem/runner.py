@@ -17,6 +17,7 @@ the cache is cropped to 3 entries [5, 9, 7]. The pending token is 4.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -113,11 +114,16 @@ class HFBackend:
         if excess > 0:
             cache.crop(-excess)  # transformers >= 5: a negative count removes from the end
 
+    batched = False  # one sequence per forward: a batch runs its blocks one after another
+
     @torch.inference_mode()
     def forward(self, cache: DynamicCache, input_ids: list[int], all_logits: bool) -> torch.Tensor | None:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         return out.logits[0].float() if all_logits else None  # [n, vocab]
+
+    def forward_batch(self, blocks: list[tuple], need: list[bool]) -> list[torch.Tensor | None]:
+        return [self.forward(cache, ids, n) for (cache, ids), n in zip(blocks, need)]
 
 
 class NativeBackend:
@@ -141,8 +147,13 @@ class NativeBackend:
     def crop(cache, length: int) -> None:
         cache.crop_to(length)
 
+    batched = True  # ragged blocks of many sequences in one forward
+
     def forward(self, cache, input_ids: list[int], all_logits: bool) -> torch.Tensor | None:
         return self.impl.forward(input_ids, cache, all_logits=all_logits)
+
+    def forward_batch(self, blocks: list[tuple], need: list[bool]) -> list[torch.Tensor | None]:
+        return self.impl.forward_batch([(ids, cache) for cache, ids in blocks], need)
 
 
 def make_backend(model: torch.nn.Module, choice: str = "auto"):
@@ -156,7 +167,7 @@ def make_backend(model: torch.nn.Module, choice: str = "auto"):
     except Unsupported as exc:
         if choice == "native":
             raise
-        log.info("using the transformers forward: %s", exc)
+        log.warning("using the transformers forward, one session per forward: %s", exc)
         return HFBackend(model)
 
 
@@ -169,6 +180,7 @@ class TargetRunner:
         self.backend = make_backend(loaded.model, backend)
         self.costs = ForwardCosts()
         self.nominal_costs = NominalCosts()
+        self.executor: BatchExecutor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -183,11 +195,94 @@ class TargetRunner:
         Returns logits `# [len(input_ids), vocab]` float32 when `all_logits`, else None (prefill
         skips the LM head, ~20% of a small model's cost per token).
         """
+        if self.executor is not None:
+            return self.executor.forward(cache, input_ids, all_logits)
         start = time.perf_counter()
         logits = self.backend.forward(cache, input_ids, all_logits)
         if all_logits:
             self.costs.observe(len(input_ids), time.perf_counter() - start)
         return logits
+
+    def enable_batching(self, max_wait_s: float = 0.002) -> "BatchExecutor":
+        """From now on, forwards of concurrent callers (sessions) run batched in one thread."""
+        if self.executor is None:
+            self.executor = BatchExecutor(self, max_wait_s)
+        return self.executor
+
+
+@dataclass
+class _Job:
+    cache: object
+    ids: list[int]
+    all_logits: bool
+    done: threading.Event
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+class BatchExecutor:
+    """Continuous batching: every forward of every session goes through one thread, which runs
+    whatever is queued as one ragged batched forward.
+
+    Sessions join and leave between steps: a session thread queues its block and waits; the worker
+    takes all queued blocks, waiting up to `max_wait_s` for the sessions that are still busy
+    verifying their previous step (so a batch is not split by a few hundred microseconds), never
+    for a session that is waiting on its drafter (it is not counted as busy then).
+    """
+
+    def __init__(self, runner: "TargetRunner", max_wait_s: float):
+        self.runner = runner
+        self.max_wait_s = max_wait_s
+        self._cond = threading.Condition()
+        self._queue: list[_Job] = []
+        self._busy = 0  # sessions between steps that will queue again soon
+        self.last_batch_tokens = 0
+        self.last_batch_size = 0
+        self.batches = 0
+        threading.Thread(target=self._loop, daemon=True, name="batch-executor").start()
+
+    def session_busy(self, delta: int) -> None:
+        """+1 when a session enters its decode loop, -1 when it leaves (or waits on a drafter)."""
+        with self._cond:
+            self._busy += delta
+            self._cond.notify_all()
+
+    def forward(self, cache, ids: list[int], all_logits: bool) -> torch.Tensor | None:
+        job = _Job(cache, list(ids), all_logits, threading.Event())
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                deadline = time.monotonic() + self.max_wait_s
+                while len(self._queue) < self._busy and time.monotonic() < deadline:
+                    self._cond.wait(max(0.0, deadline - time.monotonic()))
+                jobs, self._queue = self._queue, []
+            start = time.perf_counter()
+            try:
+                outs = self.runner.backend.forward_batch([(j.cache, j.ids) for j in jobs], [j.all_logits for j in jobs])
+            except BaseException as exc:  # every waiting session learns of it
+                for j in jobs:
+                    j.error = exc
+                    j.done.set()
+                continue
+            seconds = time.perf_counter() - start
+            total = sum(len(j.ids) for j in jobs)
+            if all(j.all_logits for j in jobs):
+                self.runner.costs.observe(total, seconds)
+            self.last_batch_tokens, self.last_batch_size = total, len(jobs)
+            self.batches += 1
+            for j, out in zip(jobs, outs):
+                j.result = out
+                j.done.set()
 
 
 class Sequence:

@@ -141,10 +141,14 @@ class Generation:
         self.proposer = proposer
         self.gen = None if sampling.greedy else make_generator(sampling.seed)
         self.stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+        # A seeded sampled request must replay exactly, and its random draws follow its block lengths,
+        # so those may depend only on its own text: nominal costs, no measured draft time, and
+        # acceptance counted for this request alone (other sessions' counts change between replays).
+        self.replayable = not sampling.greedy and sampling.seed is not None
         self.controller = BlockLengthController(
             spec.max_draft_tokens,
-            runner.costs if sampling.greedy or sampling.seed is None else runner.nominal_costs,
-            shared_acceptance,
+            runner.nominal_costs if self.replayable else runner.costs,
+            AcceptanceCounts() if self.replayable else shared_acceptance,
             adaptive=spec.adaptive,
         )
         self.stats = SpecStats()
@@ -172,14 +176,25 @@ class Generation:
         offer = self.proposer.peek(ids)
         if offer.available <= 0:
             return None  # e.g. prompt lookup found no match: a plain step, at no drafting cost
-        k = self.controller.choose(offer.proposer, offer.bucket, min(room, offer.available))
+        batch_tokens, batch_committed = self._batch_load()
+        k = self.controller.choose(offer.proposer, offer.bucket, min(room, offer.available), batch_tokens, batch_committed)
         if k <= 0:
             return None
         draft = self.proposer.propose(ids, k, self.sampling, self.gen)
         self.stats.draft_seconds += draft.seconds
-        if self.proposer.costly:
+        if self.proposer.costly and not self.replayable:
             self.controller.observe_draft_cost(self.proposer.name, len(draft), draft.seconds)
         return draft if len(draft) else None
+
+    def _batch_load(self) -> tuple[int, float]:
+        """What other sessions add to the next batched forward: (tokens, committed tokens), from the
+        last batch. Zero when not batching, and for replayable requests (timing-independent)."""
+        ex = self.runner.executor
+        if ex is None or self.replayable or ex.last_batch_size <= 1:
+            return 0, 0.0
+        others = ex.last_batch_size - 1
+        per_job = ex.last_batch_tokens / ex.last_batch_size
+        return int(round(others * per_job)), float(others)
 
     def step(self) -> StepOutput:
         """Run one target forward; return what it committed."""
