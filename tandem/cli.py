@@ -67,18 +67,32 @@ AdaptiveOpt = Annotated[
 LogLevelOpt = Annotated[
     str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
 ]
+LogJsonOpt = Annotated[
+    bool,
+    typer.Option("--log-json/--log-text", envvar="TANDEM_LOG_JSON",
+                 help="Log JSON lines (with trace_id and session_id fields) instead of text. Prompt text is "
+                      "never logged unless TANDEM_LOG_PROMPTS=1."),
+]
+MetricsPortOpt = Annotated[
+    Optional[int],
+    typer.Option("--metrics-port", min=0, max=65535,
+                 help="Serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)."),
+]
 
 
-def _setup(threads: int | None, log_level: str = "info") -> None:
+def _setup(threads: int | None, log_level: str = "info", *, service: str | None = None,
+           log_json: bool | None = None) -> None:
+    """Logging for this process; for a service (`service` = "verifier", ...) also tracing, on when
+    the OTEL_* environment asks for it (tandem.telemetry)."""
     import torch
 
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("httpx", "transformers", "accelerate"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from tandem.logs import setup_logging
+
+    setup_logging(log_level, log_json)
+    if service is not None:
+        from tandem.telemetry import setup_tracing
+
+        setup_tracing(f"tandem-{service}")
     torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
@@ -221,30 +235,35 @@ def convert(
 
 @app.command()
 def bench(
-    dataset: Annotated[Path, typer.Option("--dataset", "-d", help="Prompt set: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns.", exists=True, dir_okay=False)],
+    dataset: Annotated[Path, typer.Option("--dataset", "-d", help="Prompt set: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns and optional category.", exists=True, dir_okay=False)],
     limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N prompts.", min=1)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens per generation.", min=1)] = 128,
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram, model (needs --draft-model).")] = "ar,ngram",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram, model (needs --draft-model); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs --draft-model).")] = "ar,ngram",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
     model: ModelOpt = "default",
     draft_model: DraftModelOpt = None,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy (lossless is checked token for token); > 0 samples.", min=0.0)] = 0.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for sampled runs.", min=0)] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of a sampled run (default 0): each prompt and turn gets its own seed, the same in every mode.", min=0)] = None,
     max_draft_tokens: MaxDraftOpt = 8,
     adaptive: AdaptiveOpt = True,
     repeats: Annotated[int, typer.Option("--repeats", help="Runs per prompt and mode; the median-time run counts.", min=1)] = 1,
+    turns: Annotated[int, typer.Option("--turns", help="Run up to N user turns of each record in order, as one conversation (1 = first turn only).", min=1)] = 1,
+    hf_lookup_tokens: Annotated[int, typer.Option("--hf-lookup-tokens", help="prompt_lookup_num_tokens of the hf-prompt-lookup mode.", min=1)] = 10,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write PNG plots (speedup, acceptance by position, accepted length, tokens/s) into this directory.", file_okay=False)] = None,
     endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="Benchmark a running stack through its gateway's gRPC address (HOST:PORT) instead of in process.")] = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Benchmark modes side by side in one process, interleaved per prompt, against plain decoding.
 
-    Reports per mode: tokens/s, speedup_vs_ar (median over prompts of the per-token time ratio),
-    acceptance, mean accepted length, and lossless (fraction of prompts equal to plain greedy output).
+    Reports per mode: tokens/s, speedup_vs_ar (median over prompts of the per-token time ratio to the
+    mode's baseline: ar, or hf-ar for transformers' modes), tokens/s relative to hf-ar, acceptance,
+    mean accepted length, and lossless (fraction of prompts equal to the baseline's greedy output);
+    and the same per category of the prompt set.
     """
     _setup(threads)
     from rich.console import Console
 
-    from tandem.bench import format_table, run_bench
+    from tandem.bench import format_category_table, format_table, run_bench
     from tandem.datasets import load_prompts
     from tandem.spec import Engine
 
@@ -260,16 +279,21 @@ def bench(
             from tandem.bench_remote import GatewayTarget
 
             bench_target = GatewayTarget(endpoint)
-            result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats)
+            result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats,
+                               turns=turns)
         else:
             target, draft_lm = _load(model, draft_model)
             engine = Engine(target, draft_lm, spec)
             result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
-                               sampling=sampling, repeats=repeats)
+                               sampling=sampling, repeats=repeats, turns=turns, hf_lookup_tokens=hf_lookup_tokens)
     except ValueError as exc:
         _fail(str(exc))
     result["config"]["dataset"] = str(dataset)
-    Console(stderr=True).print(format_table(result))
+    console = Console(stderr=True)
+    console.print(format_table(result))
+    by_category = format_category_table(result)
+    if by_category is not None:
+        console.print(by_category)
     text = json.dumps(result, indent=2)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -277,6 +301,11 @@ def bench(
         typer.echo(f"wrote {out}", err=True)
     else:
         print(text)
+    if plot:
+        from tandem.plots import write_plots
+
+        for path in write_plots([result], plot):
+            typer.echo(f"wrote {path}", err=True)
 
 
 # -- services ----------------------------------------------------------------------------------
@@ -302,19 +331,23 @@ def verifier(
     max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most sessions kept resident.", min=1)] = 64,
     draft_wait_ms: Annotated[float, typer.Option("--draft-wait-ms", help="Longest wait for a draft block before a plain step.", min=0)] = 10.0,
     max_draft_tokens: MaxDraftOpt = 8,
+    device: Annotated[str, typer.Option("--device", help="Where the target runs: auto (CUDA when a GPU is visible), cpu, cuda, cuda:N.")] = "auto",
     heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Registration heartbeat period (TTL = 5x).", min=0.1)] = 2.0,
     threads: ThreadsOpt = None,
     log_level: LogLevelOpt = "info",
+    log_json: LogJsonOpt = False,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Run a verifier: owns the target model and the KV caches of its sessions, verifies draft
     blocks in one forward each, streams committed tokens. Publishes residency to Redis."""
-    _setup(threads, log_level)
+    _setup(threads, log_level, service="verifier", log_json=log_json)
     from tandem.services.verifier.server import serve
     from tandem.services.verifier.settings import VerifierSettings
 
-    fields = dict(host=host, port=port, model=model, redis_url=redis_url, advertise_address=advertise_address,
+    fields = dict(host=host, port=port, model=model, device=device, redis_url=redis_url, advertise_address=advertise_address,
                   kv_capacity_tokens=kv_capacity_tokens, max_sessions=max_sessions, draft_wait_ms=draft_wait_ms,
-                  max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=threads)
+                  max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=threads,
+                  metrics_port=metrics_port)
     if verifier_id:
         fields["verifier_id"] = verifier_id
     serve(VerifierSettings(**fields))
@@ -333,10 +366,12 @@ def drafter(
     max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most open draft sessions.", min=1)] = 1024,
     threads: ThreadsOpt = None,
     log_level: LogLevelOpt = "info",
+    log_json: LogJsonOpt = False,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Run a drafter: hosts the proposers (prompt lookup, a draft model), keeps per-session draft
     state and drafts ahead while the verifier checks the previous block."""
-    _setup(threads, log_level)
+    _setup(threads, log_level, service="drafter", log_json=log_json)
     from tandem.services.drafter.server import serve
     from tandem.services.drafter.settings import DrafterSettings
 
@@ -349,7 +384,7 @@ def drafter(
         except ModelError as exc:
             _fail(str(exc))
     fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
-                  lookahead=lookahead, max_sessions=max_sessions)
+                  lookahead=lookahead, max_sessions=max_sessions, metrics_port=metrics_port)
     if drafter_id:
         fields["drafter_id"] = drafter_id
     try:
@@ -373,10 +408,12 @@ def gateway(
     max_tokens_cap: Annotated[int, typer.Option("--max-tokens-cap", help="Largest max_tokens a request may ask for.", min=1)] = 4096,
     max_concurrent_requests: Annotated[int, typer.Option("--max-concurrent-requests", help="More requests in flight are refused with 429 / RESOURCE_EXHAUSTED.", min=1)] = 256,
     log_level: LogLevelOpt = "info",
+    log_json: LogJsonOpt = False,
+    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", min=0, max=65535, help="Also serve Prometheus metrics on this port (they are always at GET /metrics on the HTTP port; 0 = any free port).")] = None,
 ) -> None:
     """Run the gateway: OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models,
     SSE streaming) and gRPC Generate; routes each session to the verifier holding its KV cache."""
-    _setup(1, log_level)
+    _setup(1, log_level, service="gateway", log_json=log_json)
     from pydantic import ValidationError
 
     from tandem.services.gateway.serve import serve
@@ -387,6 +424,7 @@ def gateway(
             http_host=host, grpc_host=host, http_port=http_port, grpc_port=grpc_port, model=model,
             served_model_name=served_model_name, verifiers=tuple(verifiers or ()), drafters=tuple(drafters or ()),
             redis_url=redis_url, max_tokens_cap=max_tokens_cap, max_concurrent_requests=max_concurrent_requests,
+            metrics_port=metrics_port,
         )
     except ValidationError as exc:
         _fail(f"bad gateway configuration: {exc}")
@@ -451,6 +489,7 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
             f"  verifiers   {', '.join(stack.verifier_addresses)}\n"
             f"  drafter     {stack.drafter_address}\n"
             f"  redis       {stack.redis_url}"
+            + "".join(f"\n  metrics     {url}   ({name})" for name, url in stack.metrics_urls.items())
         )
         if demo_request:
             from tandem.demo import run_demo

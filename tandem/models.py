@@ -149,6 +149,19 @@ def convert_gguf(gguf: Path, out: Path | None = None, *, progress: bool = True) 
     return out
 
 
+def resolve_device(choice: str = "auto") -> torch.device:
+    """`auto` is CUDA when a GPU is visible, else the CPU; anything else is taken as a torch device."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(choice)
+    except RuntimeError as exc:
+        raise ModelError(f"unknown device {choice!r}: use auto, cpu, cuda or cuda:N") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device {choice!r} asked for, but no CUDA GPU is visible to torch")
+    return device
+
+
 def load_model(
     name_or_path: str | None = DEFAULT_MODEL,
     *,

@@ -80,6 +80,7 @@ class StackConfig:
     drafter_threads: int = 1
     startup_timeout_s: float = 180.0
     log_level: str = "info"
+    metrics: bool = True  # each service serves Prometheus /metrics (the gateway on its HTTP port)
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -91,6 +92,7 @@ class Stack:
     redis_url: str | None = None
     drafter_address: str = ""
     verifier_addresses: list[str] = field(default_factory=list)
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # process name -> its /metrics URL
 
     @property
     def http_url(self) -> str:
@@ -99,6 +101,13 @@ class Stack:
     @property
     def grpc_address(self) -> str:
         return f"{self.config.host}:{self.config.grpc_port}"
+
+    def _metrics_args(self, name: str) -> list[str]:
+        if not self.config.metrics:
+            return []
+        port = free_port(self.config.host)
+        self.metrics_urls[name] = f"http://{self.config.host}:{port}/metrics"
+        return ["--metrics-port", str(port)]
 
     def _spawn(self, name: str, args: list[str], threads: int | None) -> subprocess.Popen:
         env = dict(os.environ, **self.config.extra_env)
@@ -127,6 +136,7 @@ class Stack:
             args = ["drafter", "--host", c.host, "--port", str(port), "--threads", str(c.drafter_threads)]
             if c.draft_model:
                 args += ["--draft-model", c.draft_model]
+            args += self._metrics_args("drafter")
             drafter = self._spawn("drafter", args, c.drafter_threads)
             verifier_procs = []
             for i in range(c.verifiers):
@@ -137,6 +147,7 @@ class Stack:
                         "--redis-url", self.redis_url, "--id", f"verifier-{i}"]
                 if c.verifier_threads:
                     args += ["--threads", str(c.verifier_threads)]
+                args += self._metrics_args(f"verifier-{i}")
                 verifier_procs.append((address, self._spawn(f"verifier-{i}", args, c.verifier_threads)))
             wait_grpc_healthy(self.drafter_address, c.startup_timeout_s, drafter)
             for address, proc in verifier_procs:
@@ -145,6 +156,8 @@ class Stack:
                     "--model", c.model, "--redis-url", self.redis_url, "--drafter", self.drafter_address]
             for address in self.verifier_addresses:
                 args += ["--verifier", address]
+            if c.metrics:
+                self.metrics_urls["gateway"] = f"{self.http_url}/metrics"
             gateway = self._spawn("gateway", args, 1)
             wait_http_healthy(f"{self.http_url}/health", c.startup_timeout_s, gateway)
             wait_grpc_healthy(self.grpc_address, c.startup_timeout_s, gateway)

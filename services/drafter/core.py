@@ -43,6 +43,7 @@ from tandem.config import DraftStrategy, SamplingParams
 from tandem.proposers import Draft, DraftModelProposer, NgramProposer, Proposer
 from tandem.sampling import make_generator
 from tandem.services.drafter.settings import DrafterSettings
+from tandem.telemetry import tracer
 
 log = logging.getLogger("tandem.drafter")
 
@@ -381,7 +382,9 @@ class DrafterCore:
             with session.lock:
                 if session.closed or session.epoch != epoch:
                     return
-                block = self._draft_regular(session)
+                with tracer.start_as_current_span("draft_block") as span:
+                    block = self._draft_regular(session)
+                    _trace_block(span, session, block, speculative=False)
                 session.anchor = block
             if block is None:
                 return  # nothing was sent, so there is no block to guess the acceptance of
@@ -391,7 +394,9 @@ class DrafterCore:
         with session.lock:
             if session.closed or session.epoch != epoch or session.anchor is None:
                 return
-            block = self._draft_ahead(session)
+            with tracer.start_as_current_span("draft_block") as span:
+                block = self._draft_ahead(session)
+                _trace_block(span, session, block, speculative=True)
         if block is not None:
             yield block
 
@@ -479,6 +484,21 @@ class DrafterCore:
             speculative=speculative,
             confidence=draft.bucket,
         )
+
+
+def _trace_block(span, session: _Session, block: Block | None, *, speculative: bool) -> None:
+    """A draft block's span attributes (tandem.drafted = 0: the proposer had nothing to offer)."""
+    if not span.is_recording():
+        return
+    span.set_attributes({
+        "tandem.session_id": session.session_id,
+        "tandem.proposer": block.proposer if block is not None else session.strategy.value,
+        "tandem.speculative": speculative,
+        "tandem.drafted": len(block.token_ids) if block is not None else 0,
+        "tandem.base_len": block.base_len if block is not None else len(session.ids),
+        "tandem.draft_time_us": block.draft_time_us if block is not None else 0,
+        "tandem.next_block_len": session.next_block_len,
+    })
 
 
 def _check_ids(session_id: str, ids: list[int], vocab_size: int, what: str) -> None:

@@ -31,6 +31,8 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from tandem.config import DraftStrategy, SamplingParams
+from tandem.logs import session_context
+from tandem.metrics import DrafterMetrics
 from tandem.services.drafter.core import (
     Block,
     DrafterCore,
@@ -95,17 +97,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 if not sid:
                     exc = InvalidRequest("DraftRequest without session_id: the stream cannot be attributed")
                     context.abort(status_for(exc), str(exc))
-                try:
-                    for block in self._dispatch(request, owner, stats):
-                        if block.speculative:
-                            stats.speculative_blocks += 1
-                        else:
-                            stats.regular_blocks += 1
-                        yield _block_to_pb(block)
-                    if request.WhichOneof("kind") == "open":
-                        dropped.discard(sid)
-                except Exception as exc:  # noqa: BLE001 - one session's failure must not end the stream
-                    self._drop(sid, owner, exc, stats, dropped)
+                with session_context(sid):  # log lines name the session
+                    try:
+                        for block in self._dispatch(request, owner, stats):
+                            if block.speculative:
+                                stats.speculative_blocks += 1
+                            else:
+                                stats.regular_blocks += 1
+                            yield _block_to_pb(block)
+                        if request.WhichOneof("kind") == "open":
+                            dropped.discard(sid)
+                    except Exception as exc:  # noqa: BLE001 - one session's failure must not end the stream
+                        self._drop(sid, owner, exc, stats, dropped)
         finally:
             left_open = self.core.close_owner(owner)
             core = self.core.stats()
@@ -251,6 +254,9 @@ def serve(
     Signal handlers are installed only when called from the main thread. `on_ready(port)` runs
     once the server accepts calls."""
     core = DrafterCore(settings)
+    metrics = DrafterMetrics(core.stats)
+    if settings.metrics_port is not None:
+        metrics.serve(settings.metrics_port, address.rpartition(":")[0].strip("[]") or "0.0.0.0")
     server, port, health_servicer = _build(core, address, max_workers)
     stop = stop or threading.Event()
     previous: dict[int, object] = {}

@@ -30,6 +30,7 @@ class DrafterSettings(BaseModel):
     # Hard cap on the drafts of one block whatever a request asks for: a model drafts token by
     # token, so an unbounded next_block_len would hold the draft model for arbitrarily long.
     max_block_len: int = Field(64, ge=1, le=1024)
+    metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics (0 = any free port)
 
     @model_validator(mode="after")
     def _ngram_range(self) -> "DrafterSettings":

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tandem.services.gateway.errors import (
     DeadlineExceeded,
@@ -24,6 +26,7 @@ from tandem.services.gateway.errors import (
     VerifierBusy,
     VerifierUnreachable,
 )
+from tandem.telemetry import inject_metadata, tracer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("tandem.gateway.client")
@@ -43,10 +46,19 @@ class VerifierStream:
     """The CommittedTokens stream of one Verifier.Generate call (async iterator), with errors
     translated as described in the module docstring. `cancel()` ends the upstream call."""
 
-    def __init__(self, call, address: str):
+    def __init__(self, call, address: str, span: trace.Span = trace.INVALID_SPAN):
         self._call = call
         self.address = address
         self.received = 0  # messages read so far
+        self._span = span  # the call's client span, ended with the call
+
+    def _end_span(self, error: grpc.aio.AioRpcError | None = None) -> None:
+        span, self._span = self._span, trace.INVALID_SPAN
+        if error is not None:
+            span.set_attribute("rpc.grpc.status_code", error.code().value[0])
+            span.set_status(Status(StatusCode.ERROR, f"{error.code().name}: {error.details()}"))
+        span.set_attribute("tandem.messages", self.received)
+        span.end()
 
     def __aiter__(self) -> "VerifierStream":
         return self
@@ -55,14 +67,17 @@ class VerifierStream:
         try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
+            self._end_span(exc)
             raise self._translate(exc) from None
         if msg is grpc.aio.EOF:
+            self._end_span()
             raise StopAsyncIteration
         self.received += 1
         return msg
 
     def cancel(self) -> None:
         self._call.cancel()
+        self._end_span()
 
     def _translate(self, exc: grpc.aio.AioRpcError) -> Exception:
         code, details = exc.code(), exc.details() or ""
@@ -117,7 +132,14 @@ class RpcClients:
         self, address: str, request: verifier_pb2.SessionGenerateRequest, timeout_s: float | None
     ) -> VerifierStream:
         stub = verifier_pb2_grpc.VerifierStub(self._channel(address))
-        return VerifierStream(stub.Generate(request, timeout=timeout_s), address)
+        # A client span by hand, its context in the metadata: the grpc.aio client instrumentation
+        # would turn the call into an iterator without `read()`.
+        span = tracer.start_span("/tandem.v1.Verifier/Generate", kind=SpanKind.CLIENT, attributes={
+            "rpc.system": "grpc", "rpc.service": "tandem.v1.Verifier", "rpc.method": "Generate",
+            "server.address": address,
+        })
+        call = stub.Generate(request, timeout=timeout_s, metadata=inject_metadata(span=span))
+        return VerifierStream(call, address, span)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

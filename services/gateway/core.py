@@ -29,9 +29,12 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
 from pydantic import ValidationError
 
 from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.logs import log_prompts_enabled, session_id_var
+from tandem.metrics import GatewayMetrics, status_of
 from tandem.models import apply_chat_template
 from tandem.residency import ResidencyConfig, ResidencyIndex, RoutingDecision, VerifierRecord, route_locally
 from tandem.services.gateway.client import RpcClients, VerifierStream
@@ -46,6 +49,7 @@ from tandem.services.gateway.errors import (
 )
 from tandem.services.gateway.settings import GatewaySettings
 from tandem.spec import FinishReason
+from tandem.telemetry import tracer
 from tandem.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger("tandem.gateway")
@@ -265,6 +269,11 @@ class GatewayCore:
         self._index = index
         self.sessions = SessionStore(settings.max_sessions, settings.session_idle_s)
         self.stats = GatewayStats()
+        self.metrics = GatewayMetrics()
+        self.metrics.read("tandem_requests_in_flight", "Requests this gateway is serving now.", lambda: self._active)
+        if index is not None:
+            self.metrics.read("tandem_redis_errors", "Failed Redis calls (residency reads).",
+                              lambda: index.errors, kind="counter")
         self._static: dict[str, VerifierRecord | None] = dict.fromkeys(settings.verifiers)  # last GetInfo
         self._registered: list[VerifierRecord] = []  # last read from Redis
         self._drafters: dict[str, drafter_pb2.DrafterInfo | None] = dict.fromkeys(settings.drafters)
@@ -376,7 +385,11 @@ class GatewayCore:
         overload) are raised by the first `__anext__`, so a transport can still answer with a
         status; later ones are `UpstreamFailed` or `DeadlineExceeded`."""
         self.stats.requests += 1
+        session_id_var.set(req.session_id)  # this request's task: its log lines name the session
+        started, status = time.perf_counter(), "cancelled"  # unless it finishes or fails
         try:
+            if log_prompts_enabled():
+                log.info("prompt: %r", req.messages if req.messages is not None else req.prompt)
             prep = self._prepare(req)
             if self._active >= self.settings.max_concurrent_requests:
                 raise Overloaded(
@@ -388,13 +401,26 @@ class GatewayCore:
                 # aclosing: a consumer that stops early (client gone) ends the verifier call now,
                 # not whenever the abandoned generator is collected.
                 async with aclosing(self._generate(prep)) as chunks:
+                    last = None
                     async for chunk in chunks:
+                        if chunk.token_ids:
+                            now = time.perf_counter()
+                            if last is None:
+                                self.metrics.first_token(now - started)
+                            else:
+                                self.metrics.tokens(len(chunk.token_ids), now - last)
+                            last = now
                         yield chunk
+                status = "ok"
             finally:
                 self._active -= 1
         except Exception as exc:
             self.stats.failed[type(exc).__name__] += 1
+            status = status_of(exc)
+            trace.get_current_span().record_exception(exc)  # an SSE stream's failure has no HTTP status
             raise
+        finally:
+            self.metrics.request(status)
 
     def _prepare(self, req: GenerationRequest) -> _Prepared:
         # "default" names whatever this deployment serves, so scripts need not know the model id.
@@ -525,7 +551,9 @@ class GatewayCore:
         failures: list[str] = []
         busy = 0  # verifiers that refused for lack of KV cache (the other failures: unreachable)
         while True:
-            decision = await self._route(prep, tried)
+            with tracer.start_as_current_span("route") as span:
+                decision = await self._route(prep, tried)
+                self._trace_route(span, prep, decision, tried)
             if decision is None:
                 if failures and busy == len(failures):
                     raise Overloaded(f"every verifier's KV cache is full ({'; '.join(failures)}); retry later")
@@ -543,13 +571,37 @@ class GatewayCore:
                 raise UpstreamFailed(f"verifier {decision.verifier_id} ended the stream without a message") from None
             except VerifierUnreachable as exc:
                 self.stats.connect_failures += 1
+                self.metrics.connect_failure()
+                trace.get_current_span().add_event(
+                    "verifier_unreachable", {"tandem.verifier_id": decision.verifier_id, "tandem.error": str(exc)})
                 self._down[decision.verifier_id] = time.monotonic() + self.settings.down_backoff_s
                 log.warning("verifier %s unreachable, trying the next one: %s", decision.verifier_id, exc)
                 failures.append(str(exc))
             except VerifierBusy as exc:
                 busy += 1
+                trace.get_current_span().add_event(
+                    "verifier_busy", {"tandem.verifier_id": decision.verifier_id, "tandem.error": str(exc)})
                 failures.append(str(exc))
             tried.add(decision.verifier_id)
+
+    def _trace_route(self, span, prep: _Prepared, decision: RoutingDecision | None, tried: set[str]) -> None:
+        """The routing decision and why, on its span."""
+        if not span.is_recording():
+            return
+        redis = "disabled" if self._index is None else ("ok" if self._index.redis_ok else "unavailable")
+        span.set_attributes({
+            "tandem.session_id": prep.session_id or "",
+            "tandem.context_tokens": len(prep.context_ids),
+            "tandem.routing.excluded": sorted(tried),
+            "tandem.routing.redis": redis,
+        })
+        if decision is not None:
+            span.set_attributes({
+                "tandem.routing.verifier_id": decision.verifier_id,
+                "tandem.routing.reason": decision.reason,
+                "tandem.routing.matched_tokens": decision.matched_tokens,
+                "tandem.routing.residency": "hit" if decision.reason in ("session", "prefix") else "miss",
+            })
 
     @staticmethod
     async def _drain(stream: VerifierStream, vid: str) -> None:
@@ -583,6 +635,7 @@ class GatewayCore:
         decision, stream, msg = await self._connect(prep, request, time.monotonic() + prep.timeout_s)
         vid = decision.verifier_id
         self.stats.routed[decision.reason] += 1
+        self.metrics.routed(decision.reason)
         # Stop tokens are committed (they belong to the history) but never shown; a stop id can only
         # be the last token, so leaving these ids out of the text is exact.
         hidden = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self._eos_ids)
@@ -617,6 +670,10 @@ class GatewayCore:
                     msg = await anext(stream, None)
                     continue
                 cached = min(msg.stats.prefill_reused_tokens, len(context))
+                log.info("completed on %s (routed by %s): %d prompt tokens (%d cached) + %d generated, finish %s; "
+                         "drafted %d, accepted %d in %d steps", vid, decision.reason, len(context), cached,
+                         len(generated), common_pb2.FinishReason.Name(finish), msg.stats.drafted,
+                         msg.stats.accepted, msg.stats.steps)
                 yield Chunk(
                     text, ids, msg.first_index, vid,
                     finish_reason=FinishReason.stop if finish == common_pb2.FINISH_REASON_STOP else FinishReason.length,

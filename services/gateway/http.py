@@ -6,6 +6,7 @@
     GET    /v1/sessions/{id}      a session's history length and verifier; DELETE forgets it
     GET    /health                readiness: 200 while a verifier of the model is live, else 503
     GET    /healthz               liveness: 200 while the process serves HTTP
+    GET    /metrics               Prometheus metrics of this gateway (tandem.metrics)
 
 Tandem's extensions and choices (everything else as in OpenAI's API reference):
 
@@ -51,6 +52,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.logs import session_id_var
+from tandem.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
 from tandem.services.gateway.errors import (
     DeadlineExceeded,
@@ -61,6 +64,7 @@ from tandem.services.gateway.errors import (
     UnknownSession,
     UpstreamFailed,
 )
+from tandem.telemetry import instrument_http_app
 
 SESSION_HEADER = "X-Session-Id"
 
@@ -339,6 +343,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, body: _CommonBody, chat: bool) -> Response:
     fmt = _Format(chat, core.model_name, req.session_id, bool(body.stream_options and body.stream_options.include_usage))
+    session_id_var.set(req.session_id)  # before the tasks below copy this request's context
     chunks = core.generate(req)
     if not body.stream:
         async def collect() -> list[Chunk]:
@@ -447,4 +452,9 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def healthz() -> dict:
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(core.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
+    instrument_http_app(app)
     return app

@@ -38,6 +38,8 @@ async def run_gateway(
     """Serve until `stop` is set. `on_ready(http_port, grpc_port)` is called once both listen
     (the real ports, when the settings asked for port 0)."""
     await core.start()
+    if settings.metrics_port is not None:
+        core.metrics.serve(settings.metrics_port, settings.http_host)
     try:
         host = f"[{settings.grpc_host}]" if ":" in settings.grpc_host else settings.grpc_host  # IPv6
         grpc_server, grpc_port = build_grpc_server(core, f"{host}:{settings.grpc_port}")
@@ -67,6 +69,7 @@ async def run_gateway(
             finally:
                 await grpc_server.stop(0)
     finally:
+        core.metrics.close()
         await core.close()
 
 

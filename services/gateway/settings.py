@@ -51,6 +51,7 @@ class GatewaySettings(BaseModel):
     max_sessions: int = Field(100_000, ge=1)  # session histories kept (least recently used dropped)
     session_idle_s: float = Field(3600.0, gt=0)  # a history unused this long is dropped
     shutdown_grace_s: float = Field(5.0, ge=0)  # in-flight calls get this long at SIGTERM
+    metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics on its own port too
 
     @field_validator("verifiers", "drafters")
     @classmethod

@@ -11,6 +11,7 @@ limit is exceeded; every change is mirrored in Redis by the residency publisher.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -20,9 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.logs import session_context
+from tandem.metrics import VerifierMetrics, status_of
 from tandem.models import LoadedModel
 from tandem.runner import Sequence
 from tandem.spec import Engine, FinishReason, GenerationResult, StepOutput
+from tandem.telemetry import tracer
 
 from .remote import ChannelPool, RemoteProposer
 from .settings import VerifierSettings
@@ -73,6 +77,7 @@ class VerifierCore:
         target: LoadedModel,
         *,
         publisher=None,  # tandem.residency.ResidencyPublisher or None
+        metrics: VerifierMetrics | None = None,
     ):
         self.settings = settings
         self.target = target
@@ -81,11 +86,16 @@ class VerifierCore:
         self.channels = ChannelPool()
         self.counters = VerifierCounters()
         self.address = settings.advertise_address or f"{settings.host}:{settings.port}"
-        self._runner_lock = threading.Lock()  # one forward at a time: the runner is not thread-safe
+        self.executor = self.engine.runner.enable_batching(settings.batch_wait_ms / 1000.0)
         self._lock = threading.Lock()  # guards the session table
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self.metrics = metrics or VerifierMetrics()
+        self.metrics.watch_kv(settings.kv_capacity_tokens, self.kv_used_tokens, lambda: len(self._sessions))
+        if publisher is not None:
+            self.metrics.read("tandem_redis_errors", "Failed Redis calls (residency publishing).",
+                              lambda: publisher.errors, kind="counter")
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -192,6 +202,7 @@ class VerifierCore:
             del self._sessions[sid]
             evicted.append((sid, sess.seq.ids))
             self.counters.evictions += 1
+            self.metrics.eviction()
             log.info("evicted idle session %s (%d tokens) to make room", sid, len(sess.seq))
         if over():
             for sid, ids in evicted:  # keep what we evicted evicted: it is gone from memory already
@@ -231,6 +242,33 @@ class VerifierCore:
         metadata: tuple = (),
     ) -> Iterator[StepOutput | GenerationResult]:
         """Run one request: yields a StepOutput per target step, then the GenerationResult."""
+        status = "cancelled"  # unless it finishes or fails: the consumer stopped early
+        steps = self._generate(session_id, context_ids, sampling, spec, drafter_address,
+                               is_active=is_active, metadata=metadata)
+        with session_context(session_id), contextlib.closing(steps):
+            try:
+                for item in steps:
+                    if isinstance(item, GenerationResult):
+                        ok = item.finish_reason in (FinishReason.stop, FinishReason.length)
+                        status = "ok" if ok else item.finish_reason.value
+                    yield item
+            except Exception as exc:
+                status = status_of(exc)
+                raise
+            finally:
+                self.metrics.request(status)
+
+    def _generate(
+        self,
+        session_id: str,
+        context_ids: list[int],
+        sampling: SamplingParams,
+        spec: SpecConfig,
+        drafter_address: str,
+        *,
+        is_active: Callable[[], bool],
+        metadata: tuple,
+    ) -> Iterator[StepOutput | GenerationResult]:
         self.validate(context_ids, sampling)
         self.counters.requests += 1
         sess = self._checkout(session_id, len(context_ids))
@@ -246,15 +284,32 @@ class VerifierCore:
                 proposer.open(list(context_ids))  # the drafter starts while we prefill
             elif spec.strategy != DraftStrategy.none:
                 proposer = self.engine.factory.build(spec) if spec.strategy == DraftStrategy.ngram else None
-            with self._runner_lock:
+            with tracer.start_as_current_span("prefill") as span:
+                # Prefill and every step go through the runner's batch executor: the forwards of
+                # concurrent sessions run as one batch (continuous batching).
                 gen = self.engine.start(context_ids, sampling, spec, sequence=sess.seq, proposer=proposer)
-            while not gen.finished:
-                if not is_active():
-                    gen.cancel()
-                    break
-                with self._runner_lock:
-                    step = gen.step()
-                yield step
+                reused, computed = gen.stats.prefill_reused_tokens, gen.stats.prefill_computed_tokens
+                self.metrics.prefill(reused, computed)
+                span.set_attributes({
+                    "tandem.session_id": session_id, "tandem.context_tokens": len(context_ids),
+                    "tandem.prefill.reused_tokens": reused, "tandem.prefill.computed_tokens": computed,
+                    "tandem.strategy": spec.strategy.value, "tandem.drafter": drafter_address,
+                })
+            self.executor.session_busy(+1)
+            try:
+                while not gen.finished:
+                    if not is_active():
+                        gen.cancel()
+                        break
+                    faults = (proposer.fallback_steps, proposer.rejected_blocks) if proposer is not None else (0, 0)
+                    with tracer.start_as_current_span("verify_step") as span:
+                        step = gen.step()
+                        # The batch that just ran (the executor's last one): exact unless another
+                        # batch completed in the microseconds since.
+                        self._observe(span, step, proposer, faults, max(1, self.executor.last_batch_size))
+                    yield step
+            finally:
+                self.executor.session_busy(-1)
             result = gen.result()
             self._count(result)
             yield result
@@ -270,7 +325,34 @@ class VerifierCore:
                 proposer.close("finished" if keep else "cancelled")
             self._release(session_id, sess, keep and gen_ok(sess))
 
+    def _observe(self, span, step: StepOutput, proposer, faults_before: tuple[int, int], batch_size: int) -> None:
+        """One verify step to the metrics and its span (in DESIGN.md's terms); a drafter fallback
+        or rejected blocks during the step become span events."""
+        self.metrics.step(step.drafted, step.accepted, len(step.tokens), batch_size)
+        if not span.is_recording():
+            return
+        span.set_attributes({
+            "tandem.block_len": step.drafted,  # drafts verified in this forward (0 = plain step)
+            "tandem.drafted": step.drafted,
+            "tandem.accepted": step.accepted,
+            "tandem.recovered": int(step.accepted < step.drafted),
+            "tandem.bonus": int(step.accepted == step.drafted),
+            "tandem.committed": step.accepted + 1,  # accepted drafts + the recovered or bonus token
+            "tandem.emitted": len(step.tokens),  # committed tokens streamed (fewer at a stop or the limit)
+            "tandem.batch_size": batch_size,
+            "tandem.first_index": step.first_index,
+        })
+        if proposer is not None:
+            fallback = proposer.fallback_steps - faults_before[0]
+            rejected = proposer.rejected_blocks - faults_before[1]
+            if fallback > 0:
+                span.add_event("drafter_fallback", {"tandem.proposer": proposer.name,
+                                                    "tandem.fallback_steps": proposer.fallback_steps})
+            if rejected > 0:
+                span.add_event("draft_blocks_rejected", {"tandem.rejected_blocks": rejected})
+
     def _count(self, result: GenerationResult) -> None:
+        self.metrics.faults(result.stats.fallback_steps, result.stats.rejected_blocks)
         c, s = self.counters, result.stats
         c.prefill_reused_tokens += s.prefill_reused_tokens
         c.prefill_computed_tokens += s.prefill_computed_tokens

@@ -10,6 +10,7 @@ import grpc
 from tandem.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.grpc_server import build_server as _build, wait_for_termination
 from tandem.spec import FinishReason, GenerationResult, SpecStats
+from tandem.telemetry import inject_metadata
 from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 from .core import InvalidRequest, Overloaded, SessionBusy, VerifierCore
@@ -89,8 +90,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         with status_mapping(context):
             sampling = sampling_from_proto(request.sampling)
             spec = spec_from_proto(request.speculation, self.default_spec)
-            # Trace context and deadlines travel on to the drafter with the request's metadata.
-            metadata = tuple((k, v) for k, v in context.invocation_metadata() if k == "traceparent")
+            # The trace context travels on to the drafter (the request's span is current here).
+            metadata = inject_metadata()
             steps = self.core.generate(
                 request.session_id, list(request.context_ids), sampling, spec, request.drafter_address,
                 is_active=context.is_active, metadata=metadata,
@@ -135,10 +136,10 @@ def serve(settings) -> None:
     """Load the target, register in Redis, serve until SIGTERM/SIGINT, then drain and deregister."""
     import torch
 
-    from tandem.models import load_model
+    from tandem.models import load_model, resolve_device
 
     torch.set_num_threads(settings.threads or torch.get_num_threads())
-    target = load_model(settings.model)
+    target = load_model(settings.model, device=resolve_device(settings.device))
     publisher = None
     if settings.redis_url:
         from tandem.residency import ResidencyPublisher
@@ -146,6 +147,8 @@ def serve(settings) -> None:
         publisher = ResidencyPublisher(settings.redis_url, heartbeat_ttl_s=settings.heartbeat_s * 5,
                                        session_ttl_s=settings.session_ttl_s)
     core = VerifierCore(settings, target, publisher=publisher)
+    if settings.metrics_port is not None:
+        core.metrics.serve(settings.metrics_port, settings.host)
     server, port, health_servicer = build_server(core, f"{settings.host}:{settings.port}")
     server.start()
     core.start(settings.advertise_address or f"{settings.host}:{port}")

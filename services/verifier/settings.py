@@ -31,6 +31,8 @@ class VerifierSettings(BaseModel):
     draft_wait_ms: float = Field(10.0, ge=0)  # longest wait for a draft block before a plain step
     drafter_retry_s: float = Field(1.0, gt=0)  # after a drafter stream fails, reconnect this often
     max_draft_tokens: int = Field(8, ge=1, le=64)
+    batch_wait_ms: float = Field(2.0, ge=0)  # longest wait for busy sessions to join a batched forward
     default_strategy: DraftStrategy = DraftStrategy.ngram
     threads: int | None = Field(None, ge=1)  # torch CPU threads (default: all cores)
+    device: str = "auto"  # where the target runs: auto (cuda when available), cpu, cuda, cuda:N
     metrics_port: int | None = Field(None, ge=0, le=65535)
