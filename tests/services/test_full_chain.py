@@ -77,7 +77,7 @@ def _grpc_generate(gw, strategy, session="", max_new=24, messages=MESSAGES):
         session_id=session,
         messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(**m) for m in messages]),
         sampling=common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True),
-        speculation=common_pb2.SpeculationParams(strategy=strategy),
+        speculation=common_pb2.SpeculationParams(strategy=strategy, adaptive=False, max_draft_tokens=4),
     )
     tokens, last = [], None
     for msg in gw.stub.Generate(req, timeout=30):

@@ -34,7 +34,10 @@ def _verifier(loaded, **overrides) -> VerifierCore:
 
 def _run(core, drafter_address, strategy, max_new=32, session="s", sampling=None):
     sampling = sampling or SamplingParams(max_new_tokens=max_new)
-    items = list(core.generate(session, CONTEXT, sampling, SpecConfig(strategy=strategy), drafter_address))
+    # Fixed block lengths: these tests are about the wire and its faults, so drafts must be verified
+    # whatever the adaptive controller would think of a random model's acceptance.
+    spec = SpecConfig(strategy=strategy, adaptive=False, max_draft_tokens=4)
+    items = list(core.generate(session, CONTEXT, sampling, spec, drafter_address))
     result = items[-1]
     assert isinstance(result, GenerationResult)
     emitted = [t for step in items[:-1] for t in step.tokens]
@@ -72,7 +75,7 @@ def test_sampled_remote_drafts_are_verified(tiny_loaded, tiny_draft_loaded):
     dcore, server, address = _drafter(tiny_draft_loaded)
     try:
         core = _verifier(tiny_loaded)
-        sampling = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
+        sampling = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
         result = _run(core, address, DraftStrategy.model, sampling=sampling, session="a")
         assert len(result.token_ids) == 16
         assert result.stats.drafted > 0 and result.stats.fallback_steps == 0
@@ -86,7 +89,7 @@ def test_drafter_killed_mid_generation_then_back(tiny_loaded):
     core = _verifier(tiny_loaded)
     core.settings.drafter_retry_s = 0.05
     sampling = SamplingParams(max_new_tokens=60)
-    steps = core.generate("s", CONTEXT, sampling, SpecConfig(strategy=DraftStrategy.ngram), address)
+    steps = core.generate("s", CONTEXT, sampling, SpecConfig(strategy=DraftStrategy.ngram, adaptive=False), address)
     tokens, drafted_after_return = [], 0
     restarted = None
     for i, item in enumerate(steps):
