@@ -3,22 +3,42 @@
 Every prompt runs in every mode in this one process, interleaved: prompt 1 in ar, ngram, model;
 prompt 2 in ngram, model, ar; ... The order rotates so that no mode always runs first (right after
 another prompt's prefill, or a preemption that a neighbour's job caused), and a slow minute of a
-shared machine hits all modes alike. Speed is reported as ratios to plain decoding (`ar`), medians
-over prompts, next to the acceptance figures that explain them; output equality with `ar` is
-checked on every prompt.
+shared machine hits all modes alike.
 
-    modes.M.speedup_vs_ar   median over prompts of (ar seconds per token) / (M seconds per token)
-    modes.M.lossless        fraction of prompts whose output ids equal ar's (greedy only)
+Two families of modes run on the same target, the same prompts and the same process:
+
+    ours   ar (plain decoding: the baseline), ngram (prompt lookup), model (a draft model)
+    peers  hf-ar (`transformers`' plain `generate`: the peers' baseline), hf-prompt-lookup
+           (`generate(prompt_lookup_num_tokens=N)`), hf-assisted (`generate(assistant_model=draft)`)
+
+Speed is reported as ratios, medians over prompts, next to the acceptance figures that explain them:
+
+    modes.M.speedup_vs_ar          median over prompts of (baseline s/token) / (M s/token), where the
+                                   baseline is `modes.M.baseline`: ar for ours, hf-ar for the peers
+    modes.M.tokens_per_s_vs_hf_ar  the same ratio against hf-ar for every mode (when hf-ar ran): the
+                                   like-for-like comparison of ours with the peer
+    modes.M.lossless               fraction of prompts whose output ids equal the baseline's (greedy)
+    modes.M.agreement_with_ar      fraction of prompts whose output ids equal our ar's (greedy): for
+                                   the peers, whether `transformers`' forward decodes the same text
+
+A record with several user turns (MT-Bench) runs its first `turns` turns in order as one
+conversation: turn t+1's context is the chat of the earlier turns with the mode's own replies. Our
+modes keep one engine sequence per conversation, so a later turn reuses the KV of the earlier ones;
+the peers call `generate` afresh each turn, as `transformers` is used (its prompt lookup does not
+accept a pre-filled cache correctly in 5.x: its outputs then differ from plain decoding).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import statistics
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from rich.table import Table
@@ -27,14 +47,23 @@ from tandem.config import DraftStrategy, SamplingParams
 from tandem.datasets import PromptRecord, to_chat
 from tandem.models import apply_chat_template
 from tandem.progress import progress_bar
-from tandem.spec import Engine, GenerationResult
+from tandem.spec import Engine, FinishReason, GenerationResult, SpecStats
 
 MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model": DraftStrategy.model}
+PEER_MODES = ("hf-ar", "hf-prompt-lookup", "hf-assisted")
+ALL_MODES = (*MODES, *PEER_MODES)
+HF_LOOKUP_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens
 WARMUP_TOKENS = 16  # enough steps to touch every code path (prefill, draft, verify, rollback) once
 LOSSLESS_NOTE = (
     "sampling with temperature > 0: outputs are equal to ar's in distribution, not token for token, "
     "so greedy equality does not apply"
 )
+NO_CATEGORY = "(none)"  # by_category's key for the records of a set that has categories but not on them
+
+
+def baseline_of(mode: str) -> str:
+    """The plain decoding a mode is compared with: our ar for ours, transformers' for the peers."""
+    return "hf-ar" if mode in PEER_MODES else "ar"
 
 
 def seconds_per_token(seconds: float, tokens: int) -> float | None:
@@ -66,10 +95,11 @@ def median_speedup(ar: Sequence[tuple[float, int]], mode: Sequence[tuple[float, 
     return statistics.median(ratios) if ratios else None
 
 
-def lossless_fraction(reference: Sequence[Sequence[int]], runs: Sequence[Sequence[Sequence[int]]]) -> float:
-    """Fraction of prompts whose every run's output ids equal the reference's.
+def lossless_fraction(reference: Sequence[Sequence], runs: Sequence[Sequence[Sequence]]) -> float:
+    """Fraction of prompts whose every run's output equals the reference's.
 
-    reference[i]: ar's ids for prompt i; runs[i]: the mode's ids of each repeat of prompt i. Any
+    reference[i]: the baseline's output of prompt i; runs[i]: the mode's output of each repeat of
+    prompt i. An output is a list of ids, or for a conversation a list of them, one per turn. Any
     difference, a single token or a length, makes the prompt count as not lossless. Example:
     reference [[1, 2], [3]], runs [[[1, 2]], [[3, 4]]] gives 0.5.
     """
@@ -94,29 +124,181 @@ def median_run(runs: Sequence[GenerationResult]) -> GenerationResult:
     return ordered[(len(ordered) - 1) // 2]
 
 
-class EngineTarget:
-    """Bench target: an in-process Engine (the single-process reference loop)."""
+def run_seed(seed: int, prompt_index: int, turn: int, turns: int) -> int:
+    """The seed of one generation of a sampled run: its own per prompt and turn, the same in every
+    mode, so the modes draw from equally seeded generators. Example: seed 7, 2 turns: prompt 0 turn 0
+    gets 7, turn 1 gets 8, prompt 1 turn 0 gets 9."""
+    return seed + prompt_index * turns + turn
 
-    def __init__(self, engine: Engine, tokenizer):
+
+def steps_by_accepted(stats: SpecStats) -> list[int] | None:
+    """Histogram of target steps by the number of drafts they accepted: out[a] = steps that accepted
+    exactly a drafts (committing a + 1 tokens), plain steps counted at a = 0.
+
+    Drafts are accepted as a prefix, so accepted_by_position[i] counts the steps that accepted more
+    than i drafts, and out[a] = accepted_by_position[a-1] - accepted_by_position[a]. Example: 10
+    steps, accepted_by_position [6, 2] gives [4, 4, 2]. None when the per-position counts are not
+    reported (a remote target sends only totals).
+    """
+    by_pos = stats.accepted_by_position
+    if sum(by_pos) != stats.accepted:
+        return None
+    at_least = [stats.steps, *by_pos, 0]  # at_least[a] = steps that accepted >= a drafts
+    return [at_least[a] - at_least[a + 1] for a in range(len(by_pos) + 1)]
+
+
+# --- bench targets ----------------------------------------------------------------------------------
+#
+# A bench target has `model_id`, `draft_id`, `machine()` and `prepare(rec) -> (context, prompt
+# tokens or None)`, and either `conversation(rec, mode)` (an object whose `turn(t, sampling)` runs
+# user turn t and returns a GenerationResult) or `generate(context, sampling, mode)` for first turns
+# only (tandem.bench_remote.GatewayTarget). `modes` lists what it can run (default: ours).
+
+
+class EngineTarget:
+    """Bench target: an in-process Engine (the single-process reference loop), and `transformers`'
+    own `generate` on the same model objects for the peer modes."""
+
+    modes = ALL_MODES
+
+    def __init__(self, engine: Engine, tokenizer, *, hf_lookup_tokens: int = HF_LOOKUP_TOKENS):
+        if hf_lookup_tokens < 1:
+            raise ValueError(f"hf_lookup_tokens must be >= 1, got {hf_lookup_tokens}")
         self.engine = engine
         self.tokenizer = tokenizer
+        self.hf_lookup_tokens = hf_lookup_tokens
         self.model_id = engine.target.model_id
         self.draft_id = engine.draft.model_id if engine.draft is not None else None
 
     def prepare(self, rec: PromptRecord) -> tuple[list[int], int]:
-        ids = apply_chat_template(self.tokenizer, to_chat(rec, 0))
+        ids = self.context_ids(rec, to_chat(rec, 0))
+        return ids, len(ids)
+
+    def context_ids(self, rec: PromptRecord, messages: list[dict]) -> list[int]:
+        ids = apply_chat_template(self.tokenizer, messages)
         if len(ids) >= self.engine.target.max_context:
             raise ValueError(
                 f"prompt {rec.id!r} of {rec.dataset} has {len(ids)} tokens and does not fit the "
                 f"{self.engine.target.max_context}-token context window of {self.model_id}"
             )
-        return ids, len(ids)
+        return ids
 
-    def generate(self, ctx, sampling: SamplingParams, mode: str) -> GenerationResult:
-        return self.engine.generate(ctx, sampling, self.engine.spec.model_copy(update={"strategy": MODES[mode]}))
+    def conversation(self, rec: PromptRecord, mode: str) -> "Conversation":
+        return Conversation(self, rec, mode)
+
+    def run(self, ids: list[int], sampling: SamplingParams, mode: str, sequence) -> GenerationResult:
+        if mode in MODES:
+            spec = self.engine.spec.model_copy(update={"strategy": MODES[mode]})
+            gen = self.engine.start(ids, sampling, spec, sequence=sequence)
+            for _ in gen:
+                pass
+            return gen.result()
+        return self.hf_generate(ids, sampling, mode)
+
+    def hf_generate(self, ids: list[int], sampling: SamplingParams, mode: str) -> GenerationResult:
+        """One `transformers` `generate` call, timed like ours (wall time, prefill included), its
+        output cut at the first stop token as ours is (the stop token is not output). `transformers`
+        reports no speculation figures: the result's stats are None."""
+        target = self.engine.target
+        model = target.model
+        stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(target.eos_token_ids))
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        kwargs: dict = {
+            "max_new_tokens": min(sampling.max_new_tokens, target.max_context - len(ids)),
+            "eos_token_id": sorted(stop) or None,
+            "pad_token_id": pad if pad is not None else min(stop, default=0),
+        }
+        if sampling.greedy:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        if mode == "hf-prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = self.hf_lookup_tokens
+        elif mode == "hf-assisted":
+            kwargs["assistant_model"] = self.engine.draft.model
+        device = next(model.parameters()).device
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, prompt]
+        with _quiet_transformers():
+            if not sampling.greedy and sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            start = time.perf_counter()
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)  # [1, prompt + new]
+            seconds = time.perf_counter() - start
+        tokens = out[0, len(ids):].tolist()
+        stopped = next((i for i, t in enumerate(tokens) if t in stop), None)
+        if stopped is not None:
+            tokens = tokens[:stopped]
+        return GenerationResult(
+            token_ids=tokens,
+            finish_reason=FinishReason.stop if stopped is not None else FinishReason.length,
+            stats=None,
+            prompt_tokens=len(ids),
+            seconds=seconds,
+            first_token_seconds=seconds,  # not observable inside one generate call
+        )
 
     def machine(self) -> dict:
         return machine_info(self.engine)
+
+
+class Conversation:
+    """One record's turns in one mode, in order. Turn t's context is the chat of the earlier turns
+    with this mode's own replies; our modes run every turn on one engine sequence (a later turn
+    reuses the KV of the conversation so far), the peers start afresh each turn."""
+
+    def __init__(self, target: EngineTarget, rec: PromptRecord, mode: str):
+        self.target = target
+        self.rec = rec
+        self.mode = mode
+        self.sequence = target.engine.runner.new_sequence() if mode in MODES else None
+        self.history: list[dict] | None = None  # earlier turns' messages, no system message
+
+    def turn(self, t: int, sampling: SamplingParams) -> GenerationResult:
+        messages = to_chat(self.rec, t, self.history if t > 0 else None)
+        res = self.target.run(self.target.context_ids(self.rec, messages), sampling, self.mode, self.sequence)
+        reply = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        head = 1 if self.rec.system else 0
+        self.history = messages[head:] + [{"role": "assistant", "content": reply}]
+        return res
+
+
+class _FirstTurnOnly:
+    """A conversation over a target that only runs first turns (`generate(context, ...)`)."""
+
+    def __init__(self, target, context, mode: str):
+        self.target, self.context, self.mode = target, context, mode
+
+    def turn(self, t: int, sampling: SamplingParams) -> GenerationResult:
+        assert t == 0, "checked by run_bench"
+        return self.target.generate(self.context, sampling, self.mode)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers warns about its own internal generation-config handling on assisted calls;
+    that is noise in a benchmark's output."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Figures:
+    """One mode's figures on one unit of the summary: a prompt (its turns together) or one turn."""
+
+    tokens: int
+    seconds: float
+    stats: SpecStats | None  # the turns' counts added up; None for a peer (transformers reports none)
+    equal_to_ar: bool | None  # None when sampling
+    equal_to_baseline: bool | None
 
 
 def run_bench(
@@ -129,104 +311,239 @@ def run_bench(
     sampling: SamplingParams | None = None,
     progress: bool = True,
     repeats: int = 1,
+    turns: int = 1,
+    hf_lookup_tokens: int = HF_LOOKUP_TOKENS,
 ) -> dict:
-    """Run the first turn of every record in every mode, interleaved; return the JSON-able report.
+    """Run the first `turns` turns of every record in every mode, interleaved; return the JSON-able
+    report.
 
-    `engine` is an in-process `Engine` (with `tokenizer`) or any bench target with the interface of
-    `EngineTarget` (e.g. `tandem.bench_remote.GatewayTarget`, the same modes through a stack).
-    `ar` is the baseline of every ratio, so it is run even when `modes` leaves it out. `sampling`
-    defaults to greedy; its max_new_tokens is replaced by `max_new_tokens`. With repeats > 1 each
-    prompt runs that many times per mode and its figures are those of the median-time repeat;
-    equality with ar is required of every repeat.
+    `engine` is an in-process `Engine` (with `tokenizer`) or a bench target (see above; e.g.
+    `tandem.bench_remote.GatewayTarget`, our modes through a stack). `ar` is the baseline of our
+    modes and `hf-ar` of the peers, so each runs whenever a mode of its family does. `sampling`
+    defaults to greedy; its max_new_tokens is replaced by `max_new_tokens`; a sampled run without a
+    seed gets seed 0, and every generation then its own seed (`run_seed`), the same in all modes
+    (a seeded generation of ours picks block lengths from nominal costs so that it replays: see
+    `tandem.spec.Generation`).
+    With repeats > 1 each prompt runs that many times per mode and each turn's figures are those of
+    its median-time repeat; equality with the baseline is required of every repeat.
     """
-    target = EngineTarget(engine, tokenizer) if isinstance(engine, Engine) else engine
+    target = (
+        EngineTarget(engine, tokenizer, hf_lookup_tokens=hf_lookup_tokens) if isinstance(engine, Engine) else engine
+    )
     modes = _check_modes(target, modes)
     if not records:
         raise ValueError("no prompts to benchmark")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
+    if turns > 1 and not hasattr(target, "conversation"):
+        raise ValueError("turns > 1 needs an in-process engine: a remote target runs first turns only")
     sampling = (sampling or SamplingParams()).model_copy(update={"max_new_tokens": max_new_tokens})
     greedy = sampling.greedy
+    if not greedy and sampling.seed is None:
+        sampling = sampling.model_copy(update={"seed": 0})
 
-    prepared = [target.prepare(rec) for rec in records]
-    contexts = [p[0] for p in prepared]
+    prepared = [target.prepare(rec) for rec in records]  # refuses a prompt too long before any timing
+    n_turns = [min(turns, len(rec.turns)) for rec in records]
+
+    def conversation(i: int, mode: str):
+        if hasattr(target, "conversation"):
+            return target.conversation(records[i], mode)
+        return _FirstTurnOnly(target, prepared[i][0], mode)
+
+    def sampling_for(i: int, t: int) -> SamplingParams:
+        return sampling if greedy else sampling.model_copy(update={"seed": run_seed(sampling.seed, i, t, turns)})
 
     # Untimed: the first forwards pay for allocation and kernel selection, and the draft model's
     # first forward for its own; one short generation per mode keeps that out of the first prompt.
-    warmup = sampling.model_copy(update={"max_new_tokens": min(max_new_tokens, WARMUP_TOKENS)})
+    warmup = sampling_for(0, 0).model_copy(update={"max_new_tokens": min(max_new_tokens, WARMUP_TOKENS)})
     for m in modes:
-        target.generate(contexts[0], warmup, m)
+        conversation(0, m).turn(0, warmup)
 
-    runs: list[dict[str, list[GenerationResult]]] = [{m: [] for m in modes} for _ in records]
+    # runs[i][m][r][t]: prompt i, mode m, repeat r, turn t
+    runs: list[dict[str, list[list[GenerationResult]]]] = [{m: [] for m in modes} for _ in records]
     with progress_bar(enabled=progress) as bar:
-        task = bar.add_task("bench", total=len(records) * len(modes) * repeats)
-        for i, ctx in enumerate(contexts):
+        task = bar.add_task("bench", total=sum(n_turns) * len(modes) * repeats)
+        for i in range(len(records)):
             for r in range(repeats):
-                for m in rotated(modes, i * repeats + r):
-                    runs[i][m].append(target.generate(ctx, sampling, m))
-                    bar.advance(task)
+                convs = {m: conversation(i, m) for m in modes}
+                outs: dict[str, list[GenerationResult]] = {m: [] for m in modes}
+                for t in range(n_turns[i]):
+                    for m in rotated(modes, (i * repeats + r) * turns + t):
+                        outs[m].append(convs[m].turn(t, sampling_for(i, t)))
+                        bar.advance(task)
+                for m in modes:
+                    runs[i][m].append(outs[m])
 
-    chosen = [{m: median_run(prompt_runs[m]) for m in modes} for prompt_runs in runs]
-    ar_ids = [prompt_runs["ar"][0].token_ids for prompt_runs in runs]
+    # chosen[i][m][t]: the median-time repeat of turn t
+    chosen = [
+        {m: [median_run([rep[t] for rep in runs[i][m]]) for t in range(n_turns[i])] for m in modes}
+        for i in range(len(records))
+    ]
+
+    def equal(i: int, m: str, ref: str, t: int | None = None) -> bool | None:
+        """Whether every repeat of mode m equals ref's first repeat on prompt i (turn t, or all)."""
+        if not greedy or ref not in modes:
+            return None
+
+        def output(rep: list[GenerationResult]) -> list:
+            return [g.token_ids for g in rep] if t is None else rep[t].token_ids
+
+        return all(output(rep) == output(runs[i][ref][0]) for rep in runs[i][m])
+
+    def figures(i: int, m: str, t: int | None = None) -> _Figures:
+        results = chosen[i][m] if t is None else [chosen[i][m][t]]
+        return _Figures(
+            tokens=sum(len(g.token_ids) for g in results),
+            seconds=sum(g.seconds for g in results),
+            stats=None if m in PEER_MODES else _add_stats([g.stats for g in results]),
+            equal_to_ar=equal(i, m, "ar", t),
+            equal_to_baseline=equal(i, m, baseline_of(m), t),
+        )
+
+    per_prompt = [{m: figures(i, m) for m in modes} for i in range(len(records))]
     prompts = []
-    for rec, (_, prompt_tokens), prompt_runs, best in zip(records, prepared, runs, chosen):
-        entry = {"id": rec.id, "dataset": rec.dataset, "category": rec.category, "prompt_tokens": prompt_tokens, "modes": {}}
-        for m in modes:
-            res = best[m]
-            entry["modes"][m] = {
-                "tokens": len(res.token_ids),
-                "seconds": res.seconds,
-                "tokens_per_s": res.tokens_per_s,
-                "drafted": res.stats.drafted,
-                "accepted": res.stats.accepted,
-                "steps": res.stats.steps,
-                "mean_accepted_len": res.stats.mean_accepted_len,
-                "equal_to_ar": (
-                    all(x.token_ids == prompt_runs["ar"][0].token_ids for x in prompt_runs[m]) if greedy else None
-                ),
-            }
+    for i, (rec, (_, prompt_tokens)) in enumerate(zip(records, prepared)):
+        entry = {
+            "id": rec.id, "dataset": rec.dataset, "category": rec.category, "prompt_tokens": prompt_tokens,
+            "modes": {m: _prompt_figures(per_prompt[i][m]) for m in modes},
+        }
+        if turns > 1:
+            entry["turns"] = [
+                {
+                    "turn": t + 1,
+                    "modes": {
+                        m: {
+                            **_prompt_figures(figures(i, m, t)),
+                            "prompt_tokens": chosen[i][m][t].prompt_tokens,
+                            "prefill_reused_tokens": (
+                                0 if m in PEER_MODES else chosen[i][m][t].stats.prefill_reused_tokens
+                            ),
+                        }
+                        for m in modes
+                    },
+                }
+                for t in range(n_turns[i])
+            ]
         prompts.append(entry)
 
-    ar_timing = [(b["ar"].seconds, len(b["ar"].token_ids)) for b in chosen]
+    result = {"modes": summarize(per_prompt, modes, greedy), "prompts": prompts}
+    categories = [rec.category for rec in records]
+    if any(c is not None for c in categories):
+        groups: dict[str, list[int]] = {}
+        for i, c in enumerate(categories):
+            groups.setdefault(NO_CATEGORY if c is None else c, []).append(i)
+        result["by_category"] = {c: summarize([per_prompt[i] for i in idx], modes, greedy) for c, idx in groups.items()}
+    if turns > 1:
+        result["by_turn"] = {
+            str(t + 1): summarize([{m: figures(i, m, t) for m in modes} for i in range(len(records)) if n_turns[i] > t],
+                                  modes, greedy)
+            for t in range(max(n_turns))
+        }
+    result["config"] = {
+        "model": target.model_id,
+        "draft_model": target.draft_id,
+        "max_new_tokens": max_new_tokens,
+        "limit": len(records),
+        "repeats": repeats,
+        "turns": turns,
+        "hf_lookup_tokens": hf_lookup_tokens if any(m in PEER_MODES for m in modes) else None,
+        "machine": target.machine(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "sampling": sampling.model_dump(mode="json"),
+    }
+    return result
+
+
+def summarize(units: Sequence[dict[str, _Figures]], modes: Sequence[str], greedy: bool) -> dict:
+    """Per-mode summary over units (prompts, or one turn of each prompt): totals, median ratios,
+    acceptance, the lossless fractions."""
     summary = {}
+    timing = {m: [(u[m].seconds, u[m].tokens) for u in units] for m in modes}
     for m in modes:
-        tokens = sum(len(b[m].token_ids) for b in chosen)
-        seconds = sum(b[m].seconds for b in chosen)
-        drafted = sum(b[m].stats.drafted for b in chosen)
-        accepted = sum(b[m].stats.accepted for b in chosen)
-        steps = sum(b[m].stats.steps for b in chosen)
-        summary[m] = {
+        tokens = sum(u[m].tokens for u in units)
+        seconds = sum(u[m].seconds for u in units)
+        base = baseline_of(m)
+        s = {
             "tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds > 0 else None,
-            "speedup_vs_ar": median_speedup(ar_timing, [(b[m].seconds, len(b[m].token_ids)) for b in chosen]),
-            "acceptance_rate": accepted / drafted if drafted else None,  # None: nothing was drafted
-            "mean_accepted_len": (accepted + steps) / steps if steps else None,
-            "lossless": lossless_fraction(ar_ids, [[x.token_ids for x in p[m]] for p in runs]) if greedy else None,
+            "baseline": base,
+            "speedup_vs_ar": median_speedup(timing[base], timing[m]),
+            "tokens_per_s_vs_hf_ar": median_speedup(timing["hf-ar"], timing[m]) if "hf-ar" in modes else None,
+            "acceptance_rate": None,
+            "mean_accepted_len": None,
+            "drafted_by_position": None,
+            "accepted_by_position": None,
+            "steps_by_accepted": None,
+            "lossless": _fraction([u[m].equal_to_baseline for u in units]) if greedy else None,
+            "agreement_with_ar": _fraction([u[m].equal_to_ar for u in units]) if greedy and "ar" in modes else None,
         }
+        if m not in PEER_MODES:
+            st = _add_stats([u[m].stats for u in units])
+            s["acceptance_rate"] = st.accepted / st.drafted if st.drafted else None  # None: nothing drafted
+            s["mean_accepted_len"] = (st.accepted + st.steps) / st.steps if st.steps else None
+            s["drafted_by_position"] = st.drafted_by_position
+            s["accepted_by_position"] = st.accepted_by_position
+            s["steps_by_accepted"] = steps_by_accepted(st)
         if not greedy:
-            summary[m]["lossless_note"] = LOSSLESS_NOTE
+            s["lossless_note"] = LOSSLESS_NOTE
+        summary[m] = s
+    return summary
 
+
+def _fraction(flags: Sequence[bool | None]) -> float | None:
+    return sum(bool(f) for f in flags) / len(flags) if flags else None
+
+
+def _add_stats(stats: Sequence[SpecStats]) -> SpecStats:
+    """The counts of several generations added up (the by-position lists element by element)."""
+    total = SpecStats()
+    for st in stats:
+        total.drafted += st.drafted
+        total.accepted += st.accepted
+        total.steps += st.steps
+        for name in ("drafted_by_position", "accepted_by_position"):
+            acc, add = getattr(total, name), getattr(st, name)
+            acc.extend([0] * (len(add) - len(acc)))
+            for k, v in enumerate(add):
+                acc[k] += v
+    return total
+
+
+def _prompt_figures(f: _Figures) -> dict:
+    st = f.stats
     return {
-        "modes": summary,
-        "prompts": prompts,
-        "config": {
-            "model": target.model_id,
-            "draft_model": target.draft_id,
-            "max_new_tokens": max_new_tokens,
-            "limit": len(records),
-            "repeats": repeats,
-            "machine": target.machine(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "sampling": sampling.model_dump(mode="json"),
-        },
+        "tokens": f.tokens,
+        "seconds": f.seconds,
+        "tokens_per_s": f.tokens / f.seconds if f.seconds > 0 else 0.0,
+        "drafted": st.drafted if st else None,
+        "accepted": st.accepted if st else None,
+        "steps": st.steps if st else None,
+        "mean_accepted_len": st.mean_accepted_len if st else None,
+        "equal_to_ar": f.equal_to_ar,
+        "equal_to_baseline": f.equal_to_baseline,
     }
+
+
+def cpu_name() -> str:
+    """The CPU model as /proc/cpuinfo names it (platform.processor() is often empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def machine_info(engine: Engine) -> dict:
     device = next(engine.target.model.parameters()).device
     info = {
         "platform": platform.platform(),
+        "cpu": cpu_name(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
@@ -241,14 +558,18 @@ def machine_info(engine: Engine) -> dict:
 def format_table(result: dict) -> Table:
     """The per-mode summary of a `run_bench` result, for the terminal."""
     cfg = result["config"]
+    peers = any(s.get("tokens_per_s_vs_hf_ar") is not None for s in result["modes"].values())
     table = Table(
         title=f"{cfg['model']}: {cfg['limit']} prompts, {cfg['max_new_tokens']} new tokens",
         caption=(
-            "speedup: median over prompts of ar's time per token / the mode's, run side by side; "
-            "accept: drafts accepted; tok/step: tokens committed per target forward"
+            "speedup: median over prompts of the baseline's time per token / the mode's, run side by side "
+            "(baseline: ar for ours, hf-ar for transformers'); accept: drafts accepted; "
+            "tok/step: tokens committed per target forward"
         ),
     )
-    for col in ("mode", "tokens", "seconds", "tok/s", "speedup", "accept", "tok/step", "lossless"):
+    cols = ["mode", "tokens", "sec", "tok/s", "speedup", *(["vs hf-ar"] if peers else []), "accept", "tok/step",
+            "lossless"]
+    for col in cols:
         table.add_column(col, justify="left" if col == "mode" else "right")
     for mode, s in result["modes"].items():
         table.add_row(
@@ -257,14 +578,47 @@ def format_table(result: dict) -> Table:
             _fmt(s["seconds"], "{:.2f}"),
             _fmt(s["tokens_per_s"], "{:.1f}"),
             _fmt(s["speedup_vs_ar"], "{:.2f}x"),
+            *([_fmt(s.get("tokens_per_s_vs_hf_ar"), "{:.2f}x")] if peers else []),
             _fmt(s["acceptance_rate"], "{:.1%}"),
             _fmt(s["mean_accepted_len"], "{:.2f}"),
             # a count, not a rounded percentage: 199 of 200 equal outputs must not print as 100%
             "-" if s["lossless"] is None else f"{round(s['lossless'] * cfg['limit'])}/{cfg['limit']}",
         )
+    if peers:
+        table.caption += "; vs hf-ar: median ratio of tokens/s to transformers' plain generate"
     notes = {s["lossless_note"] for s in result["modes"].values() if s.get("lossless_note")}
     if notes:
         table.caption += "\nlossless: " + "; ".join(sorted(notes))
+    return table
+
+
+def format_category_table(result: dict) -> Table | None:
+    """Speedup per category (rows) and mode (columns), or None when the prompts have fewer than two
+    categories."""
+    by_cat = result.get("by_category")
+    if not by_cat or len(by_cat) < 2:  # one category is the whole set: the main table says it
+        return None
+    modes = [m for m in result["modes"] if m not in ("ar", "hf-ar")]
+    table = Table(
+        title="speedup by category",
+        caption="median speedup over the category's prompts against the mode's baseline (ar, or hf-ar for "
+        "transformers' modes); acceptance in parentheses",
+    )
+    table.add_column("category")
+    table.add_column("prompts", justify="right")
+    for m in modes:
+        table.add_column(m, justify="right")
+    counts: dict[str, int] = {}
+    for p in result["prompts"]:
+        key = NO_CATEGORY if p["category"] is None else p["category"]
+        counts[key] = counts.get(key, 0) + 1
+    for cat, summary in by_cat.items():
+        cells = []
+        for m in modes:
+            s = summary[m]
+            acc = s["acceptance_rate"]
+            cells.append(_fmt(s["speedup_vs_ar"], "{:.2f}x") + ("" if acc is None else f" ({acc:.0%})"))
+        table.add_row(cat, str(counts.get(cat, 0)), *cells)
     return table
 
 
@@ -273,11 +627,25 @@ def _fmt(value: float | None, pattern: str) -> str:
 
 
 def _check_modes(target, modes: Sequence[str]) -> list[str]:
-    unknown = [m for m in modes if m not in MODES]
+    supported = getattr(target, "modes", tuple(MODES))
+    unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(map(repr, unknown))}; choose from {', '.join(MODES)}")
+        raise ValueError(f"unknown mode(s) {', '.join(map(repr, unknown))}; choose from {', '.join(ALL_MODES)}")
+    unsupported = [m for m in modes if m not in supported]
+    if unsupported:
+        raise ValueError(
+            f"mode(s) {', '.join(map(repr, unsupported))} run in process only (transformers' generate on the "
+            f"same model); this target runs {', '.join(supported)}"
+        )
     if len(set(modes)) != len(modes):
         raise ValueError(f"modes repeat: {list(modes)}")
-    if "model" in modes and target.draft_id is None:
-        raise ValueError("mode 'model' needs a draft model (--draft-model PATH)")
-    return list(modes) if "ar" in modes else ["ar", *modes]
+    for m in ("model", "hf-assisted"):
+        if m in modes and target.draft_id is None:
+            raise ValueError(f"mode {m!r} needs a draft model (--draft-model PATH)")
+    out = list(modes)
+    # each family's baseline runs whenever a mode of the family does, first among its family
+    if any(m in PEER_MODES for m in out) and "hf-ar" not in out:
+        out.insert(next(i for i, m in enumerate(out) if m in PEER_MODES), "hf-ar")
+    if any(m in MODES for m in out) and "ar" not in out:
+        out.insert(0, "ar")
+    return out

@@ -12,22 +12,31 @@ from rich.console import Console
 
 from tandem.bench import (
     LOSSLESS_NOTE,
+    EngineTarget,
+    format_category_table,
     format_table,
     lossless_fraction,
     median_run,
     median_speedup,
     rotated,
     run_bench,
+    run_seed,
     speedup_ratios,
+    steps_by_accepted,
 )
-from tandem.config import SamplingParams
+from tandem.config import SamplingParams, SpecConfig
 from tandem.datasets import PromptRecord, load_prompts, to_chat
 from tandem.models import apply_chat_template
 from tandem.spec import Engine, FinishReason, GenerationResult, SpecStats
 
-MODE_KEYS = {"tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_len", "lossless"}
+MODE_KEYS = {
+    "tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_len", "lossless",
+    "baseline", "tokens_per_s_vs_hf_ar", "agreement_with_ar", "drafted_by_position", "accepted_by_position",
+    "steps_by_accepted",
+}
 PROMPT_MODE_KEYS = {
     "tokens", "seconds", "tokens_per_s", "drafted", "accepted", "steps", "mean_accepted_len", "equal_to_ar",
+    "equal_to_baseline",
 }
 
 
@@ -63,6 +72,9 @@ def test_lossless_fraction() -> None:
     assert lossless_fraction(reference, [[[1, 2]], [[4, 5]], [[6, 7]]]) == pytest.approx(1 / 3)  # lengths differ
     # every repeat must agree: one deviating repeat makes the prompt fail
     assert lossless_fraction([[1]], [[[1], [1], [2]]]) == 0.0
+    # a conversation's output is one id list per turn: a difference in any turn counts
+    assert lossless_fraction([[[1, 2], [3]]], [[[[1, 2], [3]]]]) == 1.0
+    assert lossless_fraction([[[1, 2], [3]]], [[[[1, 2], [4]]]]) == 0.0
     with pytest.raises(ValueError):
         lossless_fraction([], [])
     with pytest.raises(ValueError):
@@ -74,6 +86,20 @@ def test_rotation_puts_every_mode_first_in_turn() -> None:
     firsts = [rotated(modes, i)[0] for i in range(6)]
     assert firsts == ["ar", "ngram", "model", "ar", "ngram", "model"]
     assert rotated(modes, 1) == ["ngram", "model", "ar"]
+
+
+def test_steps_by_accepted_histogram() -> None:
+    # 10 steps; 6 accepted >= 1 draft, 2 accepted >= 2: 4 steps accepted 0, 4 accepted 1, 2 accepted 2
+    st = SpecStats(drafted=12, accepted=8, steps=10, accepted_by_position=[6, 2], drafted_by_position=[8, 4])
+    assert steps_by_accepted(st) == [4, 4, 2]
+    assert steps_by_accepted(SpecStats(steps=5)) == [5]  # plain decoding: every step commits one token
+    assert steps_by_accepted(SpecStats(drafted=4, accepted=3, steps=2)) is None  # totals only (remote)
+
+
+def test_run_seeds_differ_per_prompt_and_turn() -> None:
+    seeds = [run_seed(7, i, t, 2) for i in range(3) for t in range(2)]
+    assert seeds == [7, 8, 9, 10, 11, 12]
+    assert run_seed(7, 0, 0, 1) == 7 and run_seed(7, 1, 0, 1) == 8
 
 
 def _result(seconds: float, tokens: int = 3) -> GenerationResult:
@@ -110,12 +136,13 @@ def records(tmp_path: Path) -> list[PromptRecord]:
 
 
 def test_run_bench_end_to_end(tiny_loaded, tiny_draft_loaded, records) -> None:
-    engine = Engine(tiny_loaded, tiny_draft_loaded)
+    # fixed block lengths: whether the adaptive controller drafts depends on measured times
+    engine = Engine(tiny_loaded, tiny_draft_loaded, SpecConfig(adaptive=False))
     result = run_bench(
         engine, records, ["ar", "ngram", "model"], 24, tokenizer=tiny_loaded.tokenizer, progress=False
     )
     json.dumps(result)  # the report is plain JSON
-    assert set(result) == {"modes", "prompts", "config"}
+    assert set(result) == {"modes", "prompts", "config", "by_category"}  # no by_turn: one turn
     assert list(result["modes"]) == ["ar", "ngram", "model"]
     for mode, s in result["modes"].items():
         assert MODE_KEYS <= set(s) and "lossless_note" not in s, mode
@@ -126,6 +153,13 @@ def test_run_bench_end_to_end(tiny_loaded, tiny_draft_loaded, records) -> None:
     assert ar["speedup_vs_ar"] == 1.0 and ar["mean_accepted_len"] == 1.0 and ar["acceptance_rate"] is None
     ngram = result["modes"]["ngram"]
     assert 0.0 <= ngram["acceptance_rate"] <= 1.0 and ngram["mean_accepted_len"] >= 1.0
+    for mode in ("ngram", "model"):  # the per-position counts add up to the totals
+        s, per = result["modes"][mode], [p["modes"][mode] for p in result["prompts"]]
+        assert sum(s["drafted_by_position"]) == sum(m["drafted"] for m in per) > 0
+        assert sum(s["accepted_by_position"]) == sum(m["accepted"] for m in per)
+        assert sum(s["steps_by_accepted"]) == sum(m["steps"] for m in per)
+    assert ar["drafted_by_position"] == []
+    assert ar["steps_by_accepted"] == [sum(p["modes"]["ar"]["steps"] for p in result["prompts"])]
 
     assert [p["id"] for p in result["prompts"]] == ["a", "b", "c"]
     for p in result["prompts"]:
@@ -162,22 +196,29 @@ def test_run_bench_end_to_end(tiny_loaded, tiny_draft_loaded, records) -> None:
     assert "ngram" in text and "1.00x" in text and "3/3" in text
 
 
+def _spy_runs(monkeypatch) -> list[tuple[list[int], str, SamplingParams]]:
+    """Record every generation a bench runs in process: (context ids, mode, sampling)."""
+    calls: list[tuple[list[int], str, SamplingParams]] = []
+    real = EngineTarget.run
+
+    def spy(self, ids, sampling, mode, sequence):
+        calls.append((list(ids), mode, sampling))
+        return real(self, ids, sampling, mode, sequence)
+
+    monkeypatch.setattr(EngineTarget, "run", spy)
+    return calls
+
+
 def test_modes_are_interleaved_and_rotated_after_a_warmup(tiny_loaded, records, monkeypatch) -> None:
     engine = Engine(tiny_loaded)
-    calls: list[tuple[int, str, int]] = []
-    real = engine.generate
-
-    def spy(context_ids, sampling, spec=None, **kw):
-        calls.append((len(context_ids), spec.strategy.value, sampling.max_new_tokens))
-        return real(context_ids, sampling, spec, **kw)
-
-    monkeypatch.setattr(engine, "generate", spy)
+    runs = _spy_runs(monkeypatch)
     # ar is the baseline of every ratio: it runs although the modes leave it out
     result = run_bench(engine, records, ["ngram"], 6, tokenizer=tiny_loaded.tokenizer, progress=False, repeats=2)
     assert list(result["modes"]) == ["ar", "ngram"]
+    calls = [(len(ids), mode, s.max_new_tokens) for ids, mode, s in runs]
     warmup, timed = calls[:2], calls[2:]
-    assert [c[1] for c in warmup] == ["none", "ngram"]
-    assert [c[1] for c in timed] == ["none", "ngram", "ngram", "none"] * 3  # rotated per prompt and repeat
+    assert [c[1] for c in warmup] == ["ar", "ngram"]
+    assert [c[1] for c in timed] == ["ar", "ngram", "ngram", "ar"] * 3  # rotated per prompt and repeat
     lengths = [p["prompt_tokens"] for p in result["prompts"]]
     assert [c[0] for c in timed] == [n for n in lengths for _ in range(4)]  # prompt by prompt
     assert all(c[2] == 6 for c in calls)
@@ -187,18 +228,7 @@ def test_a_lossless_failure_is_reported(tiny_loaded, records, monkeypatch) -> No
     """A mode whose output differs from ar's on one prompt of three scores 2/3, and that prompt is
     marked, so a broken verifier cannot hide in the averages."""
     engine = Engine(tiny_loaded)
-    real = engine.generate
-    lengths = [len(apply_chat_template(tiny_loaded.tokenizer, to_chat(r))) for r in records]
-    assert len(set(lengths)) == len(lengths)  # the prompt length identifies the prompt below
-    bad_prompt_len = lengths[1]
-
-    def corrupt(context_ids, sampling, spec=None, **kw):
-        res = real(context_ids, sampling, spec, **kw)
-        if spec.strategy.value == "ngram" and len(context_ids) == bad_prompt_len:
-            res.token_ids = res.token_ids[:-1] + [(res.token_ids[-1] + 1) % 512]
-        return res
-
-    monkeypatch.setattr(engine, "generate", corrupt)
+    _corrupt(monkeypatch, tiny_loaded, records[1], "ngram")
     result = run_bench(engine, records, ["ar", "ngram"], 5, tokenizer=tiny_loaded.tokenizer, progress=False)
     assert result["modes"]["ngram"]["lossless"] == pytest.approx(2 / 3)
     assert result["modes"]["ar"]["lossless"] == 1.0
@@ -206,6 +236,34 @@ def test_a_lossless_failure_is_reported(tiny_loaded, records, monkeypatch) -> No
     console = Console(file=io.StringIO(), width=140)
     console.print(format_table(result))
     assert "2/3" in console.file.getvalue()
+
+
+def _corrupt(monkeypatch, loaded, bad_record: PromptRecord, bad_mode: str) -> None:
+    """Make `bad_mode` change the last output token of `bad_record` (recognized by its prompt length)."""
+    bad_len = len(apply_chat_template(loaded.tokenizer, to_chat(bad_record)))
+    real = EngineTarget.run
+
+    def corrupt(self, ids, sampling, mode, sequence):
+        res = real(self, ids, sampling, mode, sequence)
+        if mode == bad_mode and len(ids) == bad_len:
+            res.token_ids = res.token_ids[:-1] + [(res.token_ids[-1] + 1) % 512]
+        return res
+
+    monkeypatch.setattr(EngineTarget, "run", corrupt)
+
+
+def test_a_peer_lossless_failure_is_reported(tiny_loaded, records, monkeypatch) -> None:
+    """The peers are checked like ours: against their baseline hf-ar, and against our ar."""
+    lengths = [len(apply_chat_template(tiny_loaded.tokenizer, to_chat(r))) for r in records]
+    assert len(set(lengths)) == len(lengths)  # the prompt length identifies the prompt
+    _corrupt(monkeypatch, tiny_loaded, records[2], "hf-prompt-lookup")
+    result = run_bench(Engine(tiny_loaded), records, ["ar", "hf-prompt-lookup"], 5, tokenizer=tiny_loaded.tokenizer,
+                       progress=False)
+    peer = result["modes"]["hf-prompt-lookup"]
+    assert peer["lossless"] == pytest.approx(2 / 3) and peer["agreement_with_ar"] == pytest.approx(2 / 3)
+    assert result["modes"]["hf-ar"]["lossless"] == 1.0
+    flags = [p["modes"]["hf-prompt-lookup"]["equal_to_baseline"] for p in result["prompts"]]
+    assert flags == [True, True, False]
 
 
 def test_sampling_reports_no_greedy_equality(tiny_loaded, records) -> None:
@@ -228,7 +286,205 @@ def test_bad_modes_are_refused(tiny_loaded, records) -> None:
     tok = tiny_loaded.tokenizer
     with pytest.raises(ValueError, match="needs a draft model"):
         run_bench(engine, records, ["ar", "model"], 4, tokenizer=tok, progress=False)
+    with pytest.raises(ValueError, match="'hf-assisted' needs a draft model"):
+        run_bench(engine, records, ["hf-assisted"], 4, tokenizer=tok, progress=False)
+    with pytest.raises(ValueError, match="turns must be"):
+        run_bench(engine, records, ["ar"], 4, tokenizer=tok, progress=False, turns=0)
     with pytest.raises(ValueError, match="unknown mode"):
         run_bench(engine, records, ["ar", "eagle"], 4, tokenizer=tok, progress=False)
     with pytest.raises(ValueError, match="no prompts"):
         run_bench(engine, [], ["ar"], 4, tokenizer=tok, progress=False)
+
+
+def test_sampled_modes_share_a_seed_per_prompt(tiny_loaded, records, monkeypatch) -> None:
+    runs = _spy_runs(monkeypatch)
+    sampling = SamplingParams(temperature=0.9)  # no seed: the bench uses 0, so that the run replays
+    result = run_bench(Engine(tiny_loaded), records, ["ar", "ngram", "hf-ar"], 4, tokenizer=tiny_loaded.tokenizer,
+                       sampling=sampling, progress=False)
+    assert result["config"]["sampling"]["seed"] == 0
+    timed = runs[3:]  # after one warmup per mode
+    seeds = {}
+    for ids, mode, s in timed:
+        seeds.setdefault(len(ids), set()).add(s.seed)
+    assert [seeds[p["prompt_tokens"]] for p in result["prompts"]] == [{0}, {1}, {2}]
+    assert all(s["lossless"] is None and s["lossless_note"] == LOSSLESS_NOTE for s in result["modes"].values())
+    assert all(s["agreement_with_ar"] is None for s in result["modes"].values())
+
+
+# --- the peer: transformers' own generate in the same run -------------------------------------------
+
+
+def test_peers_run_beside_ours_and_are_lossless(tiny_loaded, tiny_draft_loaded, records) -> None:
+    engine = Engine(tiny_loaded, tiny_draft_loaded)
+    modes = ["ar", "ngram", "hf-prompt-lookup", "hf-assisted"]
+    result = run_bench(engine, records, modes, 16, tokenizer=tiny_loaded.tokenizer, progress=False)
+    json.dumps(result)
+    # hf-ar, the peers' baseline, runs whenever a peer does, first among them
+    assert list(result["modes"]) == ["ar", "ngram", "hf-ar", "hf-prompt-lookup", "hf-assisted"]
+    assert result["config"]["hf_lookup_tokens"] == 10
+    for mode, s in result["modes"].items():
+        assert MODE_KEYS <= set(s), mode
+        assert s["baseline"] == ("hf-ar" if mode.startswith("hf-") else "ar")
+        # greedy: every mode equals its baseline, and transformers' plain decoding equals ours
+        assert s["lossless"] == 1.0 and s["agreement_with_ar"] == 1.0, mode
+        assert s["tokens"] == result["modes"]["ar"]["tokens"]
+    for mode in ("hf-ar", "hf-prompt-lookup", "hf-assisted"):
+        s = result["modes"][mode]
+        assert s["acceptance_rate"] is None and s["mean_accepted_len"] is None  # transformers reports none
+        assert s["drafted_by_position"] is None and s["steps_by_accepted"] is None
+    assert result["modes"]["hf-ar"]["speedup_vs_ar"] == 1.0 and result["modes"]["hf-ar"]["tokens_per_s_vs_hf_ar"] == 1.0
+    for p in result["prompts"]:
+        for mode, m in p["modes"].items():
+            assert set(m) == PROMPT_MODE_KEYS and m["equal_to_ar"] is True and m["equal_to_baseline"] is True
+        assert p["modes"]["hf-ar"]["drafted"] is None
+
+    def per_token(p, mode):
+        return p["modes"][mode]["seconds"] / p["modes"][mode]["tokens"]
+
+    for mode, s in result["modes"].items():  # the two ratios: against the own baseline, and against hf-ar
+        base = s["baseline"]
+        assert s["speedup_vs_ar"] == pytest.approx(
+            statistics.median(per_token(p, base) / per_token(p, mode) for p in result["prompts"]))
+        assert s["tokens_per_s_vs_hf_ar"] == pytest.approx(
+            statistics.median(per_token(p, "hf-ar") / per_token(p, mode) for p in result["prompts"]))
+    console = Console(file=io.StringIO(), width=160)
+    console.print(format_table(result))
+    assert "vs hf-ar" in console.file.getvalue() and "hf-prompt-lookup" in console.file.getvalue()
+
+
+def test_hf_lookup_tokens_reaches_generate(tiny_loaded, records, monkeypatch) -> None:
+    seen = []
+    model = tiny_loaded.model
+    real = type(model).generate
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("prompt_lookup_num_tokens"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", spy)
+    result = run_bench(Engine(tiny_loaded), records[:1], ["hf-prompt-lookup"], 4, tokenizer=tiny_loaded.tokenizer,
+                       progress=False, hf_lookup_tokens=3)
+    assert list(result["modes"]) == ["hf-ar", "hf-prompt-lookup"]  # peers only: no ar, no agreement figure
+    assert sorted(seen, key=str) == [3, 3, None, None]  # warmup and timed run of each mode
+    assert result["modes"]["hf-prompt-lookup"]["agreement_with_ar"] is None
+
+
+def test_peers_need_an_in_process_engine(records) -> None:
+    class RemoteLike:  # the interface of tandem.bench_remote.GatewayTarget
+        model_id, draft_id = "remote", None
+
+        def prepare(self, rec):
+            return rec.turns[0], None
+
+        def generate(self, ctx, sampling, mode):
+            raise AssertionError("not reached")
+
+        def machine(self):
+            return {}
+
+    with pytest.raises(ValueError, match="run in process only"):
+        run_bench(RemoteLike(), records, ["ar", "hf-ar"], 4, progress=False)
+    with pytest.raises(ValueError, match="turns > 1 needs an in-process engine"):
+        run_bench(RemoteLike(), records, ["ar"], 4, progress=False, turns=2)
+
+
+# --- categories and turns ----------------------------------------------------------------------------
+
+
+def test_results_by_category(tiny_loaded, records) -> None:
+    result = run_bench(Engine(tiny_loaded), records, ["ar", "ngram"], 8, tokenizer=tiny_loaded.tokenizer,
+                       progress=False)
+    by_cat = result["by_category"]
+    assert list(by_cat) == ["rep", "code", "(none)"]  # in the order of the set; a record without one last
+    for cat, summary in by_cat.items():
+        prompts = [p for p in result["prompts"] if (p["category"] or "(none)") == cat]
+        assert len(prompts) == 1
+        for mode, s in summary.items():
+            m = prompts[0]["modes"][mode]
+            assert MODE_KEYS <= set(s)
+            assert s["tokens"] == m["tokens"] and s["seconds"] == pytest.approx(m["seconds"])
+            assert s["lossless"] == 1.0
+            expected = (m["accepted"] + m["steps"]) / m["steps"]
+            assert s["mean_accepted_len"] == pytest.approx(expected)
+    console = Console(file=io.StringIO(), width=140)
+    console.print(format_category_table(result))
+    assert "rep" in console.file.getvalue() and "code" in console.file.getvalue()
+
+
+def test_no_categories_no_breakdown(tiny_loaded) -> None:
+    recs = [PromptRecord(id=str(i), dataset="d", category=None, system=None, turns=[f"one two {i}"]) for i in range(2)]
+    result = run_bench(Engine(tiny_loaded), recs, ["ar"], 4, tokenizer=tiny_loaded.tokenizer, progress=False)
+    assert "by_category" not in result and format_category_table(result) is None
+
+
+def test_turns_run_in_order_in_one_session(tiny_loaded, tiny_draft_loaded, monkeypatch) -> None:
+    recs = [
+        PromptRecord(id="mt", dataset="mt", category="writing", system="be kind",
+                     turns=["the cat and the dog and the cat", "one two one two one two"]),
+        PromptRecord(id="single", dataset="mt", category="math", system=None, turns=["two three two three"]),
+    ]
+    runs = _spy_runs(monkeypatch)
+    modes = ["ar", "ngram", "model", "hf-prompt-lookup"]
+    result = run_bench(Engine(tiny_loaded, tiny_draft_loaded), recs, modes, 10, tokenizer=tiny_loaded.tokenizer,
+                       progress=False, turns=2)
+    json.dumps(result)
+    timed = runs[5:]  # after one warmup per mode (hf-ar included)
+    assert len(timed) == 3 * 5  # 2 turns of the first record and 1 of the second, in 5 modes
+    mt, single = result["prompts"]
+    assert [t["turn"] for t in mt["turns"]] == [1, 2] and [t["turn"] for t in single["turns"]] == [1]
+    tail = apply_chat_template(tiny_loaded.tokenizer, [{"role": "user", "content": recs[0].turns[1]}])
+    for mode in ["ar", "ngram", "model", "hf-ar", "hf-prompt-lookup"]:
+        first, second = (ids for ids, m, _ in timed if m == mode and ids[:3] == timed[0][0][:3])
+        t1, t2 = mt["turns"][0]["modes"][mode], mt["turns"][1]["modes"][mode]
+        # turn 2 is the chat so far with this mode's own reply, then the second user turn
+        assert second[: len(first)] == first and len(second) == t2["prompt_tokens"] > t1["prompt_tokens"]
+        assert second[-len(tail):] == tail
+        assert t1["equal_to_baseline"] is True and t2["equal_to_baseline"] is True
+        assert mt["modes"][mode]["tokens"] == t1["tokens"] + t2["tokens"]
+        assert mt["modes"][mode]["seconds"] == pytest.approx(t1["seconds"] + t2["seconds"])
+        # our modes keep the conversation's KV: turn 2 computes only what is new; the peers start afresh
+        assert t1["prefill_reused_tokens"] == 0
+        assert (t2["prefill_reused_tokens"] > 0) == (not mode.startswith("hf-"))
+    assert set(result["by_turn"]) == {"1", "2"}
+    assert result["by_turn"]["2"]["ar"]["tokens"] == mt["turns"][1]["modes"]["ar"]["tokens"]
+    first_turns = mt["turns"][0]["modes"]["ar"]["tokens"] + single["modes"]["ar"]["tokens"]
+    assert result["by_turn"]["1"]["ar"]["tokens"] == first_turns
+    assert result["config"]["turns"] == 2
+
+
+# --- the command ---------------------------------------------------------------------------------------
+
+
+def test_bench_command_with_peers_turns_and_plots(tiny_loaded, tmp_path: Path) -> None:
+    import torch
+    from typer.testing import CliRunner
+
+    from tandem.cli import app
+
+    model_dir = tmp_path / "tiny-llama"
+    tiny_loaded.model.save_pretrained(str(model_dir))
+    tiny_loaded.tokenizer.save_pretrained(str(model_dir))
+    dataset = tmp_path / "mt.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question_id": 1, "category": "writing", "turns": ["the cat and the dog and the cat", "one two one two"]},
+        {"question_id": 2, "category": "math", "turns": ["two plus two is four two plus two", "and three"]},
+    ]))
+    report, plots = tmp_path / "out.json", tmp_path / "plots"
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(app, [
+            "bench", "--model", str(model_dir), "--dataset", str(dataset), "--max-new-tokens", "6", "--modes",
+            "ar,ngram,hf-prompt-lookup", "--turns", "2", "--hf-lookup-tokens", "4", "--plot", str(plots),
+            "--out", str(report), "--threads", "1",
+        ], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code == 0, res.output
+    result = json.loads(report.read_text())
+    assert list(result["modes"]) == ["ar", "ngram", "hf-ar", "hf-prompt-lookup"]
+    assert result["config"]["turns"] == 2 and result["config"]["hf_lookup_tokens"] == 4
+    assert set(result["by_category"]) == {"writing", "math"} and set(result["by_turn"]) == {"1", "2"}
+    assert all(len(p["turns"]) == 2 for p in result["prompts"])
+    assert sorted(p.name for p in plots.iterdir()) == sorted(
+        ["speedup.png", "acceptance_by_position.png", "accepted_length.png", "tokens_per_s.png"])
+    assert "speedup by category" in res.stderr

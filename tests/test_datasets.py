@@ -205,3 +205,27 @@ def test_limit_stops_before_a_later_bad_line(tmp_path: Path) -> None:
     assert load_prompts(path, limit=0) == []
     with pytest.raises(ValueError, match=r"p\.jsonl:3"):
         load_prompts(path)
+
+
+def test_any_jsonl_with_prompt_messages_or_turns_and_categories(tmp_path: Path) -> None:
+    """A user's own prompt set: the three generic shapes mixed in one file, categories optional, extra
+    fields (Spec-Bench's `reference`) ignored."""
+    lines = [
+        {"question_id": "sb1", "category": "translation", "turns": ["Translate: hello", "Now to German"],
+         "reference": ["bonjour"]},
+        {"prompt": "Summarize: a long text", "category": "summarization"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                      {"role": "user", "content": "bye"}], "category": 3},
+        {"prompt": "no category here"},
+    ]
+    records = load_prompts(_write(tmp_path, "mine.jsonl", lines))
+    assert [r.id for r in records] == ["sb1", "1", "2", "3"]
+    assert [r.category for r in records] == ["translation", "summarization", "3", None]
+    assert [len(r.turns) for r in records] == [2, 1, 2, 1]
+    assert all(r.dataset == "mine" for r in records)
+    assert to_chat(records[1]) == [{"role": "user", "content": "Summarize: a long text"}]
+    # a later turn with the model's own reply in place of the record's
+    own = to_chat(records[2], 0) + [{"role": "assistant", "content": "mine"}]
+    assert to_chat(records[2], 1, own)[-2:] == [
+        {"role": "assistant", "content": "mine"}, {"role": "user", "content": "bye"},
+    ]
