@@ -308,6 +308,59 @@ def bench(
             typer.echo(f"wrote {path}", err=True)
 
 
+@app.command()
+def loadtest(
+    endpoint: Annotated[str, typer.Option("--endpoint", help="The gateway's HTTP address, HOST:PORT or http://HOST:PORT.")],
+    dataset: Annotated[Path, typer.Option("--dataset", "-d", help="Conversations: any prompt set (multi-turn records run their turns in one session).", exists=True, dir_okay=False)],
+    concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Comma-separated concurrent session counts.")] = "1,4,16",
+    turns: Annotated[int, typer.Option("--turns", help="Turns per conversation (later turns append the reply and the next user message).", min=1)] = 2,
+    duration: Annotated[float, typer.Option("--duration", help="Seconds per phase after which no new request starts.", min=1)] = 120.0,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="max_tokens of every request.", min=1)] = 64,
+    conversations: Annotated[int, typer.Option("--conversations", help="Conversations per concurrent worker and phase.", min=1)] = 1,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N records.", min=1)] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON report here (and a PNG plot beside it).")] = None,
+) -> None:
+    """Load-test a running stack: concurrent multi-turn sessions, speculation off and on at each
+    concurrency; aggregate tokens/s, TTFT and inter-token latency (p50, p99), acceptance and KV
+    residency hit rate, plus a PNG plot of throughput and latency against concurrency."""
+    _setup(1, "warning")
+    from rich.console import Console
+    from rich.table import Table
+
+    from tandem.datasets import load_prompts
+    from tandem.loadtest import plot_loadtest, run_loadtest
+
+    console = Console(stderr=True)
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+        if not levels or min(levels) < 1:
+            raise ValueError("--concurrency needs positive integers, e.g. 1,4,16")
+        records = load_prompts(dataset, limit)
+    except ValueError as exc:
+        _fail(str(exc))
+    base = endpoint if endpoint.startswith("http") else f"http://{endpoint}"
+
+    def show(row: dict) -> None:
+        console.print(
+            f"c={row['concurrency']:<3} speculation={'on ' if row['speculation'] else 'off'} "
+            f"{row['tokens_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms'] or 0:7.0f} ms  "
+            f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} ms p99 {row['itl_p99_ms'] or 0:6.1f} ms  "
+            f"accept {row['acceptance_rate'] or 0:.0%}  residency hits {row['residency_hit_rate'] or 0:.0%}  "
+            f"({row['requests']} requests, {row['errors']} errors)"
+        )
+
+    result = run_loadtest(base, records, levels, turns=turns, max_tokens=max_tokens, duration_s=duration,
+                          conversations_per_worker=conversations, on_phase=show)
+    text = json.dumps(result, indent=2)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        plot_loadtest(result, str(out.with_suffix(".png")), title=f"tandem loadtest: {dataset.name}")
+        console.print(f"wrote {out} and {out.with_suffix('.png')}")
+    else:
+        print(text)
+
+
 # -- services ----------------------------------------------------------------------------------
 
 HostOpt = Annotated[str, typer.Option("--host", help="Interface to bind (0.0.0.0 for all).")]

@@ -115,6 +115,7 @@ class HFBackend:
             cache.crop(-excess)  # transformers >= 5: a negative count removes from the end
 
     batched = False  # one sequence per forward: a batch runs its blocks one after another
+    shares_prefix = False  # no KV copy between sequences: each prefills its own
 
     @torch.inference_mode()
     def forward(self, cache: DynamicCache, input_ids: list[int], all_logits: bool) -> torch.Tensor | None:
@@ -147,7 +148,15 @@ class NativeBackend:
     def crop(cache, length: int) -> None:
         cache.crop_to(length)
 
+    @staticmethod
+    def copy_prefix(src, dst, length: int) -> None:
+        dst.ensure(length)
+        dst.k[:, :, :length] = src.k[:, :, :length]
+        dst.v[:, :, :length] = src.v[:, :, :length]
+        dst.length = length
+
     batched = True  # ragged blocks of many sequences in one forward
+    shares_prefix = True  # a sequence can start from a copy of another's KV prefix
 
     def forward(self, cache, input_ids: list[int], all_logits: bool) -> torch.Tensor | None:
         return self.impl.forward(input_ids, cache, all_logits=all_logits)
@@ -331,6 +340,12 @@ class Sequence:
         the KV of everything after the new pending token."""
         self.ids.extend(tokens)
         self.rollback(len(self.ids) - 1)
+
+    def share_from(self, other: "Sequence", length: int) -> None:
+        """Take the first `length` positions of another sequence's KV (a copy: both stay
+        independent) instead of computing them; then `set_context` computes only the rest."""
+        self.runner.backend.copy_prefix(other.cache, self.cache, length)
+        self.ids = list(other.ids[:length])
 
     def rollback(self, length: int) -> None:
         """Crop the KV cache to its first `length` entries (a no-op when it is not longer)."""

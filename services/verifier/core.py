@@ -68,6 +68,7 @@ class VerifierCounters:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    prefill_shared_tokens: int = 0  # context tokens whose KV was copied from another session
 
 
 class VerifierCore:
@@ -183,6 +184,47 @@ class VerifierCore:
             sess.last_used = time.monotonic()
             return sess
 
+    SHARE_MIN_TOKENS = 32  # shorter common prefixes are cheaper to recompute than to look up
+
+    def _share_prefix(self, sess: _Session, context_ids: list[int]) -> int:
+        """Copy the KV of the longest prefix of `context_ids` that another resident session holds
+        (a common system prompt, a tool schema) into `sess`, when that beats what `sess` already
+        holds. Returns the tokens copied (0: nothing worth sharing, or a backend without it)."""
+        seq = sess.seq
+        if not self.engine.runner.backend.shares_prefix:
+            return 0
+        own = self._common_len(seq.ids[: seq.cached_len], context_ids)
+        # Only idle donors, and the copy under the table lock: a donor cannot be checked out (and
+        # roll its cache back) while we read it.
+        with self._lock:
+            best, donor = own, None
+            for other in self._sessions.values():
+                if other is sess or other.busy:
+                    continue
+                n = self._common_len(other.seq.ids[: other.seq.cached_len], context_ids)
+                if n > best:
+                    best, donor = n, other
+            best = min(best, len(context_ids) - 1)  # the last context token stays pending
+            if donor is None or best - own < self.SHARE_MIN_TOKENS:
+                return 0
+            seq.share_from(donor.seq, best)
+        self.counters.prefill_shared_tokens += best
+        return best
+
+    @staticmethod
+    def _common_len(a: list[int], b: list[int]) -> int:
+        n = min(len(a), len(b))
+        if a[:n] == b[:n]:
+            return n
+        lo, hi = 0, n  # binary search on prefix equality: list slices compare at C speed
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[:mid] == b[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def _make_room(self, new_tokens: int, exclude: str | None) -> list[tuple[str, list[int]]]:
         """Evict idle sessions, least recently used first, until the budget holds `new_tokens`
         more. Caller holds self._lock."""
@@ -275,6 +317,7 @@ class VerifierCore:
         proposer = None
         keep = True
         try:
+            self._share_prefix(sess, list(context_ids))
             if spec.strategy != DraftStrategy.none and drafter_address:
                 proposer = RemoteProposer(
                     self.channels.get(drafter_address), session_id or uuid.uuid4().hex, sampling, spec,

@@ -149,3 +149,22 @@ def test_bench_through_the_gateway_matches_in_process(chain, tiny_loaded):
     assert remote["modes"]["ngram"]["lossless"] == 1.0 and remote["modes"]["model"]["lossless"] == 1.0
     for p_remote, p_local in zip(remote["prompts"], local["prompts"]):
         assert p_remote["modes"]["ar"]["tokens"] == p_local["modes"]["ar"]["tokens"]
+
+
+def test_loadtest_over_the_chain(chain, tmp_path):
+    from tandem.loadtest import plot_loadtest, run_loadtest
+
+    gw, _ = chain
+    records = [PromptRecord(id=str(i), dataset="tiny", category=None, system=None,
+                            turns=[f"the answer is {i} the answer is", "and again the answer"]) for i in range(4)]
+    result = run_loadtest(gw.url, records, [1, 2], turns=2, max_tokens=8, duration_s=60)
+    keys = {"concurrency", "speculation", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+            "itl_p99_ms", "acceptance_rate", "residency_hit_rate"}
+    assert [(r["concurrency"], r["speculation"]) for r in result["results"]] == [(1, False), (1, True), (2, False), (2, True)]
+    for row in result["results"]:
+        assert keys <= set(row)
+        assert row["errors"] == 0 and row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0
+        assert row["residency_hit_rate"] == 1.0, "every second turn found its session's KV"
+    assert result["results"][0]["acceptance_rate"] is None  # speculation off drafts nothing
+    plot_loadtest(result, str(tmp_path / "lt.png"))
+    assert (tmp_path / "lt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

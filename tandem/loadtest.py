@@ -1,0 +1,223 @@
+"""`tandem loadtest`: concurrent multi-turn sessions against a running stack's OpenAI HTTP API.
+
+For each concurrency c and for speculation off and on, c workers run conversations from the prompt
+set in parallel, each conversation in its own session (`X-Session-Id`): turn 1 is the record's first
+user message; every later turn appends the assistant's reply and the record's next user message, so
+it should land on the verifier that holds the session and prefill only the new tokens. A phase ends
+when every worker has finished its conversations or `duration` has passed (no new request starts
+after that; running ones finish).
+
+Per phase (JSON keys are fixed; the project is measured with them):
+    tokens_per_s        completion tokens of the phase / its wall time (aggregate throughput)
+    ttft_p50/p99_ms     time to the first streamed token, over requests
+    itl_p50/p99_ms      inter-token latency: (last token time - first token time) / (tokens - 1),
+                        per request (the time per output token a user sees after the first)
+    acceptance_rate     accepted / drafted over the phase (null when nothing was drafted)
+    residency_hit_rate  fraction of later turns whose prompt found cached KV (cached_tokens > 0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+
+from tandem.datasets import PromptRecord
+
+
+@dataclass
+class RequestResult:
+    turn: int
+    ok: bool
+    tokens: int = 0
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    drafted: int = 0
+    accepted: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Phase:
+    concurrency: int
+    speculation: bool
+    wall_s: float = 0.0
+    results: list[RequestResult] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        ok = [r for r in self.results if r.ok]
+        tokens = sum(r.tokens for r in ok)
+        drafted = sum(r.drafted for r in ok)
+        later = [r for r in ok if r.turn > 0]
+        return {
+            "concurrency": self.concurrency,
+            "speculation": self.speculation,
+            "tokens_per_s": tokens / self.wall_s if self.wall_s > 0 else 0.0,
+            "ttft_p50_ms": _pct([r.ttft_s for r in ok], 50),
+            "ttft_p99_ms": _pct([r.ttft_s for r in ok], 99),
+            "itl_p50_ms": _pct([r.itl_s for r in ok], 50),
+            "itl_p99_ms": _pct([r.itl_s for r in ok], 99),
+            "acceptance_rate": sum(r.accepted for r in ok) / drafted if drafted else None,
+            "residency_hit_rate": sum(1 for r in later if r.cached_tokens > 0) / len(later) if later else None,
+            "requests": len(self.results),
+            "errors": len(self.results) - len(ok),
+            "completion_tokens": tokens,
+            "wall_s": self.wall_s,
+        }
+
+
+def _pct(values: list[float | None], q: float) -> float | None:
+    """The q-th percentile in milliseconds (nearest rank); None without values."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    rank = max(0, min(len(xs) - 1, int(round(q / 100 * len(xs) + 0.5)) - 1))
+    return xs[rank] * 1000.0
+
+
+async def _one_request(client: httpx.AsyncClient, session: str, messages: list[dict], *, speculation: bool,
+                       max_tokens: int, turn: int) -> tuple[RequestResult, str]:
+    body = {
+        "model": "default",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "speculation": {"strategy": "ngram" if speculation else "none"},
+    }
+    start = time.perf_counter()
+    first = last = None
+    parts: list[str] = []
+    usage: dict = {}
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body,
+                                 headers={"X-Session-Id": session}) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return RequestResult(turn, False, error=f"HTTP {resp.status_code}: {resp.text[:200]}"), ""
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return RequestResult(turn, False, error=str(chunk["error"])[:200]), ""
+                for choice in chunk.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        now = time.perf_counter()
+                        first = first or now
+                        last = now
+                        parts.append(choice["delta"]["content"])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except httpx.HTTPError as exc:
+        return RequestResult(turn, False, error=f"{type(exc).__name__}: {exc}"), ""
+    n = int(usage.get("completion_tokens", 0))
+    spec = usage.get("speculation") or {}
+    itl = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
+    return RequestResult(
+        turn, True, tokens=n, ttft_s=(first - start) if first else None, itl_s=itl,
+        drafted=int(spec.get("drafted", 0)), accepted=int(spec.get("accepted", 0)),
+        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
+    ), "".join(parts)
+
+
+async def _worker(client, conversations, phase: Phase, *, speculation: bool, turns: int, max_tokens: int,
+                  deadline: float) -> None:
+    for rec in conversations:
+        if time.monotonic() >= deadline:
+            return
+        session = f"loadtest-{uuid.uuid4().hex[:12]}"
+        messages: list[dict] = [{"role": "system", "content": rec.system}] if rec.system else []
+        for t, user in enumerate(rec.turns[:turns]):
+            if time.monotonic() >= deadline:
+                return
+            messages.append({"role": "user", "content": user})
+            result, reply = await _one_request(client, session, messages, speculation=speculation,
+                                               max_tokens=max_tokens, turn=t)
+            phase.results.append(result)
+            if not result.ok:
+                break
+            messages.append({"role": "assistant", "content": reply})
+
+
+async def run_phase(base_url: str, records: list[PromptRecord], concurrency: int, speculation: bool, *,
+                    turns: int, max_tokens: int, duration_s: float, conversations_per_worker: int) -> Phase:
+    """One concurrency level, speculation on or off: `concurrency` workers, each running
+    `conversations_per_worker` conversations (records taken round-robin), bounded by `duration_s`."""
+    phase = Phase(concurrency, speculation)
+    pool = itertools.cycle(records)
+    plans = [[next(pool) for _ in range(conversations_per_worker)] for _ in range(concurrency)]
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        start = time.perf_counter()
+        deadline = time.monotonic() + duration_s
+        await asyncio.gather(*(
+            _worker(client, plan, phase, speculation=speculation, turns=turns, max_tokens=max_tokens,
+                    deadline=deadline)
+            for plan in plans
+        ))
+        phase.wall_s = time.perf_counter() - start
+    return phase
+
+
+def run_loadtest(base_url: str, records: list[PromptRecord], concurrencies: list[int], *, turns: int = 2,
+                 max_tokens: int = 64, duration_s: float = 120.0, conversations_per_worker: int = 1,
+                 on_phase=None) -> dict:
+    """Every concurrency, speculation off then on (interleaved per concurrency, so machine noise
+    hits both alike). Returns {"results": [...], "config": {...}}."""
+    out = []
+    for c in concurrencies:
+        for speculation in (False, True):
+            phase = asyncio.run(run_phase(base_url, records, c, speculation, turns=turns, max_tokens=max_tokens,
+                                          duration_s=duration_s, conversations_per_worker=conversations_per_worker))
+            summary = phase.summary()
+            out.append(summary)
+            if on_phase is not None:
+                on_phase(summary)
+    return {
+        "results": out,
+        "config": {"endpoint": base_url, "turns": turns, "max_tokens": max_tokens, "duration_s": duration_s,
+                   "conversations_per_worker": conversations_per_worker, "prompts": len(records)},
+    }
+
+
+def plot_loadtest(result: dict, path: str, *, title: str = "") -> None:
+    """Throughput and inter-token latency against concurrency, speculation on vs off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for spec, style in ((False, "o--"), (True, "s-")):
+        rows = sorted((r for r in result["results"] if r["speculation"] == spec), key=lambda r: r["concurrency"])
+        label = "speculation on (ngram)" if spec else "speculation off"
+        xs = [r["concurrency"] for r in rows]
+        ax1.plot(xs, [r["tokens_per_s"] for r in rows], style, label=label)
+        ax2.plot(xs, [r["itl_p50_ms"] or 0 for r in rows], style, label=label + " p50")
+        ax2.plot(xs, [r["itl_p99_ms"] or 0 for r in rows], style, alpha=0.4, label=label + " p99")
+    ax1.set(xlabel="concurrent sessions", ylabel="completion tokens / s (all sessions)", title="Aggregate throughput")
+    ax2.set(xlabel="concurrent sessions", ylabel="inter-token latency (ms)", title="Inter-token latency")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["concurrency"] for r in result["results"]}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    cfg = result.get("config", {})
+    fig.suptitle(title or "tandem loadtest")
+    fig.text(0.5, 0.01, f"{cfg.get('turns')} turns per session, {cfg.get('max_tokens')} max tokens per turn, "
+             f"greedy; {cfg.get('endpoint')}", ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
