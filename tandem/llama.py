@@ -168,9 +168,6 @@ class NativeLlama:
         (prefill blocks: the LM head over a long prompt would cost more than the rest).
         """
         need = need_logits or [True] * len(blocks)
-        if len(blocks) == 1:
-            ids, cache = blocks[0]
-            return [self.forward(ids, cache, all_logits=need[0])]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         lens = [len(ids) for ids, _ in blocks]
         starts = [cache.length for _, cache in blocks]
@@ -230,50 +227,9 @@ class NativeLlama:
                 out.append(None)
         return out
 
-    @torch.inference_mode()
     def forward(self, input_ids: list[int], cache: KVCache, *, all_logits: bool = True) -> torch.Tensor | None:
         """Run `input_ids` after the cache's `length` positions; the cache grows by len(input_ids).
 
         Returns logits `# [n, vocab]` (float32) when `all_logits`, else None (prefill).
         """
-        n = len(input_ids)
-        start = cache.length
-        cache.ensure(start + n)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [n]
-        x = self.embed[ids]  # [n, hidden]
-        cos, sin = self._rope(torch.arange(start, start + n, device=self.device))
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        mask = None
-        if n > 1:
-            # New token i sees every cached position and new tokens 0..i.
-            mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        for li, w in enumerate(self.layers):
-            h = self._rms(x, w["in_norm"])
-            qkv = h @ w["wqkv_t"]  # [n, (H+2KV)D]
-            if w["bqkv"] is not None:
-                qkv = qkv + w["bqkv"]
-            q = qkv[:, : H * D].view(n, H, D).transpose(0, 1)  # [H, n, D]
-            k = qkv[:, H * D : (H + KV) * D].view(n, KV, D).transpose(0, 1)  # [KV, n, D]
-            v = qkv[:, (H + KV) * D :].view(n, KV, D).transpose(0, 1)  # [KV, n, D]
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
-            cache.k[li, :, start : start + n] = k
-            cache.v[li, :, start : start + n] = v
-            keys = cache.k[li, :, : start + n]  # [KV, T, D]
-            vals = cache.v[li, :, : start + n]  # [KV, T, D]
-            att = F.scaled_dot_product_attention(
-                q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask, scale=self.scale,
-                enable_gqa=H != KV,
-            )[0]  # [H, n, D]
-            o = att.transpose(0, 1).reshape(n, H * D) @ w["wo_t"]  # [n, hidden]
-            if w["bo"] is not None:
-                o = o + w["bo"]
-            x = x + o
-            h = self._rms(x, w["post_norm"])
-            gu = h @ w["wgu_t"]  # [n, 2I]
-            inter = gu.shape[-1] // 2
-            x = x + (F.silu(gu[:, :inter]) * gu[:, inter:]) @ w["wdown_t"]
-        cache.length = start + n
-        if not all_logits:
-            return None
-        return self.lm_head(self._rms(x, self.final_norm)).float()
+        return self.forward_batch([(input_ids, cache)], [all_logits])[0]
