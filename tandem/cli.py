@@ -154,7 +154,9 @@ def generate(
     engine = Engine(target, draft_lm, spec)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     context = apply_chat_template(target.tokenizer, messages)
-    stream = TextStream(target.tokenizer)
+    from tandem.text import Detokenizer
+
+    stream = Detokenizer(target.tokenizer)
 
     def on_step(step) -> None:
         if not as_json:
@@ -183,36 +185,13 @@ def generate(
             "model": target.model_id,
         }))
         return
-    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.write(stream.push([], final=True) + "\n")
     Console(stderr=True).print(
         f"[bold]{len(result.token_ids)} tokens[/bold] in {result.seconds:.2f} s "
         f"([bold]{result.tokens_per_s:.1f} tok/s[/bold]), {draft.value}: drafted {st.drafted}, "
         f"accepted {st.accepted} ({st.acceptance_rate:.0%}), {st.steps} target steps, "
         f"mean accepted length {st.mean_accepted_len:.2f} tokens/step, finish: {result.finish_reason.value}"
     )
-
-
-class TextStream:
-    """Incremental detokenization: decode everything so far and emit the new suffix, holding back
-    an incomplete multi-byte character (shown by the tokenizer as U+FFFD) until it completes."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.sent = 0
-
-    def push(self, tokens: list[int]) -> str:
-        self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.sent = text[self.sent :], len(text)
-        return new
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        new, self.sent = text[self.sent :], len(text)
-        return new
 
 
 @app.command()
