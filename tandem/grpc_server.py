@@ -41,9 +41,10 @@ def build_server(
     return server, port, health_servicer
 
 
-def wait_for_termination(server: grpc.Server, health_servicer, *, grace_s: float = 10.0, on_stop=None) -> None:
-    """Block until SIGINT/SIGTERM, then report NOT_SERVING (so balancers drain us), let running
-    calls finish for `grace_s`, and stop."""
+def wait_for_termination(server: grpc.Server, health_servicer, *, grace_s: float = 10.0, on_drain=None,
+                         on_stop=None) -> None:
+    """Block until SIGINT/SIGTERM, then report NOT_SERVING and call `on_drain` (so balancers and
+    routers stop sending new work), let running calls finish for `grace_s`, and stop."""
     stop = threading.Event()
 
     def handle(signum, _frame):
@@ -54,6 +55,8 @@ def wait_for_termination(server: grpc.Server, health_servicer, *, grace_s: float
     signal.signal(signal.SIGTERM, handle)
     stop.wait()
     health_servicer.enter_graceful_shutdown()
+    if on_drain is not None:
+        on_drain()
     server.stop(grace_s).wait()
     if on_stop is not None:
         on_stop()

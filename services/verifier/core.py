@@ -112,6 +112,13 @@ class VerifierCore:
         while not self._stop.wait(self.settings.heartbeat_s):
             self.publisher.heartbeat(self.info())
 
+    def drain(self) -> None:
+        """Shutting down: leave Redis now (and stop the heartbeat that would re-register us), so
+        gateways route no new session here while running ones finish."""
+        self._stop.set()
+        if self.publisher is not None:
+            self.publisher.deregister(self.settings.verifier_id)
+
     def stop(self) -> None:
         self._stop.set()
         if self.publisher is not None:

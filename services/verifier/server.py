@@ -153,4 +153,4 @@ def serve(settings) -> None:
     server.start()
     core.start(settings.advertise_address or f"{settings.host}:{port}")
     log.info("verifier %s serving %s on %s:%d", settings.verifier_id, target.model_id, settings.host, port)
-    wait_for_termination(server, health_servicer, on_stop=core.stop)
+    wait_for_termination(server, health_servicer, on_drain=core.drain, on_stop=core.stop)
