@@ -85,16 +85,16 @@ def run_demo(http_url: str, console: Console) -> bool:
         out.print()
 
     table = Table(title="Tandem through the gateway (one machine)")
-    for col in ("request", "tokens", "seconds", "tok/s", "TTFT ms", "drafted", "accepted", "tok/step", "cached prompt"):
-        table.add_column(col, justify="right" if col != "request" else "left")
-    for name, r in (("plain decoding", plain), ("speculative (ngram)", spec), ("turn 2, speculative", turn2)):
+    for col in ("request", "tokens", "tok/s", "TTFT ms", "accepted/drafted", "tok/step", "cached prompt"):
+        table.add_column(col, justify="left" if col == "request" else "right")
+    for name, r in (("plain", plain), ("speculative", spec), ("turn 2", turn2)):
         u = r["usage"]
         s = u.get("speculation", {})
         n = u.get("completion_tokens", 0)
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        table.add_row(name, str(n), f"{r['seconds']:.2f}", f"{n / r['seconds']:.1f}", f"{r['ttft'] * 1000:.0f}",
-                      str(s.get("drafted", 0)), str(s.get("accepted", 0)),
-                      f"{s.get('mean_accepted_len', 0):.2f}", f"{cached}/{u.get('prompt_tokens', 0)}")
+        table.add_row(name, str(n), f"{n / r['seconds']:.1f}", f"{r['ttft'] * 1000:.0f}",
+                      f"{s.get('accepted', 0)}/{s.get('drafted', 0)}", f"{s.get('mean_accepted_len', 0):.2f}",
+                      f"{cached}/{u.get('prompt_tokens', 0)}")
     console.print(table)
     same = spec["text"] == plain["text"]
     console.print(
