@@ -250,6 +250,10 @@ class BatchExecutor:
         self.batches = 0
         threading.Thread(target=self._loop, daemon=True, name="batch-executor").start()
 
+    @property
+    def busy_sessions(self) -> int:
+        return self._busy
+
     def session_busy(self, delta: int) -> None:
         """+1 when a session enters its decode loop, -1 when it leaves (or waits on a drafter)."""
         with self._cond:

@@ -91,9 +91,13 @@ def _error_body(message: str, kind: str, status: int) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
+RETRY_AFTER_S = 1  # a full verifier frees KV within seconds: sessions finish, idle ones are evicted
+
+
 def error_response(exc: GatewayError) -> JSONResponse:
     status, kind = http_status(exc)
-    return JSONResponse(_error_body(str(exc), kind, status), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return JSONResponse(_error_body(str(exc), kind, status), status_code=status, headers=headers)
 
 
 # -- request bodies -------------------------------------------------------------------------

@@ -330,6 +330,7 @@ class VerifierCore:
                     self.channels.get(drafter_address), session_id or uuid.uuid4().hex, sampling, spec,
                     self.target.vocab_size, wait_s=self.settings.draft_wait_ms / 1000.0,
                     retry_s=self.settings.drafter_retry_s, metadata=metadata,
+                    others_busy=lambda: self.executor.busy_sessions > 1,
                 )
                 proposer.open(list(context_ids))  # the drafter starts while we prefill
             elif spec.strategy != DraftStrategy.none:

@@ -84,6 +84,7 @@ class RemoteProposer(Proposer):
         wait_s: float = 0.010,
         retry_s: float = 1.0,
         metadata: tuple = (),
+        others_busy=lambda: False,
     ):
         self.stub = drafter_pb2_grpc.DrafterStub(channel)
         self.session_id = session_id
@@ -93,6 +94,9 @@ class RemoteProposer(Proposer):
         self.wait_s = wait_s
         self.retry_s = retry_s
         self.metadata = metadata
+        # True while other sessions share the verifier's batched forwards: then a session that
+        # waits for its drafts delays nobody's forward but splits the batch, so it does not wait.
+        self.others_busy = others_busy
         self.rejected_blocks = 0
         self.fallback_steps = 0
         self._cond = threading.Condition()
@@ -253,6 +257,8 @@ class RemoteProposer(Proposer):
         # A drafter that keeps missing its deadline gets no more waiting (a plain step costs less),
         # but every 8th step still waits, so a recovered drafter is noticed.
         wait = self.wait_s if (self._misses < 3 or self._misses % 8 == 0) else 0.0
+        if self.others_busy():
+            wait = 0.0
         deadline = time.monotonic() + wait
         with self._cond:
             while True:

@@ -423,6 +423,7 @@ def test_full_verifiers_are_skipped_then_reported_as_overload(stack) -> None:
     vb.kv_full = True
     r = gw.http.post("/v1/chat/completions", json=body)
     assert r.status_code == 429 and "KV cache is full" in r.json()["error"]["message"]
+    assert r.headers["Retry-After"] == "1"
     with pytest.raises(grpc.RpcError) as err:
         list(gw.stub.Generate(gateway_pb2.GenerateRequest(prompt="hi"), timeout=10))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
