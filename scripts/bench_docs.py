@@ -24,17 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem.datasets import DEV_SETS  # noqa: E402
 from tandem.bench import median_speedup  # noqa: E402
 from tandem.plots import FILES, dataset_label, write_plots  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 # (results name, file under shared/data): the dev sets of shared/data/PROVENANCE.md
-SETS = [
-    ("bfcl_multiple", "bfcl/BFCL_v4_multiple.json"),
-    ("humaneval", "HumanEval.jsonl"),
-    ("gsm8k", "gsm8k_question.jsonl"),
-    ("mt_bench", "mt_bench_question.jsonl"),
-]
+SETS = DEV_SETS
 OURS = ("ar", "ngram", "model")
 PEER = "hf-prompt-lookup"
 READING = ("<!-- reading -->", "<!-- /reading -->")

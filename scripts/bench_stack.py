@@ -22,15 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem.datasets import DEV_SETS  # noqa: E402
 from tandem.stack import Stack, StackConfig, free_port  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
-SETS = [
-    ("bfcl_multiple", "bfcl/BFCL_v4_multiple.json"),
-    ("humaneval", "HumanEval.jsonl"),
-    ("gsm8k", "gsm8k_question.jsonl"),
-    ("mt_bench", "mt_bench_question.jsonl"),
-]
+SETS = DEV_SETS
 
 
 KEEP = ("<!-- keep -->", "<!-- /keep -->")

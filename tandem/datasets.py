@@ -221,3 +221,12 @@ def _through_user_turn(messages: list[dict], turn_index: int) -> list[dict]:
             if seen == turn_index:
                 return messages[: i + 1]
     raise IndexError(f"no user turn {turn_index}")
+
+
+# The development prompt sets of ../shared/data (see its PROVENANCE.md): (short name, path under it).
+DEV_SETS = [
+    ("bfcl_multiple", "bfcl/BFCL_v4_multiple.json"),
+    ("humaneval", "HumanEval.jsonl"),
+    ("gsm8k", "gsm8k_question.jsonl"),
+    ("mt_bench", "mt_bench_question.jsonl"),
+]
