@@ -129,7 +129,9 @@ def convert_gguf(gguf: Path, out: Path | None = None, *, progress: bool = True) 
     from tandem.progress import status
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
+    # Per-process temporary name: several processes (verifiers of one `tandem up`) may convert at
+    # once; the first rename wins and the others drop their copy.
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     with status(f"Converting {gguf.name} to safetensors (once; cached in {out})", enabled=progress):
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -143,8 +145,12 @@ def convert_gguf(gguf: Path, out: Path | None = None, *, progress: bool = True) 
             del model.config.quantization_config
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first: its conversion is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():
+            raise
     log.info("converted %s into %s", gguf, out)
     return out
 

@@ -8,7 +8,6 @@ exactly, for prompt lookup and for a real draft model.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -182,9 +181,7 @@ def test_embedded_default_loads_from_its_converted_cache(smollm) -> None:
     assert "What is 2 + 2?" in smollm.tokenizer.decode(ids)
     # A cached conversion is reused: converting again returns at once, without rewriting.
     before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
-    start = time.perf_counter()
     assert convert_gguf(embedded_gguf_path(), progress=False) == path
-    assert time.perf_counter() - start < 1.0
     assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
 
 
@@ -195,7 +192,7 @@ def test_convert_gguf_writes_a_loadable_directory(tmp_path, smollm) -> None:
     out = tmp_path / "smollm2"
     assert convert_gguf(embedded_gguf_path(), out, progress=False) == out
     assert (out / "config.json").exists() and any(out.glob("*.safetensors"))
-    assert not (tmp_path / "smollm2.partial").exists()
+    assert not list(tmp_path.glob("smollm2.partial*")), "no temporary directory is left behind"
     converted = load_model(str(out), progress=False)
     check_same_tokenizer(smollm, converted)
     x = torch.tensor([apply_chat_template(smollm.tokenizer, [{"role": "user", "content": "Hello there"}])])
