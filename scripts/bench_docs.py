@@ -277,7 +277,7 @@ def dataset_section(r: dict) -> list[str]:
             counts[p["category"] or "(none)"] = counts.get(p["category"] or "(none)", 0) + 1
         modes = list(r["modes"])
         lines += [
-            f"By category: speedup against the mode's baseline, tok/s vs hf-ar in parentheses, "
+            "By category: speedup against the mode's baseline, tok/s vs hf-ar in parentheses, "
             "acceptance after the slash.",
             "",
             "| category | prompts | " + " | ".join(modes) + " |",

@@ -304,7 +304,6 @@ def loadtest(
     residency hit rate, plus a PNG plot of throughput and latency against concurrency."""
     _setup(1, "warning")
     from rich.console import Console
-    from rich.table import Table
 
     from tandem.datasets import load_prompts
     from tandem.loadtest import plot_loadtest, run_loadtest

@@ -22,12 +22,10 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from pydantic import ValidationError
 
 from tandem.config import DraftStrategy, SamplingParams
@@ -41,6 +39,7 @@ from tandem.services.drafter.core import (
     UnknownSession,
 )
 from tandem.services.drafter.settings import DrafterSettings
+from tandem.grpc_server import build_server as build_grpc_server
 from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("tandem.drafter")
@@ -216,20 +215,11 @@ def _build(
     # Each open Draft stream holds one worker thread for its lifetime (a verifier keeps one stream
     # and multiplexes its sessions on it), so max_workers must exceed the number of verifiers,
     # with room left for GetInfo and health checks.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="drafter"))
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(core), server)
-    health_servicer = health.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
+    servicer = DrafterServicer(core)
+    return build_grpc_server(
+        lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),
+        [SERVICE_NAME], address, max_workers=max_workers,
     )
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind the drafter to {address}")
-    return server, port, health_servicer
 
 
 def build_server(core: DrafterCore, address: str = "127.0.0.1:0", max_workers: int = 16) -> tuple[grpc.Server, int]:
