@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem.config import SamplingParams, SpecConfig
+from tandem.ids import common_prefix_len
 from tandem.models import LoadedModel
 
 
@@ -206,10 +207,7 @@ class DraftModelProposer(Proposer):
         return logits
 
     def _sync(self, ids: list[int]) -> torch.Tensor:
-        common = 0
-        limit = min(len(self._ids), len(ids) - 1)  # always re-feed at least the last token
-        while common < limit and self._ids[common] == ids[common]:
-            common += 1
+        common = common_prefix_len(self._ids, ids[:-1])  # always re-feed at least the last token
         excess = self.cache.get_seq_length() - common
         if excess > 0:
             self.cache.crop(-excess)

@@ -27,6 +27,7 @@ import logging
 import torch
 from transformers import DynamicCache
 
+from tandem.ids import common_prefix_len
 from tandem.models import LoadedModel
 
 log = logging.getLogger("tandem.runner")
@@ -321,10 +322,7 @@ class Sequence:
         """
         if not context_ids:
             raise ValueError("a sequence needs at least one context token")
-        common = 0
-        limit = min(len(self.ids), len(context_ids), self.cached_len)
-        while common < limit and self.ids[common] == context_ids[common]:
-            common += 1
+        common = common_prefix_len(self.ids[: self.cached_len], context_ids)
         # The cache may hold at most context[:-1]: the last context token stays pending.
         keep = min(common, len(context_ids) - 1)
         self.rollback(keep)

@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -48,6 +48,7 @@ from tandem.services.gateway.errors import (
     VerifierUnreachable,
 )
 from tandem.services.gateway.settings import GatewaySettings
+from tandem.ids import common_prefix_len
 from tandem.text import Detokenizer
 from tandem.spec import FinishReason
 from tandem.telemetry import tracer
@@ -194,14 +195,6 @@ def _describe(exc: ValidationError, prefix: str = "") -> str:
         loc = prefix + ".".join(str(p) for p in err["loc"])
         parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
     return "; ".join(parts)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _sampling_proto(s: SamplingParams) -> common_pb2.SamplingParams:
@@ -496,7 +489,7 @@ class GatewayCore:
         session = self.sessions.get(prep.session_id) if prep.session_id else None
         affinity = None
         if session is not None and session.verifier_id is not None:
-            affinity = (session.verifier_id, _common_prefix(session.token_ids, prep.context_ids))
+            affinity = (session.verifier_id, common_prefix_len(session.token_ids, prep.context_ids))
         if self._index is None:
             usable = [c for c in candidates if c.model_id == self.model_id and c.verifier_id not in exclude]
             return route_locally(usable, affinity=affinity, inflight=inflight)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from tandem.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.logs import session_context
 from tandem.metrics import VerifierMetrics, status_of
+from tandem.ids import common_prefix_len
 from tandem.models import LoadedModel
 from tandem.runner import Sequence
 from tandem.spec import Engine, FinishReason, GenerationResult, StepOutput
@@ -200,7 +201,7 @@ class VerifierCore:
         seq = sess.seq
         if not self.engine.runner.backend.shares_prefix:
             return 0
-        own = self._common_len(seq.ids[: seq.cached_len], context_ids)
+        own = common_prefix_len(seq.ids[: seq.cached_len], context_ids)
         # Only idle donors, and the copy under the table lock: a donor cannot be checked out (and
         # roll its cache back) while we read it.
         with self._lock:
@@ -208,7 +209,7 @@ class VerifierCore:
             for other in self._sessions.values():
                 if other is sess or other.busy:
                     continue
-                n = self._common_len(other.seq.ids[: other.seq.cached_len], context_ids)
+                n = common_prefix_len(other.seq.ids[: other.seq.cached_len], context_ids)
                 if n > best:
                     best, donor = n, other
             best = min(best, len(context_ids) - 1)  # the last context token stays pending
@@ -217,20 +218,6 @@ class VerifierCore:
             seq.share_from(donor.seq, best)
         self.counters.prefill_shared_tokens += best
         return best
-
-    @staticmethod
-    def _common_len(a: list[int], b: list[int]) -> int:
-        n = min(len(a), len(b))
-        if a[:n] == b[:n]:
-            return n
-        lo, hi = 0, n  # binary search on prefix equality: list slices compare at C speed
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if a[:mid] == b[:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     def _make_room(self, new_tokens: int, exclude: str | None) -> list[tuple[str, list[int]]]:
         """Evict idle sessions, least recently used first, until the budget holds `new_tokens`
