@@ -15,22 +15,13 @@ import time
 
 import grpc
 
-from tandem.config import SamplingParams
+from tandem.config import DraftStrategy, SamplingParams
 from tandem.datasets import PromptRecord, to_chat
+from tandem.protoconv import FINISH_FROM_PB, STRATEGY_TO_PB, sampling_to_proto
 from tandem.spec import FinishReason, GenerationResult, SpecStats
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-_STRATEGY = {
-    "ar": common_pb2.DRAFT_STRATEGY_NONE,
-    "ngram": common_pb2.DRAFT_STRATEGY_NGRAM,
-    "model": common_pb2.DRAFT_STRATEGY_MODEL,
-}
-_FINISH = {
-    common_pb2.FINISH_REASON_STOP: FinishReason.stop,
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.length,
-    common_pb2.FINISH_REASON_CANCELLED: FinishReason.cancelled,
-    common_pb2.FINISH_REASON_ERROR: FinishReason.error,
-}
+_MODE_STRATEGY = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model": DraftStrategy.model}
 
 
 class GatewayTarget:
@@ -56,11 +47,8 @@ class GatewayTarget:
     def generate(self, ctx: gateway_pb2.ChatMessages, sampling: SamplingParams, mode: str) -> GenerationResult:
         req = gateway_pb2.GenerateRequest(
             messages=ctx,
-            sampling=common_pb2.SamplingParams(
-                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_new_tokens=sampling.max_new_tokens, **({"seed": sampling.seed} if sampling.seed is not None else {}),
-            ),
-            speculation=common_pb2.SpeculationParams(strategy=_STRATEGY[mode]),
+            sampling=sampling_to_proto(sampling),
+            speculation=common_pb2.SpeculationParams(strategy=STRATEGY_TO_PB[_MODE_STRATEGY[mode]]),
         )
         start = time.perf_counter()
         first = None
@@ -82,7 +70,7 @@ class GatewayTarget:
         if last.finish_reason == common_pb2.FINISH_REASON_STOP and tokens:
             tokens = tokens[:-1]
         return GenerationResult(
-            token_ids=tokens, finish_reason=_FINISH.get(last.finish_reason, FinishReason.error), stats=stats,
+            token_ids=tokens, finish_reason=FINISH_FROM_PB.get(last.finish_reason, FinishReason.error), stats=stats,
             prompt_tokens=last.usage.prompt_tokens, seconds=end - start,
             first_token_seconds=(first or end) - start,
         )

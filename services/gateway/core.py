@@ -48,6 +48,7 @@ from tandem.services.gateway.errors import (
     VerifierUnreachable,
 )
 from tandem.services.gateway.settings import GatewaySettings
+from tandem.protoconv import STRATEGY_FROM_PB, STRATEGY_TO_PB, sampling_to_proto
 from tandem.ids import common_prefix_len
 from tandem.text import Detokenizer
 from tandem.spec import FinishReason
@@ -58,12 +59,6 @@ log = logging.getLogger("tandem.gateway")
 
 _DRAIN_S = 1.0  # how long a verifier may take to close its stream after the final message
 
-_STRATEGY_TO_PROTO = {
-    DraftStrategy.none: common_pb2.DRAFT_STRATEGY_NONE,
-    DraftStrategy.ngram: common_pb2.DRAFT_STRATEGY_NGRAM,
-    DraftStrategy.model: common_pb2.DRAFT_STRATEGY_MODEL,
-}
-_PROTO_TO_STRATEGY = {v: k for k, v in _STRATEGY_TO_PROTO.items()}
 
 
 @dataclass(frozen=True)
@@ -197,16 +192,6 @@ def _describe(exc: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
-def _sampling_proto(s: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-    )
-    if s.seed is not None:
-        msg.seed = s.seed
-    return msg
-
-
 class GatewayCore:
     def __init__(
         self,
@@ -310,9 +295,9 @@ class GatewayCore:
 
     def list_models(self) -> list[ModelCard]:
         offered = {
-            _PROTO_TO_STRATEGY[s]
+            STRATEGY_FROM_PB[s]
             for info in self._drafters.values() if info is not None
-            for s in info.strategies if s in _PROTO_TO_STRATEGY
+            for s in info.strategies if s in STRATEGY_FROM_PB
         }
         strategies = (DraftStrategy.none, *sorted(offered - {DraftStrategy.none}, key=lambda d: d.value))
         return [ModelCard(self.model_name, True, self.context_window(), len(self.live_verifiers()), strategies)]
@@ -501,7 +486,7 @@ class GatewayCore:
     def _drafter_for(self, session: _Session | None, strategy: DraftStrategy) -> str:
         if strategy == DraftStrategy.none:
             return ""
-        wanted = _STRATEGY_TO_PROTO[strategy]
+        wanted = STRATEGY_TO_PB[strategy]
         offering = [a for a, info in self._drafters.items() if info is not None and wanted in info.strategies]
         if not offering:
             return ""  # the verifier decodes plainly
@@ -590,9 +575,9 @@ class GatewayCore:
         request = verifier_pb2.SessionGenerateRequest(
             session_id=sid or "",
             context_ids=context,
-            sampling=_sampling_proto(sampling),
+            sampling=sampling_to_proto(sampling),
             speculation=common_pb2.SpeculationParams(
-                strategy=_STRATEGY_TO_PROTO[prep.spec.strategy],
+                strategy=STRATEGY_TO_PB[prep.spec.strategy],
                 max_draft_tokens=prep.spec.max_draft_tokens,
                 adaptive=prep.spec.adaptive,
             ),

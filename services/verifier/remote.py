@@ -26,14 +26,11 @@ import torch
 
 from tandem.config import SamplingParams, SpecConfig
 from tandem.proposers import Draft, Offer, Proposer
-from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from tandem.protoconv import STRATEGY_TO_PB, sampling_to_proto
+from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("tandem.verifier.remote")
 
-_STRATEGY = {
-    "ngram": common_pb2.DRAFT_STRATEGY_NGRAM,
-    "model": common_pb2.DRAFT_STRATEGY_MODEL,
-}
 _END = object()  # sentinel that ends the request iterator
 NOTHING = Draft(tokens=[], proposer="none")  # the drafter said it has no proposal for this position
 
@@ -121,12 +118,9 @@ class RemoteProposer(Proposer):
         s = self.sampling
         open_msg = drafter_pb2.OpenSession(
             context_ids=context_ids,
-            strategy=_STRATEGY[self.spec.strategy.value],
+            strategy=STRATEGY_TO_PB[self.spec.strategy],
             max_draft_tokens=self.spec.max_draft_tokens,
-            sampling=common_pb2.SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-                **({"seed": s.seed} if s.seed is not None else {}),
-            ),
+            sampling=sampling_to_proto(s),
             vocab_size=self.vocab_size,
             next_block_len=self.spec.max_draft_tokens,
         )

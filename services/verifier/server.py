@@ -7,9 +7,10 @@ import logging
 
 import grpc
 
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.config import SpecConfig
 from tandem.grpc_server import build_server as _build, wait_for_termination
-from tandem.spec import FinishReason, GenerationResult, SpecStats
+from tandem.protoconv import FINISH_TO_PB, STRATEGY_FROM_PB, sampling_from_proto
+from tandem.spec import GenerationResult, SpecStats
 from tandem.telemetry import inject_metadata
 from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -19,35 +20,10 @@ log = logging.getLogger("tandem.verifier.server")
 
 SERVICE = "tandem.v1.Verifier"
 
-_FINISH = {
-    FinishReason.stop: common_pb2.FINISH_REASON_STOP,
-    FinishReason.length: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.cancelled: common_pb2.FINISH_REASON_CANCELLED,
-    FinishReason.error: common_pb2.FINISH_REASON_ERROR,
-}
-_STRATEGY = {
-    common_pb2.DRAFT_STRATEGY_NONE: DraftStrategy.none,
-    common_pb2.DRAFT_STRATEGY_NGRAM: DraftStrategy.ngram,
-    common_pb2.DRAFT_STRATEGY_MODEL: DraftStrategy.model,
-}
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams, default_max: int = 128) -> SamplingParams:
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_p=msg.top_p if 0 < msg.top_p <= 1 else 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_new_tokens=msg.max_new_tokens or default_max,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-    )
-
-
 def spec_from_proto(msg: common_pb2.SpeculationParams, default: SpecConfig) -> SpecConfig:
     update: dict = {}
     if msg.strategy != common_pb2.DRAFT_STRATEGY_UNSPECIFIED:
-        update["strategy"] = _STRATEGY[msg.strategy]
+        update["strategy"] = STRATEGY_FROM_PB[msg.strategy]
     if msg.max_draft_tokens:
         update["max_draft_tokens"] = msg.max_draft_tokens
     if msg.HasField("adaptive"):
@@ -101,7 +77,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     if isinstance(item, GenerationResult):
                         yield verifier_pb2.CommittedTokens(
                             first_index=len(item.token_ids),
-                            finish_reason=_FINISH[item.finish_reason],
+                            finish_reason=FINISH_TO_PB[item.finish_reason],
                             stats=stats_to_proto(item.stats),
                         )
                     elif item.tokens:
