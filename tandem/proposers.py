@@ -123,6 +123,7 @@ class NgramProposer(Proposer):
         self._index: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(self.n_min, self.n_max + 1)}
         self._ids: list[int] = []
         self._upto = 0  # end positions 1.._upto-1 are indexed
+        self._last: tuple[int, tuple[int, int]] | None = None  # (len(ids), match): peek, then propose
 
     def _sync(self, ids: list[int]) -> None:
         n = self._upto
@@ -145,6 +146,15 @@ class NgramProposer(Proposer):
     def _match(self, ids: list[int]) -> tuple[int, int]:
         """(match length, continuation start) of the best match; (0, -1) when none."""
         self._sync(ids)
+        n = len(ids)
+        # A step peeks, then proposes on the same ids: after _sync has checked them, the length
+        # alone identifies them (any change of content resets the index and this memo).
+        if self._last is not None and self._last[0] == n:
+            return self._last[1]
+        self._last = (n, self._find(ids))
+        return self._last[1]
+
+    def _find(self, ids: list[int]) -> tuple[int, int]:
         n = len(ids)
         for size in range(min(self.n_max, n), self.n_min - 1, -1):
             ends = self._index[size].get(tuple(ids[-size:]))
