@@ -84,24 +84,31 @@ class BlockLengthController:
 
     def choose(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0,
                batch_committed: float = 0.0) -> int:
-        """Best block length in 0..min(max_k, available).
+        """Best block length in 0..min(max_k, available); see `plan`."""
+        return self.plan(proposer, bucket, available, batch_tokens, batch_committed)[0]
+
+    def plan(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0,
+             batch_committed: float = 0.0) -> tuple[int, float]:
+        """(best block length in 0..min(max_k, available), its expected committed tokens per second).
 
         Alone, this maximises E(k) / C(k). In a batch, the forward also carries `batch_tokens` of
         other sessions that commit `batch_committed` tokens, and its cost is that of all tokens:
         we maximise the batch's (batch_committed + E(k)) / C(batch_tokens + k + 1). Once the
         forward is compute-bound, C grows with every token and drafts must be likelier to pay,
-        down to k = 0: plain batched decoding.
+        down to k = 0: plain batched decoding. The rate lets a caller compare offers of
+        different proposers (a hybrid's prompt lookup against its draft model).
         """
         limit = min(self.max_k, available)
-        if limit <= 0:
-            return 0
-        if not self.adaptive:
-            return limit
         base = self.costs.estimate(batch_tokens + 1)
+        plain_rate = 0.0 if base is None else (batch_committed + 1.0) / base
+        if limit <= 0:
+            return 0, plain_rate
+        if not self.adaptive:
+            return limit, plain_rate
         if base is None:  # nothing measured yet: one plain step measures the baseline
-            return 0
+            return 0, plain_rate
         draft_cost = self.draft_cost_per_token.get(proposer, 0.0)
-        best_k, best_rate = 0, (batch_committed + 1.0) / base
+        best_k, best_rate = 0, plain_rate
         expected, survive = 1.0, 1.0
         for k, rate in enumerate(self.rates(proposer, bucket, limit), start=1):
             survive *= rate
@@ -109,7 +116,7 @@ class BlockLengthController:
             cost = self.costs.estimate(batch_tokens + k + 1) + draft_cost * k
             if (batch_committed + expected) / cost > best_rate:
                 best_k, best_rate = k, (batch_committed + expected) / cost
-        return best_k
+        return best_k, best_rate
 
     def observe(self, proposer: str, bucket: int, drafted: int, accepted: int) -> None:
         key = _bucket(proposer, bucket)

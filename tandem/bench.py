@@ -49,7 +49,8 @@ from tandem.models import apply_chat_template
 from tandem.progress import progress_bar
 from tandem.spec import Engine, FinishReason, GenerationResult, SpecStats
 
-MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model": DraftStrategy.model}
+MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model": DraftStrategy.model,
+         "hybrid": DraftStrategy.hybrid}
 PEER_MODES = ("hf-ar", "hf-prompt-lookup", "hf-assisted")
 ALL_MODES = (*MODES, *PEER_MODES)
 HF_LOOKUP_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens
@@ -487,6 +488,11 @@ def summarize(units: Sequence[dict[str, _Figures]], modes: Sequence[str], greedy
             s["drafted_by_position"] = st.drafted_by_position
             s["accepted_by_position"] = st.accepted_by_position
             s["steps_by_accepted"] = steps_by_accepted(st)
+            # which proposer drafted how often, and how well (a hybrid's choice and its outcome)
+            s["by_proposer"] = {
+                name: {**c, "acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else None}
+                for name, c in sorted(st.by_proposer.items())
+            }
         if not greedy:
             s["lossless_note"] = LOSSLESS_NOTE
         summary[m] = s
@@ -509,6 +515,10 @@ def _add_stats(stats: Sequence[SpecStats]) -> SpecStats:
             acc.extend([0] * (len(add) - len(acc)))
             for k, v in enumerate(add):
                 acc[k] += v
+        for name, counts in st.by_proposer.items():
+            mine = total.by_proposer.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
+            for key, v in counts.items():
+                mine[key] += v
     return total
 
 
@@ -639,7 +649,7 @@ def _check_modes(target, modes: Sequence[str]) -> list[str]:
         )
     if len(set(modes)) != len(modes):
         raise ValueError(f"modes repeat: {list(modes)}")
-    for m in ("model", "hf-assisted"):
+    for m in ("model", "hybrid", "hf-assisted"):
         if m in modes and target.draft_id is None:
             raise ValueError(f"mode {m!r} needs a draft model (--draft-model PATH)")
     out = list(modes)

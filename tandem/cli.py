@@ -43,7 +43,8 @@ DraftModelOpt = Annotated[
     Optional[str],
     typer.Option(
         "--draft-model",
-        help="Draft model for --draft model: a causal LM directory or .gguf sharing the target's tokenizer.",
+        help="Draft model for --draft model / hybrid: a causal LM directory or .gguf sharing the target's "
+        "tokenizer (default: the target's draft made by `tandem distill`, when there is one).",
     ),
 ]
 ThreadsOpt = Annotated[
@@ -101,11 +102,20 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _load(model: str, draft_model: str | None):
-    from tandem.models import ModelError, check_same_tokenizer, load_model
+def _load(model: str, draft_model: str | None, *, needs_draft: bool = False):
+    """Target and draft. A command that needs a draft and got none takes the target's distilled
+    draft from the cache (`tandem distill` writes it there), saying so."""
+    from tandem.models import ModelError, check_same_tokenizer, find_default_draft, load_model
 
     try:
         target = load_model(model)
+        if needs_draft and not draft_model:
+            found = find_default_draft(target.model_id)
+            if found is None:
+                _fail(f"no draft model: pass --draft-model PATH, or make one for {target.model_id} with "
+                      f"`tandem distill --target {model}` (about 15 minutes on 2 CPU cores)")
+            draft_model = str(found)
+            typer.echo(f"draft model: {found} (distilled for {target.model_id})", err=True)
         draft = load_model(draft_model) if draft_model else None
         if draft is not None:
             check_same_tokenizer(target, draft)
@@ -119,7 +129,9 @@ def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The user message (chat template applied).")],
     system: Annotated[Optional[str], typer.Option("--system", help="An optional system message.")] = None,
     draft: Annotated[
-        DraftStrategy, typer.Option("--draft", help="Proposer: none (plain decoding), ngram (prompt lookup), model.")
+        DraftStrategy, typer.Option("--draft", help="Proposer: none (plain decoding), ngram (prompt lookup), model "
+                                    "(a draft model), hybrid (per step, prompt lookup or the draft model, "
+                                    "whichever is expected to commit more tokens per second).")
     ] = DraftStrategy.ngram,
     model: ModelOpt = "default",
     draft_model: DraftModelOpt = None,
@@ -140,8 +152,6 @@ def generate(
     from tandem.models import apply_chat_template
     from tandem.spec import Engine
 
-    if draft == DraftStrategy.model and not draft_model:
-        _fail("--draft model needs --draft-model PATH (a causal LM sharing the target's tokenizer)")
     try:
         sampling = SamplingParams(
             temperature=temperature, top_p=top_p if top_p > 0 else 1.0, top_k=top_k, seed=seed,
@@ -150,7 +160,7 @@ def generate(
         spec = SpecConfig(strategy=draft, max_draft_tokens=max_draft_tokens, adaptive=adaptive)
     except ValueError as exc:
         _fail(str(exc))
-    target, draft_lm = _load(model, draft_model)
+    target, draft_lm = _load(model, draft_model, needs_draft=draft in (DraftStrategy.model, DraftStrategy.hybrid))
     engine = Engine(target, draft_lm, spec)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     context = apply_chat_template(target.tokenizer, messages)
@@ -183,6 +193,7 @@ def generate(
             "prompt_tokens": result.prompt_tokens,
             "strategy": draft.value,
             "model": target.model_id,
+            "by_proposer": st.by_proposer,
         }))
         return
     sys.stdout.write(stream.push([], final=True) + "\n")
@@ -217,7 +228,7 @@ def bench(
     dataset: Annotated[Path, typer.Option("--dataset", "-d", help="Prompt set: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns and optional category.", exists=True, dir_okay=False)],
     limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N prompts.", min=1)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens per generation.", min=1)] = 128,
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram, model (needs --draft-model); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs --draft-model).")] = "ar,ngram",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram, model and hybrid (a draft model: --draft-model, or the target's distilled draft); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs a draft model too).")] = "ar,ngram",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
     model: ModelOpt = "default",
     draft_model: DraftModelOpt = None,
@@ -261,7 +272,8 @@ def bench(
             result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats,
                                turns=turns)
         else:
-            target, draft_lm = _load(model, draft_model)
+            needs = any(m in ("model", "hybrid", "hf-assisted") for m in mode_list)
+            target, draft_lm = _load(model, draft_model, needs_draft=needs)
             engine = Engine(target, draft_lm, spec)
             result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
                                sampling=sampling, repeats=repeats, turns=turns, hf_lookup_tokens=hf_lookup_tokens)
@@ -285,6 +297,60 @@ def bench(
 
         for path in write_plots([result], plot):
             typer.echo(f"wrote {path}", err=True)
+
+
+@app.command()
+def distill(
+    target: Annotated[str, typer.Option("--target", help="Target model to make a draft for: HF directory, .gguf, or 'default'.")] = "default",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Draft directory to write (default: the cache, where modes model and hybrid find it).", file_okay=False)] = None,
+    layers: Annotated[int, typer.Option("--layers", help="Transformer layers of the draft (each costs ~0.65 ms per token for SmolLM2 on 2 cores).", min=1)] = 2,
+    hidden: Annotated[Optional[int], typer.Option("--hidden", help="Width of the draft (default: the target's, which reuses its embeddings and starts from its layers; narrower starts from random layers).", min=32)] = None,
+    vocab_top: Annotated[int, typer.Option("--vocab-top", help="LM-head rows: the N most frequent ids of the training text (ids outside are never proposed; output stays exact).", min=16)] = 8192,
+    tokens: Annotated[int, typer.Option("--tokens", help="Target-generated reply tokens to train on.", min=1)] = 60_000,
+    epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training text.", min=0.01)] = 3.0,
+    prompts: Annotated[Optional[list[Path]], typer.Option("--prompts", help="Prompt set(s) to generate training text for (repeatable; any format `tandem bench` reads). Default: the dev sets and BFCL simple-python under --data-dir.", exists=True, dir_okay=False)] = None,
+    data_dir: Annotated[Path, typer.Option("--data-dir", help="Where the shared prompt sets live.")] = Path("../shared/data"),
+    holdout: Annotated[int, typer.Option("--holdout", help="Leave out the first N prompts of each benchmarked dev set (the benchmarks run those).", min=0)] = 20,
+    init_layers: Annotated[Optional[str], typer.Option("--init-layers", help="Comma-separated target layers the draft's layers start from (default: spread, first and last included).")] = None,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, warmup then cosine).", min=0.0)] = 5e-4,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per training step.", min=1)] = 8,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the data split, batch order and any random initialisation.", min=0)] = 0,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out from its last checkpoint (same settings).")] = False,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Make a draft model for a target by distillation: the target generates replies to a prompt set
+    (batched), and a small Llama-family draft sharing its tokenizer learns its next-token
+    distributions. Progress bars, checkpoints every 25 steps, [bold]--resume[/bold] after an
+    interruption. The result loads with --draft-model; for the default target, modes model and
+    hybrid use it without one. Defaults take about 15 minutes on 2 CPU cores."""
+    _setup(threads)
+    from tandem.distill import DistillConfig, dev_prompt_files
+    from tandem.distill import distill as run_distill
+    from tandem.models import ModelError, default_draft_path, load_model
+
+    try:
+        cfg = DistillConfig(
+            layers=layers, hidden=hidden, vocab_top=vocab_top, tokens=tokens, epochs=epochs, lr=lr,
+            batch_size=batch_size, seed=seed,
+            init_layers=tuple(int(x) for x in init_layers.split(",")) if init_layers else None,
+        )
+        target_lm = load_model(target)
+    except (ValueError, ModelError) as exc:
+        _fail(str(exc))
+    files = list(prompts) if prompts else dev_prompt_files(data_dir)
+    if not files:
+        _fail(f"no prompt sets found under {data_dir}: pass --prompts FILE or --data-dir DIR")
+    out = out or default_draft_path(target_lm.model_id)
+    try:
+        manifest = run_distill(target_lm, files, out, cfg, holdout=holdout, resume=resume)
+    except (ValueError, FileExistsError) as exc:
+        _fail(str(exc))
+    agree = manifest["validation_agreement"]
+    typer.echo(
+        f"wrote {out}: {manifest['config']['layers']} layers, {manifest['head_rows']} head rows "
+        f"({manifest['head_coverage']:.1%} of reply tokens), trained on {manifest['train_tokens']} tokens; "
+        f"top-1 agreement with the target on held-out replies: "
+        f"{'-' if agree is None else f'{agree:.1%}'}", err=True)
 
 
 @app.command()

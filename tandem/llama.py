@@ -183,7 +183,7 @@ class NativeLlama:
 
     @torch.inference_mode()
     def forward_batch(
-        self, blocks: list[tuple[list[int], KVCache]], need_logits: list[bool] | None = None
+        self, blocks: list[tuple[list[int], KVCache]], need_logits: list[bool | str] | None = None
     ) -> list[torch.Tensor | None]:
         """One forward for the blocks of several sequences (ragged: any lengths, any contexts).
 
@@ -191,7 +191,8 @@ class NativeLlama:
         matrix is read once for the whole batch (where batching wins: a small-batch forward is
         memory-bound); attention runs per sequence against its own cache. Returns each block's
         logits `# [len(block), vocab]`, as `forward` would, or None where `need_logits` says so
-        (prefill blocks: the LM head over a long prompt would cost more than the rest).
+        (prefill blocks: the LM head over a long prompt would cost more than the rest), or only the
+        last row's `# [1, vocab]` where it says "last" (a draft model catching up on its context).
         """
         need = need_logits or [True] * len(blocks)
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
@@ -240,15 +241,18 @@ class NativeLlama:
             x = x + w["wdown"](F.silu(gu[:, :inter]) * gu[:, inter:])
         for (_, cache), s, n in zip(blocks, starts, lens):
             cache.length = s + n
-        rows = [torch.arange(offsets[b], offsets[b + 1], device=self.device) for b in range(len(blocks)) if need[b]]
+        # rows of each block that get logits: all (True), none (False) or the last ("last")
+        spans = [(offsets[b + 1] - 1 if need[b] == "last" else offsets[b], offsets[b + 1]) if need[b] else None
+                 for b in range(len(blocks))]
+        rows = [torch.arange(a, e, device=self.device) for span in spans if span for a, e in [span]]
         if not rows:
             return [None] * len(blocks)
         logits = self.lm_head(self._rms(x[torch.cat(rows)], self.final_norm)).float()  # [rows, vocab]
         out, at = [], 0
-        for b, n in enumerate(lens):
-            if need[b]:
-                out.append(logits[at : at + n])
-                at += n
+        for span in spans:
+            if span:
+                out.append(logits[at : at + span[1] - span[0]])
+                at += span[1] - span[0]
             else:
                 out.append(None)
         return out

@@ -43,11 +43,21 @@ class LoadedModel:
     path: str  # where the weights were loaded from (the cache directory for a converted GGUF)
     model: torch.nn.Module
     tokenizer: object  # a transformers tokenizer
+    # A draft with a reduced-vocabulary LM head (`tandem distill`): the token id of each head row
+    # `# [head_rows]` int64. None: the head covers ids 0..vocab_size-1 in order.
+    head_vocab: torch.Tensor | None = None
 
     @property
     def vocab_size(self) -> int:
         # The LM head's width is what verification indexes; the tokenizer may know fewer ids.
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def id_limit(self) -> int:
+        """One past the largest token id this model's head can produce."""
+        if self.head_vocab is not None:
+            return int(self.head_vocab.max()) + 1
+        return self.vocab_size
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -72,6 +82,20 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tandem"
     )
     return Path(base)
+
+
+DRAFT_MANIFEST = "tandem_draft.json"  # marks a directory written by `tandem distill`
+
+
+def default_draft_path(target_id: str) -> Path:
+    """Where `tandem distill` writes the draft of a target by default (and modes `model` and
+    `hybrid` look for one when no draft model is given)."""
+    return cache_dir() / "drafts" / target_id
+
+
+def find_default_draft(target_id: str) -> Path | None:
+    path = default_draft_path(target_id)
+    return path if (path / DRAFT_MANIFEST).exists() else None
 
 
 def embedded_gguf_path() -> Path:
@@ -182,14 +206,46 @@ def load_model(
     model_id, path = resolve_model_path(name_or_path)
     if path.suffix == ".gguf":
         path = convert_gguf(path, progress=progress)
+    head_vocab = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        if (path / DRAFT_MANIFEST).exists():
+            model, head_vocab = _load_reduced_head(path, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
     model.to(device)
     model.eval()
-    return LoadedModel(model_id=model_id, path=str(path), model=model, tokenizer=tokenizer)
+    return LoadedModel(model_id=model_id, path=str(path), model=model, tokenizer=tokenizer, head_vocab=head_vocab)
+
+
+def _load_reduced_head(path: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A `tandem distill` draft: a Llama checkpoint whose LM head has one row per id listed in the
+    manifest's `head_vocab` (the input embeddings keep the whole vocabulary, so any context can be
+    read). transformers cannot express such a head, so the model is built from its config and the
+    head swapped for one of the right width before the weights are loaded."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    manifest = json.loads((path / DRAFT_MANIFEST).read_text())
+    head_vocab = torch.tensor(manifest["head_vocab"], dtype=torch.long)  # [rows]
+    config = AutoConfig.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.lm_head = torch.nn.Linear(config.hidden_size, len(head_vocab), bias=False, dtype=dtype)
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # rotary buffers are not saved; any parameter missing is a broken checkpoint
+    missing = [m for m in missing if "rotary" not in m]
+    if missing or unexpected:
+        raise ValueError(f"draft checkpoint does not match its config: missing {missing}, unexpected {unexpected}")
+    if head_vocab.numel() and int(head_vocab.max()) >= config.vocab_size:
+        raise ValueError(f"head_vocab names id {int(head_vocab.max())}, outside the vocabulary of {config.vocab_size}")
+    return model, head_vocab
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
@@ -205,10 +261,10 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
             f"{target.model_id!r} ({target.path}): vocabularies of {len(d_vocab)} and {len(t_vocab)} "
             f"tokens differ in {only_t} target and {only_d} draft entries"
         )
-    if draft.vocab_size > target.vocab_size:
+    if draft.id_limit > target.vocab_size:
         raise ModelError(
-            f"draft model {draft.model_id!r} has an LM head of {draft.vocab_size} ids, wider than the "
-            f"target {target.model_id!r} ({target.vocab_size})"
+            f"draft model {draft.model_id!r} proposes ids below {draft.id_limit}, beyond the LM head of "
+            f"target {target.model_id!r} ({target.vocab_size} ids)"
         )
 
 

@@ -8,6 +8,7 @@ the verifier alone decides which tokens are committed.
 from __future__ import annotations
 
 import time
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -77,6 +78,19 @@ class Proposer(ABC):
     def peek(self, ids: list[int]) -> Offer:
         """What `propose` could return for `ids`, without drafting."""
         return Offer(self.name, 0, UNBOUNDED)
+
+    def offers(self, ids: list[int]) -> list[Offer]:
+        """Every way this proposer could draft next (a hybrid has one per inner proposer); the
+        caller values them and drafts with `propose_from` the best one's `proposer`."""
+        return [self.peek(ids)]
+
+    def propose_from(self, source: str, ids: list[int], k: int, sampling: SamplingParams,
+                     gen: torch.Generator | None) -> Draft:
+        return self.propose(ids, k, sampling, gen)
+
+    def per_token_seconds(self) -> float | None:
+        """What one drafted token cost in the last propose, for a costly proposer (None: unknown)."""
+        return None
 
     @abstractmethod
     def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
@@ -181,12 +195,58 @@ class NgramProposer(Proposer):
         return Draft(tokens=list(tokens), proposer=self.name, bucket=size, seconds=time.perf_counter() - start)
 
 
+class _DraftLM:
+    """A draft model's forward with a rollbackable cache: the native Llama forward where the
+    architecture allows (a draft step is a few layers, so per-module Python overhead would be most
+    of its cost), `transformers` otherwise. The native weights are re-laid out once per model and
+    shared by every proposer of that model."""
+
+    _native: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, loaded: LoadedModel):
+        from tandem.llama import NativeLlama, Unsupported, check_supported
+
+        self.device = next(loaded.model.parameters()).device
+        try:
+            check_supported(loaded.model)
+            if loaded.model not in self._native:
+                self._native[loaded.model] = NativeLlama(loaded.model)
+            self.native = self._native[loaded.model]
+            self.cache = self.native.new_cache()
+        except Unsupported:
+            self.native, self.model, self.cache = None, loaded.model, DynamicCache()
+
+    @property
+    def length(self) -> int:
+        return self.cache.length if self.native is not None else self.cache.get_seq_length()
+
+    def crop(self, length: int) -> None:
+        if self.native is not None:
+            self.cache.crop_to(length)
+        elif self.cache.get_seq_length() > length:
+            self.cache.crop(length - self.cache.get_seq_length())
+
+    @torch.inference_mode()
+    def feed(self, tokens: list[int]) -> torch.Tensor:
+        """Append tokens; logits after the last one `# [head_rows]` float32 on the CPU."""
+        if self.native is not None:
+            return self.native.forward_batch([(tokens, self.cache)], ["last"])[0][0].cpu()
+        x = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float().cpu()
+
+
 class DraftModelProposer(Proposer):
     """A small causal LM sharing the target's tokenizer, with its own rollbackable KV cache.
 
     Greedy requests get greedy drafts (one-hot q). Sampled requests get drafts sampled from the draft
     model's distribution at the request's temperature, truncated to its top `draft_top_k` tokens; that
     sparse q travels with the tokens so the verifier's rejection sampling stays exact.
+
+    A draft whose LM head covers only part of the vocabulary (`LoadedModel.head_vocab`, from `tandem
+    distill`) proposes only ids of that part: head row i stands for id head_vocab[i], and q's
+    support is mapped the same way, so verification stays exact (an id outside is simply never
+    proposed; the target still emits it as a recovered or bonus token).
     """
 
     name = "model"
@@ -194,38 +254,48 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, loaded: LoadedModel, *, draft_top_k: int = 16, vocab_limit: int | None = None):
         self.loaded = loaded
-        self.model = loaded.model
-        self.device = next(self.model.parameters()).device
         self.draft_top_k = draft_top_k
+        self.head_vocab = loaded.head_vocab  # [head_rows] int64 or None
         # Never propose an id the target cannot score: clip the draft's head to the target vocab.
         self.vocab_limit = vocab_limit
+        self._head_rows: int | None = None
+        if vocab_limit is not None and self.head_vocab is not None:
+            self._keep = self.head_vocab < vocab_limit  # [head_rows] bool
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache()
-        self._ids: list[int] = []  # tokens whose KV is in self.cache
+        self.lm = _DraftLM(self.loaded)
+        self._ids: list[int] = []  # tokens whose KV is in the draft's cache
+        self.feed_seconds: list[float] = []  # one-token feeds of the last propose (its per-token cost)
 
-    @torch.inference_mode()
     def _feed(self, tokens: list[int]) -> torch.Tensor:
-        """Feed tokens; return the logits of the last one `# [vocab]`."""
-        x = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1)
+        """Feed tokens; return the logits after the last one `# [head_rows]`, ids outside the
+        target's vocabulary masked."""
+        start = time.perf_counter()
+        logits = self.lm.feed(tokens)
+        if len(tokens) == 1:
+            self.feed_seconds.append(time.perf_counter() - start)
         self._ids.extend(tokens)
-        logits = out.logits[0, -1].float().cpu()  # [vocab]
-        if self.vocab_limit is not None and logits.shape[0] > self.vocab_limit:
-            logits = logits[: self.vocab_limit]
+        if self.vocab_limit is not None:
+            if self.head_vocab is not None:
+                logits = logits.masked_fill(~self._keep, float("-inf"))
+            elif logits.shape[0] > self.vocab_limit:
+                logits = logits[: self.vocab_limit]
         return logits
 
     def _sync(self, ids: list[int]) -> torch.Tensor:
         common = common_prefix_len(self._ids, ids[:-1])  # always re-feed at least the last token
-        excess = self.cache.get_seq_length() - common
-        if excess > 0:
-            self.cache.crop(-excess)
+        self.lm.crop(common)
         del self._ids[common:]
         return self._feed(ids[common:])
 
+    def _to_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Head rows -> token ids (the identity for a full-vocabulary head)."""
+        return rows if self.head_vocab is None else self.head_vocab[rows]
+
     def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
         start = time.perf_counter()
+        self.feed_seconds = []
         if k <= 0:
             return Draft(tokens=[], proposer=self.name)
         logits = self._sync(ids)
@@ -233,14 +303,15 @@ class DraftModelProposer(Proposer):
         supports, sprobs = [], []
         for i in range(k):
             if sampling.greedy:
-                tok = int(logits.argmax())
+                tok = int(self._to_ids(logits.argmax()))
             else:
-                probs = torch.softmax(logits / sampling.temperature, dim=-1)  # [vocab]
+                probs = torch.softmax(logits / sampling.temperature, dim=-1)  # [head_rows]
                 top = torch.topk(probs, min(self.draft_top_k, probs.shape[0]))
                 q = top.values / top.values.sum()  # [s]
                 noise = torch.empty(q.shape[0]).exponential_(generator=gen)
-                tok = int(top.indices[int((q / noise).argmax())])
-                supports.append(top.indices)
+                support = self._to_ids(top.indices)  # [s] token ids
+                tok = int(support[int((q / noise).argmax())])
+                supports.append(support)
                 sprobs.append(q)
             tokens.append(tok)
             if i + 1 < k:
@@ -250,6 +321,65 @@ class DraftModelProposer(Proposer):
             draft.support = torch.stack(supports).long()  # [k, s]
             draft.support_probs = torch.stack(sprobs).float()  # [k, s]
         return draft
+
+    def per_token_seconds(self) -> float | None:
+        """Cost of one drafted token in the last propose: its one-token feeds (catching up on a
+        longer stretch of context is a one-off, not a per-token cost)."""
+        return sum(self.feed_seconds) / len(self.feed_seconds) if self.feed_seconds else None
+
+
+class HybridProposer(Proposer):
+    """Prompt lookup and a draft model, chosen per step.
+
+    Each step both make an offer: prompt lookup's, when the context matches, carries its match
+    length; the model always offers. The controller values each offer by the expected committed
+    tokens per second it buys (measured acceptance for that proposer and confidence, measured draft
+    cost) and the better one drafts. A long match inside a copied schema goes to prompt lookup; free
+    prose goes to the model. Stats are kept per proposer, so the choice and its outcome show.
+    """
+
+    name = "hybrid"
+    costly = True
+
+    def __init__(self, ngram: NgramProposer, model: DraftModelProposer, *, min_lookup_match: int = 3):
+        self.ngram, self.model = ngram, model
+        self.min_lookup_match = min_lookup_match
+        self.by_name: dict[str, Proposer] = {ngram.name: ngram, model.name: model}
+        self._last_source = model.name
+
+    def offers(self, ids: list[int]) -> list[Offer]:
+        out = [Offer(self.model.name, 0, UNBOUNDED)]
+        lookup = self.ngram.peek(ids)
+        if lookup.available > 0:
+            out.insert(0, lookup)
+        return out
+
+    def peek(self, ids: list[int]) -> Offer:
+        """Without measurements (a remote drafter drafting ahead): prompt lookup when its match is
+        at least `min_lookup_match` tokens long, else the model."""
+        lookup = self.ngram.peek(ids)
+        if lookup.available > 0 and lookup.bucket >= self.min_lookup_match:
+            return lookup
+        return Offer(self.model.name, 0, UNBOUNDED)
+
+    def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
+        return self.propose_from(self.peek(ids).proposer, ids, k, sampling, gen)
+
+    def propose_from(self, source: str, ids: list[int], k: int, sampling: SamplingParams,
+                     gen: torch.Generator | None) -> Draft:
+        self._last_source = source
+        return self.by_name[source].propose(ids, k, sampling, gen)
+
+    def per_token_seconds(self) -> float | None:
+        return self.by_name[self._last_source].per_token_seconds()
+
+    def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
+        self.ngram.on_commit(ids, appended, next_k)
+        self.model.on_commit(ids, appended, next_k)
+
+    def reset(self) -> None:
+        self.ngram.reset()
+        self.model.reset()
 
 
 @dataclass
@@ -267,5 +397,11 @@ class ProposerFactory:
         if spec.strategy.value == "ngram":
             return NgramProposer(spec.ngram_min, spec.ngram_max)
         if self.draft_model is None:
-            raise ValueError("draft strategy 'model' needs a draft model (--draft-model PATH)")
-        return DraftModelProposer(self.draft_model, draft_top_k=spec.draft_top_k, vocab_limit=self.target_vocab)
+            raise ValueError(
+                f"draft strategy {spec.strategy.value!r} needs a draft model (--draft-model PATH, or "
+                "`tandem distill` to make one for the default target)"
+            )
+        model = DraftModelProposer(self.draft_model, draft_top_k=spec.draft_top_k, vocab_limit=self.target_vocab)
+        if spec.strategy.value == "hybrid":
+            return HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max), model)
+        return model

@@ -57,6 +57,8 @@ class SpecStats:
     # accepted count per draft position: accepted_by_position[i] = steps whose draft i was accepted
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
+    # per proposer that drafted (a hybrid has two): {"steps", "drafted", "accepted"}
+    by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def mean_accepted_len(self) -> float:
@@ -67,7 +69,12 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, proposer: str | None = None) -> None:
+        if proposer is not None and drafted:
+            mine = self.by_proposer.setdefault(proposer, {"steps": 0, "drafted": 0, "accepted": 0})
+            mine["steps"] += 1
+            mine["drafted"] += drafted
+            mine["accepted"] += accepted
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -173,17 +180,28 @@ class Generation:
             self.sampling.max_new_tokens - len(self.output) - 1,  # drafts past the limit are waste
             self.runner.loaded.max_context - len(ids) - 1,
         )
-        offer = self.proposer.peek(ids)
-        if offer.available <= 0:
-            return None  # e.g. prompt lookup found no match: a plain step, at no drafting cost
         batch_tokens, batch_committed = self._batch_load()
-        k = self.controller.choose(offer.proposer, offer.bucket, min(room, offer.available), batch_tokens, batch_committed)
-        if k <= 0:
+        # Every offer (one, or one per inner proposer of a hybrid) is valued by the committed tokens
+        # per second it is expected to buy; the best drafts. None worth drafting: a plain step.
+        best = None
+        for offer in self.proposer.offers(ids):
+            if offer.available <= 0:
+                continue  # e.g. prompt lookup found no match: nothing to draft, no drafting cost
+            k, rate = self.controller.plan(offer.proposer, offer.bucket, min(room, offer.available),
+                                           batch_tokens, batch_committed)
+            if k > 0 and (best is None or rate > best[2]):
+                best = (offer, k, rate)
+        if best is None:
             return None
-        draft = self.proposer.propose(ids, k, self.sampling, self.gen)
+        offer, k, _ = best
+        draft = self.proposer.propose_from(offer.proposer, ids, k, self.sampling, self.gen)
         self.stats.draft_seconds += draft.seconds
         if self.proposer.costly and not self.replayable:
-            self.controller.observe_draft_cost(self.proposer.name, len(draft), draft.seconds)
+            per_token = self.proposer.per_token_seconds()
+            if per_token is not None:
+                self.controller.observe_draft_cost(draft.proposer, 1, per_token)
+            else:
+                self.controller.observe_draft_cost(draft.proposer, len(draft), draft.seconds)
         return draft if len(draft) else None
 
     def _batch_load(self) -> tuple[int, float]:
@@ -208,7 +226,7 @@ class Generation:
         if draft is not None:
             self.controller.observe(draft.proposer, draft.bucket, len(draft), verdict.accepted)
         self.seq.commit(verdict.tokens)
-        self.stats.record(verdict.drafted, verdict.accepted)
+        self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None)
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
         if self.proposer is not None:
             if self.finished:
@@ -222,7 +240,7 @@ class Generation:
         controller truncates per step); a costly one only as many as currently pay."""
         if not self.spec.adaptive:
             return self.spec.max_draft_tokens
-        if self.proposer.costly or self.spec.strategy == DraftStrategy.model:
+        if self.proposer.costly or self.spec.strategy in (DraftStrategy.model, DraftStrategy.hybrid):
             return max(1, self.controller.choose(self.spec.strategy.value, 0, self.spec.max_draft_tokens))
         return self.spec.max_draft_tokens
 

@@ -464,7 +464,7 @@ def test_greedy_drafts_are_the_draft_models_own_greedy_continuation(tiny_draft_l
         d = p.propose(ids, 6, GREEDY, None)
         assert d.tokens == greedy_oracle(tiny_draft_loaded.model, ids, 6), name
         assert d.support is None and d.proposer == "model"
-        assert p.cache.get_seq_length() == len(p._ids)
+        assert p.lm.length == len(p._ids)
 
 
 def test_draft_model_resyncs_after_a_rejection_and_a_rollback(near, contexts) -> None:
@@ -476,11 +476,11 @@ def test_draft_model_resyncs_after_a_rejection_and_a_rollback(near, contexts) ->
     again = p.propose(committed, 5, GREEDY, None)
     assert again.tokens == greedy_oracle(near.model, committed, 5)
     assert again.tokens == DraftModelProposer(near).propose(committed, 5, GREEDY, None).tokens
-    assert p.cache.get_seq_length() == len(p._ids)
+    assert p.lm.length == len(p._ids)
     # A new, shorter context diverging early (a new conversation reusing the proposer).
     other = ids[:3] + [17, 18]
     assert p.propose(other, 4, GREEDY, None).tokens == greedy_oracle(near.model, other, 4)
-    assert p.cache.get_seq_length() == len(p._ids) == len(other) + 3
+    assert p.lm.length == len(p._ids) == len(other) + 3
 
 
 def test_sampled_drafts_carry_their_exact_proposal_distribution(near, contexts) -> None:
