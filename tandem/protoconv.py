@@ -11,6 +11,7 @@ STRATEGY_TO_PB = {
     DraftStrategy.none: common_pb2.DRAFT_STRATEGY_NONE,
     DraftStrategy.ngram: common_pb2.DRAFT_STRATEGY_NGRAM,
     DraftStrategy.model: common_pb2.DRAFT_STRATEGY_MODEL,
+    DraftStrategy.hybrid: common_pb2.DRAFT_STRATEGY_HYBRID,
 }
 STRATEGY_FROM_PB = {pb: s for s, pb in STRATEGY_TO_PB.items()}  # UNSPECIFIED is absent: server default
 

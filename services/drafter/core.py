@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import DraftStrategy, SamplingParams
-from tandem.proposers import Draft, DraftModelProposer, NgramProposer, Proposer
+from tandem.proposers import Draft, DraftModelProposer, HybridProposer, NgramProposer, Proposer
 from tandem.sampling import make_generator
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.telemetry import tracer
@@ -205,14 +205,14 @@ class DrafterCore:
         """
         if not session_id:
             raise InvalidRequest("session_id is empty")
-        if strategy not in (DraftStrategy.ngram, DraftStrategy.model):
+        if strategy not in (DraftStrategy.ngram, DraftStrategy.model, DraftStrategy.hybrid):
             raise InvalidRequest(
                 f"session {session_id}: strategy {strategy.value!r} cannot be drafted "
-                "(ngram or model; the verifier resolves the default before opening)"
+                "(ngram, model or hybrid; the verifier resolves the default before opening)"
             )
-        if strategy == DraftStrategy.model and self.settings.draft_model is None:
+        if strategy in (DraftStrategy.model, DraftStrategy.hybrid) and self.settings.draft_model is None:
             raise InvalidRequest(
-                f"session {session_id}: strategy 'model' but drafter {self.settings.drafter_id} has no "
+                f"session {session_id}: strategy {strategy.value!r} but drafter {self.settings.drafter_id} has no "
                 "draft model (start it with a draft model, or use strategy 'ngram')"
             )
         if vocab_size <= 0:
@@ -311,7 +311,7 @@ class DrafterCore:
             active = len(self._sessions)
         return DrafterInfo(
             drafter_id=self.settings.drafter_id,
-            strategies=[DraftStrategy.ngram] + ([DraftStrategy.model] if model is not None else []),
+            strategies=[DraftStrategy.ngram] + ([DraftStrategy.model, DraftStrategy.hybrid] if model is not None else []),
             model_id=model.model_id if model is not None else "",
             vocab_size=self._draft_vocab,
             active_sessions=active,
@@ -341,6 +341,15 @@ class DrafterCore:
             if isinstance(reusable, NgramProposer):
                 return reusable
             return NgramProposer(self.settings.ngram_min, self.settings.ngram_max)
+        if strategy == DraftStrategy.hybrid:
+            if isinstance(reusable, HybridProposer) and reusable.model.vocab_limit == vocab_size:
+                return reusable
+            return HybridProposer(
+                NgramProposer(self.settings.ngram_min, self.settings.ngram_max),
+                DraftModelProposer(self.settings.draft_model, draft_top_k=self.settings.draft_top_k,
+                                   vocab_limit=vocab_size),
+                min_lookup_match=self.settings.hybrid_min_match,
+            )
         if isinstance(reusable, DraftModelProposer) and reusable.vocab_limit == vocab_size:
             return reusable
         return DraftModelProposer(
@@ -453,7 +462,10 @@ class DrafterCore:
     def _propose(self, session: _Session, ids: list[int], k: int) -> Draft | None:
         if k <= 0 or not ids:
             return None
-        if session.strategy == DraftStrategy.model:
+        if session.strategy == DraftStrategy.hybrid and session.max_id >= self._draft_vocab:
+            # the draft model cannot embed an id the target committed: prompt lookup alone
+            draft = session.proposer.ngram.propose(ids, k, session.sampling, session.gen)
+        elif session.strategy in (DraftStrategy.model, DraftStrategy.hybrid):
             if session.max_id >= self._draft_vocab:
                 return None  # the target committed an id the draft model has no embedding for
             with self._model_lock:

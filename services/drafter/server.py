@@ -55,6 +55,7 @@ _STATUS = {
 _STRATEGY_FROM_PB = {
     common_pb2.DRAFT_STRATEGY_NGRAM: DraftStrategy.ngram,
     common_pb2.DRAFT_STRATEGY_MODEL: DraftStrategy.model,
+    common_pb2.DRAFT_STRATEGY_HYBRID: DraftStrategy.hybrid,
 }
 _STRATEGY_TO_PB = {v: k for k, v in _STRATEGY_FROM_PB.items()}
 

@@ -25,6 +25,10 @@ class DrafterSettings(BaseModel):
     # weights, no re-validation of the dataclass).
     draft_model: InstanceOf[LoadedModel] | None = None
     draft_top_k: int = Field(16, ge=1, le=1024)  # support size of a sampled draft's proposals
+    # Strategy hybrid: prompt lookup drafts when its match is at least this long, else the model.
+    # (In process the controller compares measured values instead; a drafter drafts ahead of the
+    # verifier's measurements, so it uses this rule.)
+    hybrid_min_match: int = Field(3, ge=1, le=64)
     lookahead: bool = True  # draft block n+1 while block n is verified (speculative blocks)
     max_sessions: int = Field(1024, ge=1)  # open sessions over all streams; more are refused
     # Hard cap on the drafts of one block whatever a request asks for: a model drafts token by

@@ -77,7 +77,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    strategy: str | None = None  # "none" | "ngram" | "model"
+    strategy: str | None = None  # "none" | "ngram" | "model" | "hybrid"
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
     timeout_s: float | None = None  # the client's deadline, if shorter than the gateway's

@@ -14,7 +14,7 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   session ties a conversation's turns together: they are routed to the verifier that holds its KV
   cache. OpenAI's `user` is accepted and ignored: it names an end user, who may run several
   conversations at once, so it cannot stand for one.
-- `speculation`: {"strategy": "none" | "ngram" | "model", "max_draft_tokens": 1..64,
+- `speculation`: {"strategy": "none" | "ngram" | "model" | "hybrid", "max_draft_tokens": 1..64,
   "adaptive": bool}, each optional (the gateway's defaults fill the rest). It changes speed, never
   the output.
 - `top_k`, `stop_token_ids`, `ignore_eos`: as in tandem.v1.SamplingParams. `temperature` defaults to
@@ -108,7 +108,7 @@ class _Strict(BaseModel):
 
 
 class SpeculationOptions(_Strict):
-    strategy: Literal["none", "ngram", "model"] | None = None
+    strategy: Literal["none", "ngram", "model", "hybrid"] | None = None
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
 

@@ -43,6 +43,7 @@ _STRATEGY_NAMES = {
     common_pb2.DRAFT_STRATEGY_NONE: "none",
     common_pb2.DRAFT_STRATEGY_NGRAM: "ngram",
     common_pb2.DRAFT_STRATEGY_MODEL: "model",
+    common_pb2.DRAFT_STRATEGY_HYBRID: "hybrid",
 }
 _STRATEGY_PROTO = {v: k for k, v in _STRATEGY_NAMES.items()}
 

@@ -49,6 +49,10 @@ class _DraftStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DraftSt
     """Prompt lookup / n-gram matching over the session's own tokens (no model; deterministic)."""
     DRAFT_STRATEGY_MODEL: _DraftStrategy.ValueType  # 3
     """A small draft model sharing the target's tokenizer (greedy, or sampling when temperature > 0)."""
+    DRAFT_STRATEGY_HYBRID: _DraftStrategy.ValueType  # 4
+    """Per block, prompt lookup or the draft model: a long enough context match drafts by copying,
+    otherwise the model drafts. The block's `proposer` says which one drafted it.
+    """
 
 class DraftStrategy(_DraftStrategy, metaclass=_DraftStrategyEnumTypeWrapper):
     """Which proposer drafts a session's blocks."""
@@ -61,6 +65,10 @@ DRAFT_STRATEGY_NGRAM: DraftStrategy.ValueType  # 2
 """Prompt lookup / n-gram matching over the session's own tokens (no model; deterministic)."""
 DRAFT_STRATEGY_MODEL: DraftStrategy.ValueType  # 3
 """A small draft model sharing the target's tokenizer (greedy, or sampling when temperature > 0)."""
+DRAFT_STRATEGY_HYBRID: DraftStrategy.ValueType  # 4
+"""Per block, prompt lookup or the draft model: a long enough context match drafts by copying,
+otherwise the model drafts. The block's `proposer` says which one drafted it.
+"""
 Global___DraftStrategy: _TypeAlias = DraftStrategy  # noqa: Y015
 
 class _FinishReason:
