@@ -189,6 +189,32 @@ def test_sampled_model_blocks_carry_their_proposals(model_drafter, tiny_draft_lo
     assert core.stats()["active_sessions"] == 0
 
 
+def test_hybrid_blocks_come_from_lookup_on_long_matches_else_the_model(model_drafter, tiny_draft_loaded) -> None:
+    core, channel = model_drafter
+    assert common_pb2.DRAFT_STRATEGY_HYBRID in drafter_pb2_grpc.DrafterStub(channel).GetInfo(
+        drafter_pb2.DrafterInfoRequest(), timeout=5).strategies
+    stream = DraftStream(channel)
+    # CONTEXT ends in a 3-token match (20 21 22): at the default minimum of 3, prompt lookup drafts
+    stream.open("h", CONTEXT, strategy=common_pb2.DRAFT_STRATEGY_HYBRID)
+    block = stream.next()
+    assert block.proposer == "ngram" and list(block.token_ids) == [23, 24, 25, 26] and block.confidence == 3
+    # a context whose last token never occurred before: no match, the model drafts
+    fresh = [5, 6, 7, 8, 9, 10]
+    stream.open("m", fresh, strategy=common_pb2.DRAFT_STRATEGY_HYBRID)
+    blocks = [stream.next() for _ in range(3)]
+    mine = next(b for b in blocks if b.session_id == "m" and not b.speculative)
+    direct = DraftModelProposer(tiny_draft_loaded, vocab_limit=VOCAB).propose(fresh, 4, SamplingParams(), None)
+    assert mine.proposer == "model" and list(mine.token_ids) == direct.tokens
+    stream.end()
+    assert core.stats()["active_sessions"] == 0
+
+
+def test_hybrid_needs_a_draft_model(ngram_drafter) -> None:
+    core, _ = ngram_drafter
+    with pytest.raises(InvalidRequest, match="hybrid.*no draft model"):
+        list(core.open("s", CONTEXT, DraftStrategy.hybrid, 8, SamplingParams(), VOCAB, 4))
+
+
 def test_draft_ahead_hides_drafting_when_the_target_agrees(model_drafter, tiny_draft_loaded) -> None:
     """A verifier whose target is the draft model itself (greedy) accepts every draft and commits
     the guessed bonus, so after the first block every block it verifies is a draft-ahead block,
