@@ -1,6 +1,8 @@
 # Two commands for a fresh machine (see README.md):
 #   make demo   - install, then run the main job
 #   make test   - install, then run the whole test suite
+#   make draft  - (optional, ~15 min on 2 cores) distil a draft model for the default target; once it
+#                 exists, `make demo` and the modes model / hybrid use it
 # Both create .venv and install what they need. torch is installed first, pinned, so that pip never
 # resolves it to a multi-gigabyte CUDA build on a CPU machine (override TORCH= on a GPU host).
 
@@ -10,7 +12,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install demo test protos clean
+.PHONY: install demo test draft protos clean
 
 install: $(STAMP)
 
@@ -29,6 +31,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+draft: install
+	$(VENV)/bin/tandem distill
 
 protos: install
 	$(PY) scripts/gen_protos.py

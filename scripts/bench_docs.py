@@ -31,7 +31,7 @@ from tandem.plots import FILES, dataset_label, write_plots  # noqa: E402
 DATA = ROOT.parent / "shared" / "data"
 # (results name, file under shared/data): the dev sets of shared/data/PROVENANCE.md
 SETS = DEV_SETS
-OURS = ("ar", "ngram", "model")
+OURS = ("ar", "ngram", "model", "hybrid")
 PEER = "hf-prompt-lookup"
 READING = ("<!-- reading -->", "<!-- /reading -->")
 KEEP = ("<!-- keep -->", "<!-- /keep -->")
@@ -151,7 +151,8 @@ def render(results: list[dict], old: str = "", *, plots_rel: Path | str = "plots
         f"up to {cfg['max_new_tokens']} new tokens, the first {cfg['limit']} prompts of each set, "
         f"{cfg.get('repeats', 1)} run(s) per prompt and mode, {cfg.get('turns', 1)} turn(s) per record",
         f"- **Modes**: {', '.join(modes)}. Ours: `ar` plain decoding, `ngram` prompt lookup, `model` a draft "
-        "model. The peer: Hugging Face `transformers`' own `generate` on the same model object: `hf-ar` plain, "
+        "model, `hybrid` prompt lookup or the draft model per step (whichever is expected to commit more "
+        "tokens per second). The peer: Hugging Face `transformers`' own `generate` on the same model object: `hf-ar` plain, "
         f"`hf-prompt-lookup` (`prompt_lookup_num_tokens={cfg.get('hf_lookup_tokens') or 10}`), `hf-assisted` "
         "(`assistant_model`). Every prompt runs in every mode in one process, interleaved, the order rotating.",
         "",
@@ -197,8 +198,10 @@ def bench_options(cfg: dict) -> list[str]:
     """The `tandem bench` options a run's config shows it was given beyond the script's own."""
     machine = cfg.get("machine", {})
     out = []
-    if cfg.get("draft_model"):
-        out += ["--draft-model", "PATH"]  # the config names the draft model, not where it was loaded from
+    if cfg.get("draft_model") and not str(cfg["draft_model"]).endswith("-draft"):
+        # the config names the draft model, not where it was loaded from; a `tandem distill` draft
+        # of the target (named <target>-draft) is found without the option
+        out += ["--draft-model", "PATH"]
     if machine.get("torch_threads") and machine.get("cpu_count") and machine["torch_threads"] < machine["cpu_count"]:
         out += ["--threads", str(machine["torch_threads"])]
     for key, option, default in (("repeats", "--repeats", 1), ("turns", "--turns", 1),

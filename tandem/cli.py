@@ -307,12 +307,12 @@ def distill(
     hidden: Annotated[Optional[int], typer.Option("--hidden", help="Width of the draft (default: the target's, which reuses its embeddings and starts from its layers; narrower starts from random layers).", min=32)] = None,
     vocab_top: Annotated[int, typer.Option("--vocab-top", help="LM-head rows: the N most frequent ids of the training text (ids outside are never proposed; output stays exact).", min=16)] = 8192,
     tokens: Annotated[int, typer.Option("--tokens", help="Target-generated reply tokens to train on.", min=1)] = 60_000,
-    epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training text.", min=0.01)] = 3.0,
-    prompts: Annotated[Optional[list[Path]], typer.Option("--prompts", help="Prompt set(s) to generate training text for (repeatable; any format `tandem bench` reads). Default: the dev sets and BFCL simple-python under --data-dir.", exists=True, dir_okay=False)] = None,
+    epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training text.", min=0.01)] = 7.0,
+    prompts: Annotated[Optional[list[Path]], typer.Option("--prompts", help="Prompt set(s) to generate training text for (repeatable; any format `tandem bench` reads). Default: the four dev sets under --data-dir (first --holdout prompts of each left out), in equal shares.", exists=True, dir_okay=False)] = None,
     data_dir: Annotated[Path, typer.Option("--data-dir", help="Where the shared prompt sets live.")] = Path("../shared/data"),
     holdout: Annotated[int, typer.Option("--holdout", help="Leave out the first N prompts of each benchmarked dev set (the benchmarks run those).", min=0)] = 20,
-    init_layers: Annotated[Optional[str], typer.Option("--init-layers", help="Comma-separated target layers the draft's layers start from (default: spread, first and last included).")] = None,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, warmup then cosine).", min=0.0)] = 5e-4,
+    init_layers: Annotated[Optional[str], typer.Option("--init-layers", help="Comma-separated target layers the draft's layers start from (default: the first --layers layers).")] = None,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, warmup then cosine).", min=0.0)] = 2e-3,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per training step.", min=1)] = 8,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the data split, batch order and any random initialisation.", min=0)] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out from its last checkpoint (same settings).")] = False,
@@ -572,6 +572,18 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
     from tandem.stack import Stack
 
     console = Console(stderr=True)
+    if cfg.draft_model is None:
+        # The target's distilled draft (`tandem distill`), when one exists, serves strategies model
+        # and hybrid; without one the drafter offers prompt lookup only.
+        from tandem.models import ModelError, find_default_draft, resolve_model_path
+
+        try:
+            found = find_default_draft(resolve_model_path(cfg.model)[0])
+        except ModelError:
+            found = None
+        if found is not None:
+            cfg.draft_model = str(found)
+            console.print(f"draft model: {found} (distilled for this target; strategies model and hybrid)")
     with console.status("starting valkey, drafter, verifier(s) and gateway (first run converts the model once) ..."):
         stack = Stack(cfg)
         try:
@@ -591,7 +603,7 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
         if demo_request:
             from tandem.demo import run_demo
 
-            ok = run_demo(stack.http_url, console)
+            ok = run_demo(stack.http_url, console, strategy="hybrid" if cfg.draft_model else "ngram")
             if not ok:
                 raise typer.Exit(1)
             return

@@ -1,6 +1,8 @@
 """The README's main job: real requests through a running stack's OpenAI-compatible API.
 
-1. a streamed chat completion with prompt-lookup speculation (text appears as it is verified);
+1. a streamed chat completion with speculation (text appears as it is verified): hybrid (prompt
+   lookup or the distilled draft model, per block) when `tandem distill` has made a draft for the
+   target, prompt lookup otherwise;
 2. the same request decoded plainly, to compare speed and check the text is identical;
 3. a second turn of the same session, which lands on the verifier holding its KV cache and
    prefills only the new tokens.
@@ -63,7 +65,9 @@ def _chat(client: httpx.Client, messages: list[dict], *, strategy: str, session:
             "ttft": (first or end) - start}
 
 
-def run_demo(http_url: str, console: Console) -> bool:
+def run_demo(http_url: str, console: Console, *, strategy: str = "ngram") -> bool:
+    """The demo's requests; `strategy` is the speculative requests' (hybrid when the stack has a
+    distilled draft model, else prompt lookup)."""
     out = Console()
     with httpx.Client(base_url=http_url, timeout=300.0) as client:
         models = client.get("/v1/models").json()
@@ -72,22 +76,22 @@ def run_demo(http_url: str, console: Console) -> bool:
         console.print(f"\n[bold]user:[/bold] {PROMPT}\n")
         # Warm-up: the first request pays for allocation in every process.
         _chat(client, [{"role": "user", "content": "Hi"}], strategy="none", session="demo-warmup")
-        console.print("[bold]assistant (speculative, streamed as verified):[/bold]")
-        spec = _chat(client, messages, strategy="ngram", session="demo-1",
+        console.print(f"[bold]assistant (speculative: {strategy}, streamed as verified):[/bold]")
+        spec = _chat(client, messages, strategy=strategy, session="demo-1",
                      on_text=lambda t: out.print(t, end="", markup=False, highlight=False))
         out.print()
         plain = _chat(client, messages, strategy="none", session="demo-2")
         messages2 = messages + [{"role": "assistant", "content": spec["text"]},
                                 {"role": "user", "content": FOLLOW_UP}]
         console.print(f"\n[bold]user (turn 2, same session):[/bold] {FOLLOW_UP}\n[bold]assistant:[/bold]")
-        turn2 = _chat(client, messages2, strategy="ngram", session="demo-1",
+        turn2 = _chat(client, messages2, strategy=strategy, session="demo-1",
                       on_text=lambda t: out.print(t, end="", markup=False, highlight=False))
         out.print()
 
     table = Table(title="Tandem through the gateway (one machine)")
     for col in ("request", "tokens", "tok/s", "TTFT ms", "accepted/drafted", "tok/step", "cached prompt"):
         table.add_column(col, justify="left" if col == "request" else "right")
-    for name, r in (("plain", plain), ("speculative", spec), ("turn 2", turn2)):
+    for name, r in (("plain", plain), (f"speculative ({strategy})", spec), ("turn 2", turn2)):
         u = r["usage"]
         s = u.get("speculation", {})
         n = u.get("completion_tokens", 0)

@@ -90,7 +90,7 @@ DRAFT_MANIFEST = "tandem_draft.json"  # marks a directory written by `tandem dis
 def default_draft_path(target_id: str) -> Path:
     """Where `tandem distill` writes the draft of a target by default (and modes `model` and
     `hybrid` look for one when no draft model is given)."""
-    return cache_dir() / "drafts" / target_id
+    return cache_dir() / "drafts" / f"{target_id}-draft"
 
 
 def find_default_draft(target_id: str) -> Path | None:

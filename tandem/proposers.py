@@ -251,6 +251,7 @@ class DraftModelProposer(Proposer):
 
     name = "model"
     costly = True
+    STEP_LIKE = 3  # feeds of up to this many tokens count as one drafting step
 
     def __init__(self, loaded: LoadedModel, *, draft_top_k: int = 16, vocab_limit: int | None = None):
         self.loaded = loaded
@@ -273,7 +274,9 @@ class DraftModelProposer(Proposer):
         target's vocabulary masked."""
         start = time.perf_counter()
         logits = self.lm.feed(tokens)
-        if len(tokens) == 1:
+        # A feed of a few tokens costs about one token's step (a small model's step is per-call
+        # overhead and weight reads); a long catch-up (the prompt) is a one-off, not a draft cost.
+        if len(tokens) <= self.STEP_LIKE:
             self.feed_seconds.append(time.perf_counter() - start)
         self._ids.extend(tokens)
         if self.vocab_limit is not None:
@@ -323,7 +326,7 @@ class DraftModelProposer(Proposer):
         return draft
 
     def per_token_seconds(self) -> float | None:
-        """Cost of one drafted token in the last propose: its one-token feeds (catching up on a
+        """Cost of one drafted token in the last propose: its short feeds (catching up on a
         longer stretch of context is a one-off, not a per-token cost)."""
         return sum(self.feed_seconds) / len(self.feed_seconds) if self.feed_seconds else None
 

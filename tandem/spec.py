@@ -48,7 +48,7 @@ class SpecStats:
     bonus: int = 0  # tokens emitted after every draft of a step was accepted (plain steps included)
     steps: int = 0  # target forwards of the decode loop
     spec_steps: int = 0  # steps that verified at least one draft
-    fallback_steps: int = 0  # steps decoded plainly because the drafter failed or was too slow
+    fallback_steps: int = 0  # steps without a usable drafter block in time (local prompt lookup or plain)
     rejected_blocks: int = 0  # stale or garbage draft blocks that were dropped
     prefill_reused_tokens: int = 0
     prefill_computed_tokens: int = 0
@@ -197,11 +197,11 @@ class Generation:
         draft = self.proposer.propose_from(offer.proposer, ids, k, self.sampling, self.gen)
         self.stats.draft_seconds += draft.seconds
         if self.proposer.costly and not self.replayable:
+            # Per drafted token, without one-off catch-ups (a draft model reading the prompt): that
+            # time is not what the next drafts will cost. Unknown (only a catch-up ran): no sample.
             per_token = self.proposer.per_token_seconds()
             if per_token is not None:
                 self.controller.observe_draft_cost(draft.proposer, 1, per_token)
-            else:
-                self.controller.observe_draft_cost(draft.proposer, len(draft), draft.seconds)
         return draft if len(draft) else None
 
     def _batch_load(self) -> tuple[int, float]:

@@ -318,6 +318,8 @@ class VerifierCore:
                     self.target.vocab_size, wait_s=self.settings.draft_wait_ms / 1000.0,
                     retry_s=self.settings.drafter_retry_s, metadata=metadata,
                     others_busy=lambda: self.executor.busy_sessions > 1,
+                    local=(self.engine.factory.build(spec.model_copy(update={"strategy": DraftStrategy.ngram}))
+                           if spec.strategy in (DraftStrategy.ngram, DraftStrategy.hybrid) else None),
                 )
                 proposer.open(list(context_ids))  # the drafter starts while we prefill
             elif spec.strategy != DraftStrategy.none:

@@ -8,8 +8,9 @@ Nothing a drafter sends can change the output, only the speed: a block is used o
 at or before the committed length and its overlap equals the committed tokens (DESIGN.md: stale
 blocks are dropped and counted), its ids lie in the vocabulary, and its proposal distributions are
 well formed. Everything else is counted in `rejected_blocks` and ignored. A drafter that dies or
-stalls turns this proposer silent (plain decoding steps, counted in `fallback_steps`); it reconnects
-on its own and speculation resumes.
+stalls does not stop speculation: a step without a usable block in time (counted in
+`fallback_steps`) drafts with the verifier's own prompt lookup when the session's strategy uses it
+(microseconds of work, no model), else decodes plainly; the stream reconnects on its own.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class RemoteProposer(Proposer):
         retry_s: float = 1.0,
         metadata: tuple = (),
         others_busy=lambda: False,
+        local: Proposer | None = None,
     ):
         self.stub = drafter_pb2_grpc.DrafterStub(channel)
         self.session_id = session_id
@@ -94,6 +96,9 @@ class RemoteProposer(Proposer):
         # True while other sessions share the verifier's batched forwards: then a session that
         # waits for its drafts delays nobody's forward but splits the batch, so it does not wait.
         self.others_busy = others_busy
+        # Drafts a step whose remote block is late or missing (prompt lookup over the same ids).
+        self.local = local
+        self._local_offer: int | None = None  # committed length at which `local` offered
         self.rejected_blocks = 0
         self.fallback_steps = 0
         self._cond = threading.Condition()
@@ -240,14 +245,24 @@ class RemoteProposer(Proposer):
             draft.support_probs = torch.tensor([p + [0.0] * (width - len(p)) for _, p in rows], dtype=torch.float32)
         return draft
 
+    def _fallback(self, ids: list[int]) -> Offer:
+        """No usable block in time: the local proposer's offer, if there is one."""
+        self.fallback_steps += 1
+        if self.local is None:
+            return Offer(self.name, 0, 0)
+        offer = self.local.peek(ids)
+        if offer.available > 0:
+            self._local_offer = len(ids)
+        return offer
+
     def peek(self, ids: list[int]) -> Offer:
         self._offer = None
+        self._local_offer = None
         if self._dead_since is not None:
             if time.monotonic() - self._dead_since >= self.retry_s:
                 self.open(ids)  # the drafter may be back: reopen with the whole context
             else:
-                self.fallback_steps += 1
-                return Offer(self.name, 0, 0)
+                return self._fallback(ids)
         # A drafter that keeps missing its deadline gets no more waiting (a plain step costs less),
         # but every 8th step still waits, so a recovered drafter is noticed.
         wait = self.wait_s if (self._misses < 3 or self._misses % 8 == 0) else 0.0
@@ -266,19 +281,21 @@ class RemoteProposer(Proposer):
             return Offer(self.name, 0, 0)
         if draft is None:
             self._misses += 1
-            self.fallback_steps += 1
-            return Offer(self.name, 0, 0)
+            return self._fallback(ids)
         self._misses = 0
         self._offer = (len(ids), draft)
         return Offer(draft.proposer, draft.bucket, len(draft))
 
     def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
+        if self._local_offer == len(ids) and self.local is not None:
+            return self.local.propose(ids, k, sampling, gen)
         if self._offer is None or self._offer[0] != len(ids):
             return Draft(tokens=[], proposer=self.name)
         return self._offer[1].truncated(k)
 
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self._offer = None
+        self._local_offer = None
         if self._requests is None or self._dead_since is not None:
             return
         self._requests.put(drafter_pb2.DraftRequest(
