@@ -25,15 +25,20 @@ from tandem.runner import ForwardCosts
 
 MAX_POSITIONS = 64
 
-# Prior conditional acceptance by bucket (n-gram: matched length, grouped; 0: draft model or
-# unknown). Only a starting point: measured counts take over within a few steps.
+# Prior conditional acceptance by bucket (n-gram: matched length, grouped; 0: unknown). Only a
+# starting point: measured counts take over within a few steps.
 _PRIOR = {0: 0.3, 1: 0.2, 2: 0.35, 3: 0.45, 4: 0.55, 5: 0.65, 6: 0.75, 7: 0.85}
+# A draft model's bucket is the probability it gives its first draft (proposers.confidence_bucket).
+_MODEL_PRIOR = {0: 0.3, 1: 0.1, 2: 0.25, 3: 0.4, 4: 0.55, 5: 0.7, 6: 0.8, 7: 0.9}
 _PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior
 _SESSION_SHRINK = 8.0  # pseudo-observations of the runner-wide estimate in a session's estimate
 
 
 def _bucket(proposer: str, bucket: int) -> tuple[str, int]:
-    """Group confidence values: 1, 2, 3, 4 stay; 5-7 -> 5; 8-15 -> 6; 16 and more -> 7."""
+    """Group prompt lookup's match lengths: 1, 2, 3, 4 stay; 5-7 -> 5; 8-15 -> 6; 16 and more -> 7.
+    Other proposers' buckets (0-7) are taken as they are."""
+    if proposer != "ngram":
+        return proposer, max(0, min(bucket, 7))
     if bucket <= 4:
         return proposer, bucket
     return proposer, 5 if bucket < 8 else 6 if bucket < 16 else 7
@@ -43,6 +48,8 @@ def _bucket(proposer: str, bucket: int) -> tuple[str, int]:
 class AcceptanceCounts:
     # (proposer, bucket) -> per position [reached, accepted]
     counts: dict[tuple[str, int], list[list[float]]] = field(default_factory=dict)
+    # proposer -> bucket -> how often a costly look found that bucket (a draft model's confidence)
+    seen: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def row(self, key: tuple[str, int]) -> list[list[float]]:
         if key not in self.counts:
@@ -72,7 +79,7 @@ class BlockLengthController:
 
     def rates(self, proposer: str, bucket: int, k: int) -> list[float]:
         key = _bucket(proposer, bucket)
-        prior = _PRIOR.get(key[1], 0.3) if proposer == "ngram" else _PRIOR[0]
+        prior = (_PRIOR if proposer == "ngram" else _MODEL_PRIOR if proposer == "model" else {}).get(key[1], 0.3)
         shared, own = self.shared.row(key), self.own.row(key)
         out = []
         for i in range(k):
@@ -98,25 +105,58 @@ class BlockLengthController:
         down to k = 0: plain batched decoding. The rate lets a caller compare offers of
         different proposers (a hybrid's prompt lookup against its draft model).
         """
+        k, expected, cost = self.plan_detail(proposer, bucket, available, batch_tokens, batch_committed)
+        return k, (expected / cost if cost else 0.0)
+
+    def plan_detail(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0,
+                    batch_committed: float = 0.0) -> tuple[int, float, float]:
+        """`plan` as (k, expected committed tokens, cost in seconds); cost 0 = nothing measured."""
         limit = min(self.max_k, available)
         base = self.costs.estimate(batch_tokens + 1)
-        plain_rate = 0.0 if base is None else (batch_committed + 1.0) / base
+        plain = (0, batch_committed + 1.0, base or 0.0)
         if limit <= 0:
-            return 0, plain_rate
-        if not self.adaptive:
-            return limit, plain_rate
+            return plain
+        if not self.adaptive:  # fixed: always the most drafts (valued as if all accepted)
+            return limit, batch_committed + 1.0 + limit, base or 1.0
         if base is None:  # nothing measured yet: one plain step measures the baseline
-            return 0, plain_rate
+            return plain
         draft_cost = self.draft_cost_per_token.get(proposer, 0.0)
-        best_k, best_rate = 0, plain_rate
+        best = plain
         expected, survive = 1.0, 1.0
         for k, rate in enumerate(self.rates(proposer, bucket, limit), start=1):
             survive *= rate
             expected += survive
             cost = self.costs.estimate(batch_tokens + k + 1) + draft_cost * k
-            if (batch_committed + expected) / cost > best_rate:
-                best_k, best_rate = k, (batch_committed + expected) / cost
-        return best_k, best_rate
+            if (batch_committed + expected) / cost > best[1] / best[2]:
+                best = (k, batch_committed + expected, cost)
+        return best
+
+    def note_bucket(self, proposer: str, bucket: int) -> None:
+        seen = self.shared.seen.setdefault(proposer, {})
+        seen[bucket] = seen.get(bucket, 0.0) + 1.0
+
+    def worth_peeking(self, proposer: str, available: int, alternative: tuple[float, float],
+                      batch_tokens: int = 0, batch_committed: float = 0.0) -> bool:
+        """Whether a costly look at `proposer`'s confidence (a draft model's first step) pays:
+        over the buckets it has found so far, the expected rate of the better of (drafting at that
+        bucket, the alternative plus the look's time) against the alternative without the look.
+        `alternative` is (expected committed tokens, cost) of the best choice without it."""
+        if not self.adaptive:
+            return True
+        look = self.draft_cost_per_token.get(proposer)
+        alt_expected, alt_cost = alternative
+        if look is None or alt_cost <= 0:
+            return alt_cost > 0  # unmeasured look: take it, once the forward cost is known
+        seen = self.shared.seen.get(proposer, {})
+        # one pseudo-observation per bucket: every confidence is possible until measured otherwise
+        weights = {b: seen.get(b, 0.0) + 1.0 for b in range(1, 8)}
+        total = sum(weights.values())
+        with_look = 0.0
+        for b, w in weights.items():
+            k, expected, cost = self.plan_detail(proposer, b, available, batch_tokens, batch_committed)
+            drafting = expected / cost if k > 0 else 0.0
+            with_look += w / total * max(drafting, alt_expected / (alt_cost + look))
+        return with_look > alt_expected / alt_cost
 
     def observe(self, proposer: str, bucket: int, drafted: int, accepted: int) -> None:
         key = _bucket(proposer, bucket)

@@ -183,17 +183,38 @@ class Generation:
         batch_tokens, batch_committed = self._batch_load()
         # Every offer (one, or one per inner proposer of a hybrid) is valued by the committed tokens
         # per second it is expected to buy; the best drafts. None worth drafting: a plain step.
-        best = None
+        ctl = self.controller
+        base = ctl.costs.estimate(batch_tokens + 1)
+        # (offer, k, expected, cost) of the best choice so far; plain decoding to start with
+        best = (None, 0, batch_committed + 1.0, base or 0.0)
+
+        def consider(offer) -> None:
+            nonlocal best
+            k, expected, cost = ctl.plan_detail(offer.proposer, offer.bucket, min(room, offer.available),
+                                                batch_tokens, batch_committed)
+            if k > 0 and (best[3] <= 0 or expected / cost > best[2] / best[3]):
+                best = (offer, k, expected, cost)
+
+        costly_looks = []
         for offer in self.proposer.offers(ids):
             if offer.available <= 0:
                 continue  # e.g. prompt lookup found no match: nothing to draft, no drafting cost
-            k, rate = self.controller.plan(offer.proposer, offer.bucket, min(room, offer.available),
-                                           batch_tokens, batch_committed)
-            if k > 0 and (best is None or rate > best[2]):
-                best = (offer, k, rate)
-        if best is None:
+            if offer.needs_peek:
+                costly_looks.append(offer)
+            else:
+                consider(offer)
+        for offer in costly_looks:
+            # A draft model's confidence costs its first step to learn: look only where the
+            # buckets it has found so far make the look pay against the best choice without it.
+            if ctl.worth_peeking(offer.proposer, min(room, offer.available), (best[2], best[3]),
+                                 batch_tokens, batch_committed):
+                offer = self.proposer.rate(offer.proposer, ids)
+                ctl.note_bucket(offer.proposer, offer.bucket)
+                if offer.available > 0:
+                    consider(offer)
+        offer, k = best[0], best[1]
+        if offer is None or k <= 0:
             return None
-        offer, k, _ = best
         draft = self.proposer.propose_from(offer.proposer, ids, k, self.sampling, self.gen)
         self.stats.draft_seconds += draft.seconds
         if self.proposer.costly and not self.replayable:

@@ -120,7 +120,7 @@ def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
     engine = Engine(tiny_loaded, draft, SpecConfig(strategy=DraftStrategy.hybrid, max_draft_tokens=4))
     for n in range(1, 10):  # known costs: the first step may already draft
         engine.runner.costs.observe(n, 0.01 * (1 + 0.1 * (n - 1)))
-    prompt = [20, 21, 22, 23, 24, 25] * 4 + [20, 21]  # ends in a long match
+    prompt = [20, 21, 22, 23, 24, 25, 30, 31, 32, 20, 21]  # ends in a 2-token match
     for good, bad in (("ngram", "model"), ("model", "ngram")):
         engine.acceptance = AcceptanceCounts()
         for bucket in range(8):
@@ -130,6 +130,9 @@ def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
         gen = engine.start(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
         gen.step()
         assert set(gen.stats.by_proposer) == {good}, (good, gen.stats.by_proposer)
+    # a long match wins outright: the model is not even asked (no draft step spent on it)
+    proposer = engine.factory.build(SpecConfig(strategy=DraftStrategy.hybrid))
+    assert [o.proposer for o in proposer.offers([20, 21, 22, 23, 24, 25] * 3 + [20, 21])] == ["ngram"]
 
 
 def test_training_resumes_to_the_same_result(tiny_loaded, prompt_file, tmp_path) -> None:

@@ -458,7 +458,7 @@ def test_ngram_resets_on_a_new_sequence() -> None:
 
 
 def test_greedy_drafts_are_the_draft_models_own_greedy_continuation(tiny_draft_loaded, contexts) -> None:
-    p = DraftModelProposer(tiny_draft_loaded)
+    p = DraftModelProposer(tiny_draft_loaded, stop_below=0.0)
     for name in ("prose", "code", "one_token"):
         ids = contexts[name]
         d = p.propose(ids, 6, GREEDY, None)
@@ -467,15 +467,37 @@ def test_greedy_drafts_are_the_draft_models_own_greedy_continuation(tiny_draft_l
         assert p.lm.length == len(p._ids)
 
 
+def test_a_draft_stops_where_the_draft_model_hesitates(tiny_draft_loaded, contexts) -> None:
+    """Adaptive drafting stops a block at the first position (after the first) where the draft
+    model's probability for its own token is below `stop_below`; the tokens are a prefix of its
+    greedy continuation, and the first draft's probability is the block's confidence bucket."""
+    from tandem.proposers import confidence_bucket
+
+    ids = contexts["prose"]
+    full = greedy_oracle(tiny_draft_loaded.model, ids, 6)
+    with torch.inference_mode():
+        probs = [float(torch.softmax(tiny_draft_loaded.model(torch.tensor([ids + full[:i]])).logits[0, -1], -1).max())
+                 for i in range(6)]
+    low = sorted(probs[1:])
+    threshold = (low[1] + low[2]) / 2  # stops somewhere inside the block (midway: no float ties)
+    d = DraftModelProposer(tiny_draft_loaded, stop_below=threshold).propose(ids, 6, GREEDY, None)
+    expected = 1 + next((i for i, p in enumerate(probs[1:]) if p < threshold), 5)
+    assert d.tokens == full[:expected] and 1 <= len(d.tokens) < 6
+    assert d.bucket == confidence_bucket(probs[0])
+    peeked = DraftModelProposer(tiny_draft_loaded, stop_below=0.0)
+    assert peeked.peek(ids).bucket == d.bucket  # peek rates the same first draft, and propose reuses it
+    assert peeked.propose(ids, 6, GREEDY, None).tokens == full
+
+
 def test_draft_model_resyncs_after_a_rejection_and_a_rollback(near, contexts) -> None:
-    p = DraftModelProposer(near)
+    p = DraftModelProposer(near, stop_below=0.0)
     ids = contexts["code"]
     first = p.propose(ids, 5, GREEDY, None)
     # The target accepted one draft and recovered another token: the proposer must drop the rest.
     committed = ids + first.tokens[:1] + [(first.tokens[1] + 1) % 512]
     again = p.propose(committed, 5, GREEDY, None)
     assert again.tokens == greedy_oracle(near.model, committed, 5)
-    assert again.tokens == DraftModelProposer(near).propose(committed, 5, GREEDY, None).tokens
+    assert again.tokens == DraftModelProposer(near, stop_below=0.0).propose(committed, 5, GREEDY, None).tokens
     assert p.lm.length == len(p._ids)
     # A new, shorter context diverging early (a new conversation reusing the proposer).
     other = ids[:3] + [17, 18]
@@ -486,7 +508,7 @@ def test_draft_model_resyncs_after_a_rejection_and_a_rollback(near, contexts) ->
 def test_sampled_drafts_carry_their_exact_proposal_distribution(near, contexts) -> None:
     ids = contexts["prose"]
     sampling = SamplingParams(temperature=0.7)
-    p = DraftModelProposer(near, draft_top_k=16)
+    p = DraftModelProposer(near, draft_top_k=16, stop_below=0.0)
     d = p.propose(ids, 4, sampling, make_generator(0))
     assert d.support.shape == (4, 16) and d.support_probs.shape == (4, 16)
     torch.testing.assert_close(d.support_probs.sum(-1), torch.ones(4))
@@ -502,9 +524,9 @@ def test_sampled_drafts_carry_their_exact_proposal_distribution(near, contexts) 
         torch.testing.assert_close(dense[top.indices], top.values / top.values.sum(), atol=1e-5, rtol=1e-4)
         prefix.append(tok)
     # The same generator state gives the same drafts; another seed other drafts (at least once).
-    assert DraftModelProposer(near).propose(ids, 4, sampling, make_generator(0)).tokens == d.tokens
+    assert DraftModelProposer(near, stop_below=0.0).propose(ids, 4, sampling, make_generator(0)).tokens == d.tokens
     assert any(
-        DraftModelProposer(near).propose(ids, 4, sampling, make_generator(s)).tokens != d.tokens for s in range(1, 6)
+        DraftModelProposer(near, stop_below=0.0).propose(ids, 4, sampling, make_generator(s)).tokens != d.tokens for s in range(1, 6)
     )
 
 

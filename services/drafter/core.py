@@ -347,13 +347,15 @@ class DrafterCore:
             return HybridProposer(
                 NgramProposer(self.settings.ngram_min, self.settings.ngram_max),
                 DraftModelProposer(self.settings.draft_model, draft_top_k=self.settings.draft_top_k,
-                                   vocab_limit=vocab_size),
+                                   vocab_limit=vocab_size, stop_below=0.0),
                 min_lookup_match=self.settings.hybrid_min_match,
             )
         if isinstance(reusable, DraftModelProposer) and reusable.vocab_limit == vocab_size:
             return reusable
+        # No early stop here: the verifier's controller truncates each block by what it measured
+        # for the block's confidence, and drafting ahead hides the drafter's time.
         return DraftModelProposer(
-            self.settings.draft_model, draft_top_k=self.settings.draft_top_k, vocab_limit=vocab_size
+            self.settings.draft_model, draft_top_k=self.settings.draft_top_k, vocab_limit=vocab_size, stop_below=0.0
         )
 
     def _end(self, session: _Session) -> None:

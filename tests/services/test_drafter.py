@@ -182,7 +182,7 @@ def test_sampled_model_blocks_carry_their_proposals(model_drafter, tiny_draft_lo
     small_vocab = 300
     stream.open("g", CONTEXT, strategy=common_pb2.DRAFT_STRATEGY_MODEL, vocab_size=small_vocab)
     greedy = stream.next()
-    direct = DraftModelProposer(tiny_draft_loaded, vocab_limit=small_vocab).propose(CONTEXT, 4, SamplingParams(), None)
+    direct = DraftModelProposer(tiny_draft_loaded, vocab_limit=small_vocab, stop_below=0.0).propose(CONTEXT, 4, SamplingParams(), None)
     assert list(greedy.token_ids) == direct.tokens and not greedy.proposals
     assert all(0 <= t < small_vocab for t in greedy.token_ids)
     stream.end()
@@ -203,7 +203,7 @@ def test_hybrid_blocks_come_from_lookup_on_long_matches_else_the_model(model_dra
     stream.open("m", fresh, strategy=common_pb2.DRAFT_STRATEGY_HYBRID)
     blocks = [stream.next() for _ in range(3)]
     mine = next(b for b in blocks if b.session_id == "m" and not b.speculative)
-    direct = DraftModelProposer(tiny_draft_loaded, vocab_limit=VOCAB).propose(fresh, 4, SamplingParams(), None)
+    direct = DraftModelProposer(tiny_draft_loaded, vocab_limit=VOCAB, stop_below=0.0).propose(fresh, 4, SamplingParams(), None)
     assert mine.proposer == "model" and list(mine.token_ids) == direct.tokens
     stream.end()
     assert core.stats()["active_sessions"] == 0
