@@ -175,6 +175,8 @@ def render(results: list[dict], old: str = "", *, plots_rel: Path | str = "plots
         "",
         reading[0] if reading else f"{READING[0]}\n{READING_PLACEHOLDER}\n{READING[1]}",
         "",
+        *draft_section(results),
+        *first_prompts_section(results, 10),
         "## Per dataset",
         "",
     ]
@@ -192,6 +194,67 @@ def render(results: list[dict], old: str = "", *, plots_rel: Path | str = "plots
     if keeps:
         lines += ["\n\n".join(keeps), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def draft_section(results: list[dict]) -> list[str]:
+    """The draft-model modes side by side per set, with the hybrid's choice between its proposers."""
+    if not any("model" in r["modes"] or "hybrid" in r["modes"] for r in results):
+        return []
+    lines = [
+        "## Draft model and hybrid",
+        "",
+        "Speedup over `ar` (tokens per target step in parentheses) of prompt lookup, the draft model alone "
+        "and the hybrid; for the hybrid, the steps each proposer drafted and its acceptance.",
+        "",
+        "| dataset | ngram | model | hybrid | hybrid: ngram steps / accept | hybrid: model steps / accept | lossless (model, hybrid) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        n = r["config"]["limit"]
+        modes = r["modes"]
+
+        def cell(m: str) -> str:
+            s = modes.get(m)
+            if not s:
+                return "-"
+            return f"{_x(s['speedup_vs_ar'])} ({_x(s['mean_accepted_len'], '{:.2f}')})"
+
+        split = (modes.get("hybrid") or {}).get("by_proposer") or {}
+
+        def share(name: str) -> str:
+            c = split.get(name)
+            return "-" if not c else f"{c['steps']} / {_x(c['acceptance_rate'], '{:.0%}')}"
+
+        lossless = ", ".join(_count(modes[m]["lossless"], n) if m in modes else "-" for m in ("model", "hybrid"))
+        lines.append(f"| {dataset_label(r)} | {cell('ngram')} | {cell('model')} | {cell('hybrid')} | "
+                     f"{share('ngram')} | {share('model')} | {lossless} |")
+    return lines + [""]
+
+
+def first_prompts_section(results: list[dict], n: int) -> list[str]:
+    """Speedups over only the first n prompts of each set (the core issue's `--limit 10` setting),
+    recomputed from the per-prompt figures of the same run."""
+    if not results or results[0]["config"]["limit"] <= n:
+        return []
+    ours = [m for m in OURS if m != "ar" and any(m in r["modes"] for r in results)]
+    lines = [
+        f"## The first {n} prompts of each set",
+        "",
+        f"The same run, medians over the first {n} prompts only (`tandem bench --limit {n}` runs exactly these).",
+        "",
+        "| dataset | " + " | ".join(ours) + " | lossless |",
+        "|---|" + "---:|" * len(ours) + "---:|",
+    ]
+    for r in results:
+        prompts = r["prompts"][:n]
+
+        def timing(m: str):
+            return [(p["modes"][m]["seconds"], p["modes"][m]["tokens"]) for p in prompts]
+
+        cells = [_x(median_speedup(timing("ar"), timing(m))) if m in r["modes"] else "-" for m in ours]
+        equal = all(p["modes"][m].get("equal_to_ar") for p in prompts for m in ours if m in r["modes"])
+        lines.append(f"| {dataset_label(r)} | " + " | ".join(cells) + f" | {'all' if equal else 'NOT all'} |")
+    return lines + [""]
 
 
 def bench_options(cfg: dict) -> list[str]:

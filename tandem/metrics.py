@@ -146,11 +146,15 @@ class VerifierMetrics(ServiceMetrics):
         self._evictions = Counter("tandem_kv_evictions", "Idle sessions evicted to make room in the KV cache.",
                                   registry=r)
         self._fallback = Counter(
-            "tandem_drafter_fallback_steps", "Steps decoded plainly because the drafter failed or was too slow.",
+            "tandem_drafter_fallback_steps", "Steps without a usable drafter block in time (drafted by the "
+            "verifier's own prompt lookup, or decoded plainly).",
             registry=r)
         self._rejected = Counter(
             "tandem_rejected_draft_blocks", "Draft blocks dropped unverified: stale base, garbage ids, malformed "
             "proposals.", registry=r)
+        self._by_proposer = Counter(
+            "tandem_proposer_tokens", "Draft tokens by the proposer that drafted them (a hybrid session uses "
+            "two) and outcome (drafted, accepted).", ["proposer", "outcome"], registry=r)
         self._kv_capacity = Gauge("tandem_kv_capacity_tokens", "KV cache budget over all sessions.", registry=r)
         self._positions: list = []  # (drafted child, accepted child) per position, created on use
 
@@ -159,7 +163,10 @@ class VerifierMetrics(ServiceMetrics):
         self.read("tandem_kv_used_tokens", "KV cache tokens held by resident sessions.", used_tokens)
         self.read("tandem_resident_sessions", "Sessions whose KV cache is resident.", resident)
 
-    def step(self, drafted: int, accepted: int, emitted: int, batch_size: int = 1) -> None:
+    def step(self, drafted: int, accepted: int, emitted: int, batch_size: int = 1, proposer: str | None = None) -> None:
+        if proposer and drafted:
+            self._by_proposer.labels(proposer, "drafted").inc(drafted)
+            self._by_proposer.labels(proposer, "accepted").inc(accepted)
         self._drafted.inc(drafted)
         self._accepted.inc(accepted)
         (self._bonus if accepted == drafted else self._recovered).inc()

@@ -282,7 +282,6 @@ class DraftModelProposer(Proposer):
         self.head_vocab = loaded.head_vocab  # [head_rows] int64 or None
         # Never propose an id the target cannot score: clip the draft's head to the target vocab.
         self.vocab_limit = vocab_limit
-        self._head_rows: int | None = None
         if vocab_limit is not None and self.head_vocab is not None:
             self._keep = self.head_vocab < vocab_limit  # [head_rows] bool
         self.reset()
@@ -382,10 +381,13 @@ class HybridProposer(Proposer):
     """Prompt lookup and a draft model, chosen per step.
 
     Each step both make an offer: prompt lookup's, when the context matches, carries its match
-    length; the model always offers. The controller values each offer by the expected committed
-    tokens per second it buys (measured acceptance for that proposer and confidence, measured draft
-    cost) and the better one drafts. A long match inside a copied schema goes to prompt lookup; free
-    prose goes to the model. Stats are kept per proposer, so the choice and its outcome show.
+    length; the model's confidence (the probability of its first draft) costs a draft step to learn,
+    so the model offers a look, taken only where the confidences it has shown so far make it pay.
+    The controller values each offer by the expected committed tokens per second it buys (measured
+    acceptance for that proposer and confidence, measured draft cost) and the better one drafts. A
+    long match inside a copied schema goes to prompt lookup (from LONG_MATCH on without even asking
+    the model); free prose goes to the model. Stats are kept per proposer, so the choice and its
+    outcome show.
     """
 
     name = "hybrid"

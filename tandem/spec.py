@@ -105,6 +105,7 @@ class StepOutput:
     first_index: int  # index of tokens[0] among the generated tokens
     drafted: int
     accepted: int
+    proposer: str | None = None  # which proposer drafted this step (None: a plain step)
 
 
 @dataclass
@@ -249,6 +250,7 @@ class Generation:
         self.seq.commit(verdict.tokens)
         self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None)
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
+        out.proposer = draft.proposer if draft is not None else None
         if self.proposer is not None:
             if self.finished:
                 self.proposer.close()
@@ -263,6 +265,13 @@ class Generation:
             return self.spec.max_draft_tokens
         if self.proposer.costly or self.spec.strategy in (DraftStrategy.model, DraftStrategy.hybrid):
             return max(1, self.controller.choose(self.spec.strategy.value, 0, self.spec.max_draft_tokens))
+        # Prompt lookup: up to the maximum, unless the batch is so compute-bound that not even the
+        # longest match would be drafted; then the drafter is asked for nothing (no drafting, no
+        # messages; a long match is still found by the verifier's own lookup if one pays later).
+        batch_tokens, batch_committed = self._batch_load()
+        if batch_tokens and self.controller.choose("ngram", 16, self.spec.max_draft_tokens,
+                                                   batch_tokens, batch_committed) == 0:
+            return 0
         return self.spec.max_draft_tokens
 
     def _emit(self, tokens: list[int], drafted: int, accepted: int) -> StepOutput:

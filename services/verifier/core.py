@@ -368,11 +368,12 @@ class VerifierCore:
     def _observe(self, span, step: StepOutput, proposer, faults_before: tuple[int, int], batch_size: int) -> None:
         """One verify step to the metrics and its span (in DESIGN.md's terms); a drafter fallback
         or rejected blocks during the step become span events."""
-        self.metrics.step(step.drafted, step.accepted, len(step.tokens), batch_size)
+        self.metrics.step(step.drafted, step.accepted, len(step.tokens), batch_size, step.proposer)
         if not span.is_recording():
             return
         span.set_attributes({
             "tandem.block_len": step.drafted,  # drafts verified in this forward (0 = plain step)
+            "tandem.proposer": step.proposer or "none",
             "tandem.drafted": step.drafted,
             "tandem.accepted": step.accepted,
             "tandem.recovered": int(step.accepted < step.drafted),

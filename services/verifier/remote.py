@@ -99,6 +99,7 @@ class RemoteProposer(Proposer):
         # Drafts a step whose remote block is late or missing (prompt lookup over the same ids).
         self.local = local
         self._local_offer: int | None = None  # committed length at which `local` offered
+        self._paused = False  # the last Commit asked for no drafts
         self.rejected_blocks = 0
         self.fallback_steps = 0
         self._cond = threading.Condition()
@@ -248,6 +249,9 @@ class RemoteProposer(Proposer):
     def _fallback(self, ids: list[int]) -> Offer:
         """No usable block in time: the local proposer's offer, if there is one."""
         self.fallback_steps += 1
+        return self._local(ids)
+
+    def _local(self, ids: list[int]) -> Offer:
         if self.local is None:
             return Offer(self.name, 0, 0)
         offer = self.local.peek(ids)
@@ -258,6 +262,10 @@ class RemoteProposer(Proposer):
     def peek(self, ids: list[int]) -> Offer:
         self._offer = None
         self._local_offer = None
+        if self._paused:
+            # We asked the drafter for nothing (the batch is compute-bound): no block is coming,
+            # and none is late. The local prompt lookup can still offer a long match.
+            return self._local(ids)
         if self._dead_since is not None:
             if time.monotonic() - self._dead_since >= self.retry_s:
                 self.open(ids)  # the drafter may be back: reopen with the whole context
@@ -296,6 +304,7 @@ class RemoteProposer(Proposer):
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self._offer = None
         self._local_offer = None
+        self._paused = next_k <= 0
         if self._requests is None or self._dead_since is not None:
             return
         self._requests.put(drafter_pb2.DraftRequest(

@@ -238,6 +238,9 @@ def test_metrics_move_by_what_the_responses_report(observed: Observed) -> None:
         == steps - o.delta(verifier, "tandem_verify_steps_total", kind="plain")
     assert o.delta(verifier, "tandem_generated_tokens_total") == sum(r["usage"]["completion_tokens"] for r in o.responses)
     assert o.delta(verifier, "tandem_drafter_fallback_steps_total") == o.total("fallback_steps")
+    # by proposer (here prompt lookup only, remote or the verifier's own): the same totals
+    assert o.delta(verifier, "tandem_proposer_tokens_total", proposer="ngram", outcome="drafted") == o.total("drafted")
+    assert o.delta(verifier, "tandem_proposer_tokens_total", proposer="ngram", outcome="accepted") == o.total("accepted")
     assert o.delta(verifier, "tandem_rejected_draft_blocks_total") == o.total("rejected_blocks")
     cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in o.responses]
     assert cached[0] == 0 and cached[1] > 0

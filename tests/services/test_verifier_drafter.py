@@ -173,3 +173,33 @@ def test_unreachable_drafter_falls_back_to_local_prompt_lookup(tiny_loaded):
     result = _run(core, "127.0.0.1:1", DraftStrategy.model, session="m")
     assert result.token_ids == _reference(tiny_loaded)
     assert result.stats.drafted == 0 and result.stats.fallback_steps > 0
+
+
+def test_a_paused_drafter_is_not_waited_for_and_local_lookup_still_drafts(tiny_loaded):
+    """When the verifier asks for no drafts (Commit.next_block_len = 0: a compute-bound batch), the
+    drafter sends nothing; the verifier neither waits nor counts a fallback, and its own prompt
+    lookup still offers a match."""
+    from tandem.proposers import NgramProposer
+    from tandem.services.verifier.remote import RemoteProposer
+
+    dcore, server, address = _drafter()
+    channel = grpc.insecure_channel(address)
+    try:
+        spec = SpecConfig(strategy=DraftStrategy.ngram, max_draft_tokens=4)
+        remote = RemoteProposer(channel, "p", SamplingParams(), spec, tiny_loaded.vocab_size, wait_s=5.0,
+                                local=NgramProposer(1, 4))
+        remote.open(CONTEXT)
+        first = remote.peek(CONTEXT)  # the drafter's own block, waited for
+        assert first.available > 0 and remote.fallback_steps == 0
+        ids = CONTEXT + [99]
+        remote.on_commit(ids, [99], 0)  # pause
+        start = time.monotonic()
+        offer = remote.peek(ids)
+        assert time.monotonic() - start < 1.0, "a paused drafter is not waited for"
+        assert offer.proposer == "ngram" and offer.available > 0  # 42 99 occurred before: local lookup
+        assert remote.propose(ids, 2, SamplingParams(), None).tokens == NgramProposer(1, 4).propose(ids, 2, SamplingParams(), None).tokens
+        assert remote.fallback_steps == 0
+        remote.close()
+    finally:
+        channel.close()
+        server.stop(None)
