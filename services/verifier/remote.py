@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from tandem.config import SamplingParams, SpecConfig
+from tandem.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.proposers import Draft, Offer, Proposer
 from tandem.protoconv import STRATEGY_TO_PB, sampling_to_proto
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
@@ -304,6 +304,12 @@ class RemoteProposer(Proposer):
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self._offer = None
         self._local_offer = None
+        if (next_k > 0 and self.spec.strategy == DraftStrategy.ngram and self.local is not None
+                and self.others_busy()):
+            # Under batching the verifier's own prompt lookup (tens of microseconds, the same
+            # algorithm on the same ids) replaces the drafter's: no round trip, no messages, and on
+            # a shared host no drafter process taking cores from the batched forward.
+            next_k = 0
         self._paused = next_k <= 0
         if self._requests is None or self._dead_since is not None:
             return
