@@ -128,8 +128,9 @@ class RemoteProposer(Proposer):
             max_draft_tokens=self.spec.max_draft_tokens,
             sampling=sampling_to_proto(s),
             vocab_size=self.vocab_size,
-            next_block_len=self.spec.max_draft_tokens,
+            next_block_len=0 if self._lookup_locally() else self.spec.max_draft_tokens,
         )
+        self._paused = open_msg.next_block_len == 0
         requests.put(drafter_pb2.DraftRequest(session_id=self.session_id, open=open_msg))
 
         def request_iter():
@@ -251,6 +252,12 @@ class RemoteProposer(Proposer):
         self.fallback_steps += 1
         return self._local(ids)
 
+    def _lookup_locally(self) -> bool:
+        """Under batching the verifier's own prompt lookup (tens of microseconds, the same algorithm
+        on the same ids) replaces the drafter's: no round trip, no messages, and on a shared host no
+        drafter process taking cores from the batched forward."""
+        return self.spec.strategy == DraftStrategy.ngram and self.local is not None and self.others_busy()
+
     def _local(self, ids: list[int]) -> Offer:
         if self.local is None:
             return Offer(self.name, 0, 0)
@@ -304,11 +311,7 @@ class RemoteProposer(Proposer):
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self._offer = None
         self._local_offer = None
-        if (next_k > 0 and self.spec.strategy == DraftStrategy.ngram and self.local is not None
-                and self.others_busy()):
-            # Under batching the verifier's own prompt lookup (tens of microseconds, the same
-            # algorithm on the same ids) replaces the drafter's: no round trip, no messages, and on
-            # a shared host no drafter process taking cores from the batched forward.
+        if next_k > 0 and self._lookup_locally():
             next_k = 0
         self._paused = next_k <= 0
         if self._requests is None or self._dead_since is not None:

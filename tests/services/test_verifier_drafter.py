@@ -203,3 +203,36 @@ def test_a_paused_drafter_is_not_waited_for_and_local_lookup_still_drafts(tiny_l
     finally:
         channel.close()
         server.stop(None)
+
+
+def test_under_batching_prompt_lookup_runs_in_the_verifier(tiny_loaded):
+    """With other sessions in the batch, an ngram session pauses its drafter at each commit and
+    drafts with the verifier's own lookup; alone again, it asks the drafter again."""
+    from tandem.proposers import NgramProposer
+    from tandem.services.verifier.remote import RemoteProposer
+
+    dcore, server, address = _drafter()
+    channel = grpc.insecure_channel(address)
+    busy = [True]
+    try:
+        spec = SpecConfig(strategy=DraftStrategy.ngram, max_draft_tokens=4)
+        remote = RemoteProposer(channel, "b", SamplingParams(), spec, tiny_loaded.vocab_size, wait_s=5.0,
+                                local=NgramProposer(1, 4), others_busy=lambda: busy[0])
+        remote.open(CONTEXT)  # opened under batching: paused from the start
+        assert remote.peek(CONTEXT).proposer == "ngram"
+        ids = CONTEXT + [99]
+        remote.on_commit(ids, [99], 4)  # asks for 4, but the batch is shared: still paused
+        start = time.monotonic()
+        assert remote.peek(ids).proposer == "ngram" and time.monotonic() - start < 1.0
+        assert remote.fallback_steps == 0
+        busy[0] = False
+        ids = ids + [3]
+        remote.on_commit(ids, [3], 4)  # alone: the drafter drafts again
+        deadline = time.monotonic() + 5.0
+        while dcore.stats()["regular_blocks"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert dcore.stats()["regular_blocks"] >= 1
+        remote.close()
+    finally:
+        channel.close()
+        server.stop(None)
