@@ -101,8 +101,16 @@ def run_demo(http_url: str, console: Console, *, strategy: str = "ngram") -> boo
                       f"{cached}/{u.get('prompt_tokens', 0)}")
     console.print(table)
     same = spec["text"] == plain["text"]
+    # Decoding speed after the first token: the two requests share a prompt, and whichever runs
+    # second finds its prefix KV resident (the table's cached column), so end-to-end time would
+    # compare prefills, not decoding. TTFT is in the table.
+    def decode_rate(r: dict) -> float:
+        n = r["usage"].get("completion_tokens", 0)
+        return max(n - 1, 0) / max(r["seconds"] - r["ttft"], 1e-9)
+
     console.print(
-        f"speedup over plain decoding: [bold]{plain['seconds'] / max(spec['seconds'], 1e-9):.2f}x[/bold]; "
+        f"decoding speedup over plain decoding (after the first token): "
+        f"[bold]{decode_rate(spec) / max(decode_rate(plain), 1e-9):.2f}x[/bold]; "
         f"speculative text identical to plain decoding: {'[green]yes[/green]' if same else '[red]NO[/red]'}"
     )
     return same
