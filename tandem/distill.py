@@ -239,6 +239,8 @@ def build_draft(target: LoadedModel, head_vocab: torch.Tensor, cfg: DistillConfi
     target (same width) or from a projection of its embeddings (narrower)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tandem.llama import rope_theta
+
     tcfg = target.model.config
     t_hidden = tcfg.hidden_size
     hidden = cfg.hidden or t_hidden
@@ -261,7 +263,7 @@ def build_draft(target: LoadedModel, head_vocab: torch.Tensor, cfg: DistillConfi
         head_dim=head_dim,
         max_position_embeddings=tcfg.max_position_embeddings,
         rms_norm_eps=tcfg.rms_norm_eps,
-        rope_theta=_rope_theta(tcfg),
+        rope_theta=rope_theta(tcfg),
         tie_word_embeddings=False,
         bos_token_id=getattr(tcfg, "bos_token_id", None),
         eos_token_id=getattr(tcfg, "eos_token_id", None),
@@ -294,13 +296,6 @@ def build_draft(target: LoadedModel, head_vocab: torch.Tensor, cfg: DistillConfi
         draft.lm_head.weight.copy_(head)
     draft.model.embed_tokens.weight.requires_grad_(False)
     return draft
-
-
-def _rope_theta(cfg) -> float:
-    params = getattr(cfg, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(getattr(cfg, "rope_theta", 10000.0))
 
 
 # --- phase 4: training ----------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ def check_supported(model: torch.nn.Module) -> None:
         raise Unsupported(f"activation {cfg.hidden_act!r} is not implemented natively")
 
 
-def _rope_theta(cfg) -> float:
+def rope_theta(cfg) -> float:
+    """RoPE base of a Llama-family config (transformers 5 keeps it in rope_parameters)."""
     params = getattr(cfg, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
@@ -150,7 +151,7 @@ class NativeLlama:
                 self.head_chunks = [_Weight(head)]
             else:
                 self.head_chunks = [_Weight(c) for c in head.split(self.LM_HEAD_CHUNK)]  # each [<=chunk, hidden]
-        theta = _rope_theta(cfg)
+        theta = rope_theta(cfg)
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device) / self.head_dim))
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
