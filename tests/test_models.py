@@ -131,14 +131,6 @@ def test_default_names_the_embedded_model() -> None:
         assert path.stat().st_size > 50_000_000
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tiny_loaded) -> Path:
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    tiny_loaded.model.save_pretrained(str(path))
-    tiny_loaded.tokenizer.save_pretrained(str(path))
-    return path
-
-
 def test_load_model_reads_a_saved_hf_directory(tiny_dir, tiny_loaded) -> None:
     loaded = load_model(str(tiny_dir), progress=False)
     assert loaded.model_id == "tiny-llama" and Path(loaded.path) == tiny_dir
