@@ -91,29 +91,29 @@ class BlockLengthController:
 
     def choose(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0,
                batch_committed: float = 0.0) -> int:
-        """Best block length in 0..min(max_k, available); see `plan`."""
-        return self.plan(proposer, bucket, available, batch_tokens, batch_committed)[0]
+        """Best block length in 0..min(max_k, available); see `plan_detail`."""
+        return self.plan_detail(proposer, bucket, available, batch_tokens, batch_committed)[0]
 
-    def plan(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0,
-             batch_committed: float = 0.0) -> tuple[int, float]:
-        """(best block length in 0..min(max_k, available), its expected committed tokens per second).
+    def plain(self, batch_tokens: int = 0, batch_committed: float = 0.0) -> tuple[float, float]:
+        """(expected committed tokens, cost in seconds) of a plain step; cost 0 = nothing measured."""
+        return batch_committed + 1.0, self.costs.estimate(batch_tokens + 1) or 0.0
+
+    def plan_detail(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0,
+                    batch_committed: float = 0.0) -> tuple[int, float, float]:
+        """(best block length in 0..min(max_k, available), its expected committed tokens, its cost
+        in seconds); cost 0 = nothing measured yet.
 
         Alone, this maximises E(k) / C(k). In a batch, the forward also carries `batch_tokens` of
         other sessions that commit `batch_committed` tokens, and its cost is that of all tokens:
         we maximise the batch's (batch_committed + E(k)) / C(batch_tokens + k + 1). Once the
         forward is compute-bound, C grows with every token and drafts must be likelier to pay,
-        down to k = 0: plain batched decoding. The rate lets a caller compare offers of
-        different proposers (a hybrid's prompt lookup against its draft model).
+        down to k = 0: plain batched decoding. Expected tokens and cost, rather than a choice
+        alone, let a caller compare offers of different proposers (a hybrid's prompt lookup
+        against its draft model) and price a costly look.
         """
-        k, expected, cost = self.plan_detail(proposer, bucket, available, batch_tokens, batch_committed)
-        return k, (expected / cost if cost else 0.0)
-
-    def plan_detail(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0,
-                    batch_committed: float = 0.0) -> tuple[int, float, float]:
-        """`plan` as (k, expected committed tokens, cost in seconds); cost 0 = nothing measured."""
         limit = min(self.max_k, available)
-        base = self.costs.estimate(batch_tokens + 1)
-        plain = (0, batch_committed + 1.0, base or 0.0)
+        plain = (0, *self.plain(batch_tokens, batch_committed))
+        base = plain[2] or None
         if limit <= 0:
             return plain
         if not self.adaptive:  # fixed: always the most drafts (valued as if all accepted)

@@ -185,9 +185,8 @@ class Generation:
         # Every offer (one, or one per inner proposer of a hybrid) is valued by the committed tokens
         # per second it is expected to buy; the best drafts. None worth drafting: a plain step.
         ctl = self.controller
-        base = ctl.costs.estimate(batch_tokens + 1)
         # (offer, k, expected, cost) of the best choice so far; plain decoding to start with
-        best = (None, 0, batch_committed + 1.0, base or 0.0)
+        best = (None, 0, *ctl.plain(batch_tokens, batch_committed))
 
         def consider(offer) -> None:
             nonlocal best
@@ -265,13 +264,8 @@ class Generation:
             return self.spec.max_draft_tokens
         if self.proposer.costly or self.spec.strategy in (DraftStrategy.model, DraftStrategy.hybrid):
             return max(1, self.controller.choose(self.spec.strategy.value, 0, self.spec.max_draft_tokens))
-        # Prompt lookup: up to the maximum, unless the batch is so compute-bound that not even the
-        # longest match would be drafted; then the drafter is asked for nothing (no drafting, no
-        # messages; a long match is still found by the verifier's own lookup if one pays later).
-        batch_tokens, batch_committed = self._batch_load()
-        if batch_tokens and self.controller.choose("ngram", 16, self.spec.max_draft_tokens,
-                                                   batch_tokens, batch_committed) == 0:
-            return 0
+        # Prompt lookup: up to the maximum (under batching the remote proposer pauses its drafter
+        # and looks up locally instead, see services/verifier/remote.py).
         return self.spec.max_draft_tokens
 
     def _emit(self, tokens: list[int], drafted: int, accepted: int) -> StepOutput:
