@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -393,8 +392,8 @@ def schedule(n_examples: int, cfg: DistillConfig) -> list[list[int]]:
     return out[:total]
 
 
-def train(draft: torch.nn.Module, train_set: list[Example], val_set: list[Example], cfg: DistillConfig,
-          workdir: Path, *, resume: bool, progress: bool = True, stop_after: int | None = None) -> dict:
+def train(draft: torch.nn.Module, train_set: list[Example], cfg: DistillConfig, workdir: Path, *,
+          resume: bool, progress: bool = True, stop_after: int | None = None) -> dict:
     """Train `draft` in place; checkpoint every `cfg.checkpoint_every` steps into workdir.
     `stop_after` ends the run after that many steps (as an interruption would; tests use it)."""
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -504,7 +503,7 @@ def distill(target: LoadedModel, prompt_files: list[Path], out: Path, cfg: Disti
 
     draft = build_draft(target, head_vocab, cfg)
     before = agreement(draft, val_set, cfg.batch_size) if val_set else None
-    stats = train(draft, train_set, val_set, cfg, work, resume=resume, progress=progress, stop_after=stop_after)
+    stats = train(draft, train_set, cfg, work, resume=resume, progress=progress, stop_after=stop_after)
     after = agreement(draft, val_set, cfg.batch_size) if val_set else None
     if before is not None:
         log.info("top-1 agreement with the target on %d held-out replies: %.1f%% before training, %.1f%% after",
@@ -528,6 +527,3 @@ def distill(target: LoadedModel, prompt_files: list[Path], out: Path, cfg: Disti
         save_draft(draft, target, head_vocab, out, manifest)
     return manifest
 
-
-def remove_workdir(out: Path) -> None:
-    shutil.rmtree(out / "work", ignore_errors=True)
