@@ -306,11 +306,12 @@ def distill(
     layers: Annotated[int, typer.Option("--layers", help="Transformer layers of the draft (each costs ~0.65 ms per token for SmolLM2 on 2 cores).", min=1)] = 2,
     hidden: Annotated[Optional[int], typer.Option("--hidden", help="Width of the draft (default: the target's, which reuses its embeddings and starts from its layers; narrower starts from random layers).", min=32)] = None,
     vocab_top: Annotated[int, typer.Option("--vocab-top", help="LM-head rows: the N most frequent ids of the training text (ids outside are never proposed; output stays exact).", min=16)] = 8192,
-    tokens: Annotated[int, typer.Option("--tokens", help="Target-generated reply tokens to train on.", min=1)] = 60_000,
-    epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training text.", min=0.01)] = 7.0,
+    tokens: Annotated[int, typer.Option("--tokens", help="Target-generated reply tokens to train on.", min=1)] = 66_000,
+    epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training text.", min=0.01)] = 5.5,
     prompts: Annotated[Optional[list[Path]], typer.Option("--prompts", help="Prompt set(s) to generate training text for (repeatable; any format `tandem bench` reads). Default: the four dev sets under --data-dir (first --holdout prompts of each left out), in equal shares.", exists=True, dir_okay=False)] = None,
     data_dir: Annotated[Path, typer.Option("--data-dir", help="Where the shared prompt sets live.")] = Path("../shared/data"),
     holdout: Annotated[int, typer.Option("--holdout", help="Leave out the first N prompts of each benchmarked dev set (the benchmarks run those).", min=0)] = 20,
+    self_prompts: Annotated[int, typer.Option("--self-prompts", help="User messages the target writes for itself as one more prompt source (open-ended requests the prompt sets lack; 0: none).", min=0)] = 128,
     init_layers: Annotated[Optional[str], typer.Option("--init-layers", help="Comma-separated target layers the draft's layers start from (default: the first --layers layers).")] = None,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, warmup then cosine).", min=0.0)] = 2e-3,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per training step.", min=1)] = 8,
@@ -331,7 +332,7 @@ def distill(
     try:
         cfg = DistillConfig(
             layers=layers, hidden=hidden, vocab_top=vocab_top, tokens=tokens, epochs=epochs, lr=lr,
-            batch_size=batch_size, seed=seed,
+            batch_size=batch_size, seed=seed, self_prompts=self_prompts,
             init_layers=tuple(int(x) for x in init_layers.split(",")) if init_layers else None,
         )
         target_lm = load_model(target)

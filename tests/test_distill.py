@@ -7,6 +7,7 @@ figures are in docs/benchmarks.md); the exactness test on the embedded SmolLM2 i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from typer.testing import CliRunner
 
 from tandem.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.distill import DistillConfig, build_draft, choose_head_vocab, distill, spread_layers
-from tandem.models import DRAFT_MANIFEST, LoadedModel, check_same_tokenizer, load_model
+from tandem.models import DRAFT_MANIFEST, LoadedModel, apply_chat_template, check_same_tokenizer, load_model
 from tandem.proposers import DraftModelProposer, HybridProposer
 from tandem.spec import Engine
 
@@ -31,7 +32,8 @@ PROMPTS = [
 ]
 
 TINY_CFG = dict(layers=1, vocab_top=96, tokens=240, max_new_tokens=24, gen_batch=3, epochs=2.0, batch_size=2,
-                checkpoint_every=2, validation_fraction=0.2, lr=1e-3, warmup_steps=1)
+                checkpoint_every=2, validation_fraction=0.2, lr=1e-3, warmup_steps=1, self_prompts=3,
+                self_prompt_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +137,27 @@ def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
     assert [o.proposer for o in proposer.offers([20, 21, 22, 23, 24, 25] * 3 + [20, 21])] == ["ngram"]
 
 
+def test_the_target_writes_prompts_of_its_own(tiny_loaded, distilled, tmp_path) -> None:
+    """Self-written prompts: sampled from the target's own user turn, reproducible with the seed,
+    and trained on as one more prompt source."""
+    from tandem.distill import SELF_PROMPTS_FILE, write_prompts
+
+    cfg = DistillConfig(**{**TINY_CFG, "self_prompts": 5})
+    first = write_prompts(tiny_loaded, cfg, progress=False)
+    assert 0 < len(first) <= 5 and all(isinstance(t, str) and t.strip() == t and t for t in first)
+    assert write_prompts(tiny_loaded, cfg, progress=False) == first
+    assert write_prompts(tiny_loaded, DistillConfig(**{**TINY_CFG, "self_prompts": 5, "seed": 1}), progress=False) != first
+    assert write_prompts(tiny_loaded, DistillConfig(**{**TINY_CFG, "self_prompts": 0}), progress=False) == []
+    # the distilled fixture's run wrote its own (kept for reading) and trained on replies to them
+    manifest, draft = distilled
+    written = [json.loads(line)["prompt"] for line in
+               (Path(draft.path) / "work" / SELF_PROMPTS_FILE).read_text().splitlines()]
+    assert manifest["self_prompts"] == 3 and 0 < len(written) <= 3
+    teacher = torch.load(Path(draft.path) / "work" / "teacher.pt", weights_only=False)["seqs"]
+    rendered = [apply_chat_template(tiny_loaded.tokenizer, [{"role": "user", "content": t}]) for t in written]
+    assert any(s["ids"][: s["start"]] in rendered for s in teacher)
+
+
 def test_training_resumes_to_the_same_result(tiny_loaded, prompt_file, tmp_path) -> None:
     cfg = DistillConfig(**TINY_CFG)
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
@@ -181,7 +204,8 @@ def test_distill_and_generate_from_the_cli(tiny_dir, prompt_file, tmp_path, monk
     res = runner.invoke(app, ["generate", "--model", str(target_dir), "--prompt", "hi", "--draft", "hybrid", "--json"])
     assert res.exit_code == 2 and "tandem distill" in res.output
     res = runner.invoke(app, ["distill", "--target", str(target_dir), "--prompts", str(prompt_file), "--layers", "1",
-                              "--vocab-top", "80", "--tokens", "120", "--epochs", "1", "--threads", "1"])
+                              "--vocab-top", "80", "--tokens", "120", "--epochs", "1", "--self-prompts", "2",
+                              "--threads", "1"])
     assert res.exit_code == 0, res.output
     assert "head rows" in res.output
     # the default draft is found in the cache for modes model and hybrid
