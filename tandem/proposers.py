@@ -227,7 +227,7 @@ class _DraftLM:
         try:
             check_supported(loaded.model)
             if loaded.model not in self._native:
-                self._native[loaded.model] = NativeLlama(loaded.model)
+                self._native[loaded.model] = NativeLlama(loaded.model, int8=True)
             self.native = self._native[loaded.model]
             self.cache = self.native.new_cache()
         except Unsupported:

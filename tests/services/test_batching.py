@@ -60,6 +60,27 @@ def test_batched_forward_equals_per_session_forwards(tiny_loaded):
         c.length for c in caches_single[2:]]
 
 
+def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
+    """Drafts run with int8 weights on a CPU (memory-bound steps); the numbers move by rounding
+    only, and the target's own forward is never quantised."""
+    from tandem.proposers import DraftModelProposer, _DraftLM
+
+    exact, quant = NativeLlama(tiny_loaded.model), NativeLlama(tiny_loaded.model, int8=True)
+    if not quant.int8:
+        pytest.skip("this torch build has no CPU int8 kernel (drafts then run in float32)")
+    ctx = _contexts(1)[0]
+    a = exact.forward(ctx, exact.new_cache())  # [n, vocab]
+    b = quant.forward(ctx, quant.new_cache())
+    assert a.shape == b.shape and b.dtype == torch.float32
+    assert (a - b).abs().max() < 0.1 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+    assert _DraftLM(tiny_loaded).native.int8, "the draft proposer uses the int8 forward"
+    from tandem.runner import TargetRunner
+
+    target_impl = getattr(TargetRunner(tiny_loaded).backend, "impl", None)
+    assert target_impl is not None and not target_impl.int8
+
+
 def _verifier(loaded, **kw) -> VerifierCore:
     return VerifierCore(VerifierSettings(**{"verifier_id": "v-batch", "port": 0, "batch_wait_ms": 20, **kw}), loaded)
 
