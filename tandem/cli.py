@@ -323,7 +323,7 @@ def distill(
     (batched), and a small Llama-family draft sharing its tokenizer learns its next-token
     distributions. Progress bars, checkpoints every 25 steps, [bold]--resume[/bold] after an
     interruption. The result loads with --draft-model; for the default target, modes model and
-    hybrid use it without one. The defaults took 13 minutes on 2 CPU cores (7 generating, 6 training)."""
+    hybrid use it without one. The defaults took 13 minutes on 2 CPU cores (8 generating, 5 training)."""
     _setup(threads)
     from tandem.distill import DistillConfig, dev_prompt_files
     from tandem.distill import distill as run_distill
