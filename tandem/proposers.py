@@ -216,19 +216,22 @@ class _DraftLM:
     """A draft model's forward with a rollbackable cache: the native Llama forward where the
     architecture allows (a draft step is a few layers, so per-module Python overhead would be most
     of its cost), `transformers` otherwise. The native weights are re-laid out once per model and
-    shared by every proposer of that model."""
+    shared by every proposer of that model. `int8`: int8 weights on a CPU (see llama._Int8Weight);
+    off where a test needs the draft's exact numbers (the target as its own perfect draft)."""
 
-    _native: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+    # model -> {int8: its native forward}
+    _native: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, object]]" = weakref.WeakKeyDictionary()
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, *, int8: bool = True):
         from tandem.llama import NativeLlama, Unsupported, check_supported
 
         self.device = next(loaded.model.parameters()).device
         try:
             check_supported(loaded.model)
-            if loaded.model not in self._native:
-                self._native[loaded.model] = NativeLlama(loaded.model, int8=True)
-            self.native = self._native[loaded.model]
+            forwards = self._native.setdefault(loaded.model, {})
+            if int8 not in forwards:
+                forwards[int8] = NativeLlama(loaded.model, int8=int8)
+            self.native = forwards[int8]
             self.cache = self.native.new_cache()
         except Unsupported:
             self.native, self.model, self.cache = None, loaded.model, DynamicCache()
@@ -275,8 +278,9 @@ class DraftModelProposer(Proposer):
     STOP_BELOW = 0.35
 
     def __init__(self, loaded: LoadedModel, *, draft_top_k: int = 16, vocab_limit: int | None = None,
-                 stop_below: float | None = None):
+                 stop_below: float | None = None, int8: bool = True):
         self.loaded = loaded
+        self.int8 = int8  # int8 weights on a CPU (_DraftLM)
         self.stop_below = self.STOP_BELOW if stop_below is None else stop_below  # 0: never stop early
         self.draft_top_k = draft_top_k
         self.head_vocab = loaded.head_vocab  # [head_rows] int64 or None
@@ -287,7 +291,7 @@ class DraftModelProposer(Proposer):
         self.reset()
 
     def reset(self) -> None:
-        self.lm = _DraftLM(self.loaded)
+        self.lm = _DraftLM(self.loaded, int8=self.int8)
         self._ids: list[int] = []  # tokens whose KV is in the draft's cache
         self.feed_seconds: list[float] = []  # short feeds of this step (its per-token cost)
         self._peeked: torch.Tensor | None = None  # next-token logits after self._ids, from peek
@@ -448,6 +452,7 @@ class ProposerFactory:
     spec: SpecConfig
     draft_model: LoadedModel | None = None
     target_vocab: int | None = None
+    draft_int8: bool = True  # draft model steps with int8 weights on a CPU
 
     def build(self, spec: SpecConfig | None = None) -> Proposer | None:
         spec = spec or self.spec
@@ -462,7 +467,7 @@ class ProposerFactory:
             )
         # fixed block lengths (adaptive off) mean exactly that: no early stop either
         model = DraftModelProposer(self.draft_model, draft_top_k=spec.draft_top_k, vocab_limit=self.target_vocab,
-                                   stop_below=None if spec.adaptive else 0.0)
+                                   stop_below=None if spec.adaptive else 0.0, int8=self.draft_int8)
         if spec.strategy.value == "hybrid":
             return HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max), model)
         return model

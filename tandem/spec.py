@@ -315,12 +315,14 @@ class Engine:
     """A target (and optionally a draft model) in one process: what `tandem generate` and
     `tandem bench` run, and the reference for the distributed services."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None, *,
+                 draft_int8: bool = True):
         self.target = target
         self.draft = draft
         self.runner = TargetRunner(target)
         self.spec = spec or SpecConfig()
-        self.factory = ProposerFactory(self.spec, draft_model=draft, target_vocab=target.vocab_size)
+        self.factory = ProposerFactory(self.spec, draft_model=draft, target_vocab=target.vocab_size,
+                                       draft_int8=draft_int8)
         self.acceptance = AcceptanceCounts()
 
     def start(

@@ -194,7 +194,7 @@ def test_greedy_draft_model_equals_plain_decoding(pair, spec_name, request, cont
 def test_greedy_with_a_perfect_drafter_commits_whole_blocks(sharp, contexts) -> None:
     """The draft model == the target: every draft is accepted, so each step commits k + 1 tokens
     (the bonus path at every step) and the output is still the target's."""
-    engine = Engine(sharp, sharp)
+    engine = Engine(sharp, sharp, draft_int8=False)  # the draft's exact numbers: it is the target
     ctx = contexts["prose"]
     res = engine.generate(ctx, GREEDY40, SpecConfig(strategy="model", adaptive=False, max_draft_tokens=4))
     assert res.token_ids == plain_reference(engine, "prose", ctx)
@@ -508,7 +508,8 @@ def test_draft_model_resyncs_after_a_rejection_and_a_rollback(near, contexts) ->
 def test_sampled_drafts_carry_their_exact_proposal_distribution(near, contexts) -> None:
     ids = contexts["prose"]
     sampling = SamplingParams(temperature=0.7)
-    p = DraftModelProposer(near, draft_top_k=16, stop_below=0.0)
+    # float32 steps: q is compared with the draft's own float32 distribution below
+    p = DraftModelProposer(near, draft_top_k=16, stop_below=0.0, int8=False)
     d = p.propose(ids, 4, sampling, make_generator(0))
     assert d.support.shape == (4, 16) and d.support_probs.shape == (4, 16)
     torch.testing.assert_close(d.support_probs.sum(-1), torch.ones(4))
@@ -524,9 +525,10 @@ def test_sampled_drafts_carry_their_exact_proposal_distribution(near, contexts) 
         torch.testing.assert_close(dense[top.indices], top.values / top.values.sum(), atol=1e-5, rtol=1e-4)
         prefix.append(tok)
     # The same generator state gives the same drafts; another seed other drafts (at least once).
-    assert DraftModelProposer(near, stop_below=0.0).propose(ids, 4, sampling, make_generator(0)).tokens == d.tokens
+    assert DraftModelProposer(near, stop_below=0.0, int8=False).propose(ids, 4, sampling, make_generator(0)).tokens == d.tokens
     assert any(
-        DraftModelProposer(near, stop_below=0.0).propose(ids, 4, sampling, make_generator(s)).tokens != d.tokens for s in range(1, 6)
+        DraftModelProposer(near, stop_below=0.0, int8=False).propose(ids, 4, sampling, make_generator(s)).tokens != d.tokens
+        for s in range(1, 6)
     )
 
 

@@ -347,7 +347,7 @@ class DrafterCore:
             return HybridProposer(
                 NgramProposer(self.settings.ngram_min, self.settings.ngram_max),
                 DraftModelProposer(self.settings.draft_model, draft_top_k=self.settings.draft_top_k,
-                                   vocab_limit=vocab_size, stop_below=0.0),
+                                   vocab_limit=vocab_size, stop_below=0.0, int8=self.settings.draft_int8),
                 min_lookup_match=self.settings.hybrid_min_match,
             )
         if isinstance(reusable, DraftModelProposer) and reusable.vocab_limit == vocab_size:
@@ -355,7 +355,8 @@ class DrafterCore:
         # No early stop here: the verifier's controller truncates each block by what it measured
         # for the block's confidence, and drafting ahead hides the drafter's time.
         return DraftModelProposer(
-            self.settings.draft_model, draft_top_k=self.settings.draft_top_k, vocab_limit=vocab_size, stop_below=0.0
+            self.settings.draft_model, draft_top_k=self.settings.draft_top_k, vocab_limit=vocab_size, stop_below=0.0,
+            int8=self.settings.draft_int8,
         )
 
     def _end(self, session: _Session) -> None:

@@ -25,6 +25,7 @@ class DrafterSettings(BaseModel):
     # weights, no re-validation of the dataclass).
     draft_model: InstanceOf[LoadedModel] | None = None
     draft_top_k: int = Field(16, ge=1, le=1024)  # support size of a sampled draft's proposals
+    draft_int8: bool = True  # draft model steps with int8 weights on a CPU (memory-bound; same agreement)
     # Strategy hybrid: prompt lookup drafts when its match is at least this long, else the model.
     # (In process the controller compares measured values instead; a drafter drafts ahead of the
     # verifier's measurements, so it uses this rule.)

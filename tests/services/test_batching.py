@@ -63,7 +63,7 @@ def test_batched_forward_equals_per_session_forwards(tiny_loaded):
 def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
     """Drafts run with int8 weights on a CPU (memory-bound steps); the numbers move by rounding
     only, and the target's own forward is never quantised."""
-    from tandem.proposers import DraftModelProposer, _DraftLM
+    from tandem.proposers import _DraftLM
 
     exact, quant = NativeLlama(tiny_loaded.model), NativeLlama(tiny_loaded.model, int8=True)
     if not quant.int8:
@@ -75,6 +75,7 @@ def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
     assert (a - b).abs().max() < 0.1 * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
     assert _DraftLM(tiny_loaded).native.int8, "the draft proposer uses the int8 forward"
+    assert not _DraftLM(tiny_loaded, int8=False).native.int8
     from tandem.runner import TargetRunner
 
     target_impl = getattr(TargetRunner(tiny_loaded).backend, "impl", None)
