@@ -6,6 +6,8 @@ figures are in docs/benchmarks.md); the exactness test on the embedded SmolLM2 i
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -148,6 +150,11 @@ def test_the_target_writes_prompts_of_its_own(tiny_loaded, distilled, tmp_path) 
     assert write_prompts(tiny_loaded, cfg, progress=False) == first
     assert write_prompts(tiny_loaded, DistillConfig(**{**TINY_CFG, "self_prompts": 5, "seed": 1}), progress=False) != first
     assert write_prompts(tiny_loaded, DistillConfig(**{**TINY_CFG, "self_prompts": 0}), progress=False) == []
+    # a tokenizer without a chat template: the plain transcript's user turn
+    plain_tok = copy.deepcopy(tiny_loaded.tokenizer)
+    plain_tok.chat_template = None
+    plain = dataclasses.replace(tiny_loaded, tokenizer=plain_tok)
+    assert 0 < len(write_prompts(plain, cfg, progress=False)) <= 5
     # the distilled fixture's run wrote its own (kept for reading) and trained on replies to them
     manifest, draft = distilled
     written = [json.loads(line)["prompt"] for line in
