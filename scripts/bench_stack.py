@@ -30,6 +30,8 @@ SETS = DEV_SETS
 
 
 KEEP = ("<!-- keep -->", "<!-- /keep -->")
+# A person's reading of the distributed numbers, inside the keep block: it survives a re-run.
+READING = ("<!-- stack-reading -->", "<!-- /stack-reading -->")
 
 
 def _median_limit(result: dict, mode: str, limit: int | None) -> float | None:
@@ -42,8 +44,9 @@ def _median_limit(result: dict, mode: str, limit: int | None) -> float | None:
     return median_speedup(ar, mo)
 
 
-def render(results: Path) -> str:
-    """The distributed and load-test sections of docs/benchmarks.md, from the JSON results."""
+def render(results: Path, reading: str = "") -> str:
+    """The distributed and load-test sections of docs/benchmarks.md, from the JSON results, with
+    `reading` (the text kept between the READING markers) after them."""
     lines = [KEEP[0], "## Distributed: the same modes through a local stack", "",
              "`tandem bench --endpoint` through `tandem up` (Valkey, drafter, verifier and gateway as separate "
              "processes on this machine, gRPC between them), against the in-process figures of the same prompts "
@@ -80,13 +83,16 @@ def render(results: Path) -> str:
                 f"{f(r['itl_p99_ms'], '{:.1f}')} | {f(r['acceptance_rate'], '{:.0%}')} | "
                 f"{f(r['residency_hit_rate'], '{:.0%}')} | {r['requests']} |")
         lines += ["", "![Load test](results/loadtest.png)"]
-    lines.append(KEEP[1])
+    lines += ["", READING[0], reading.strip("\n") or "_No reading written yet._", READING[1], KEEP[1]]
     return "\n".join(lines) + "\n"
 
 
 def write_doc(results: Path, doc: Path) -> None:
-    block = render(results)
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    reading = ""
+    if READING[0] in text and READING[1] in text:
+        reading = text[text.index(READING[0]) + len(READING[0]) : text.index(READING[1])]
+    block = render(results, reading)
     if KEEP[0] in text:
         start = text.index(KEEP[0])
         end = text.index(KEEP[1], start) + len(KEEP[1])
