@@ -121,9 +121,9 @@ class _Int8Weight:
 
     def __init__(self, w: torch.Tensor):
         w = w.detach().float()  # [out, in]
-        self.scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # [out]
-        self.q = (w / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()  # [out, in]
-        self.scale = self.scale.to(torch.bfloat16)
+        scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # [out]
+        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()  # [out, in]
+        self.scale = scale.to(torch.bfloat16)  # [out], the kernel's dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out], in x's dtype
