@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.datasets import DEV_SETS  # noqa: E402
-from tandem.bench import median_speedup  # noqa: E402
-from tandem.plots import FILES, dataset_label, write_plots  # noqa: E402
+from tandem.tools.datasets import DEV_SETS  # noqa: E402
+from tandem.tools.bench import median_speedup  # noqa: E402
+from tandem.tools.plots import FILES, dataset_label, write_plots  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 # (results name, file under shared/data): the dev sets of shared/data/PROVENANCE.md
@@ -85,7 +85,7 @@ def run_set(name: str, path: Path, args) -> None:
     if not path.exists():
         raise SystemExit(f"{path} is missing: shared/data is laid beside the repository")
     cmd = [
-        sys.executable, "-m", "tandem.cli", "bench", "--dataset", str(path), "--limit", str(args.limit),
+        sys.executable, "-m", "tandem.tools.cli", "bench", "--dataset", str(path), "--limit", str(args.limit),
         "--max-new-tokens", str(args.max_new_tokens), "--modes", args.modes,
         "--out", str(args.results / f"{name}.json"), *args.bench_args,
     ]

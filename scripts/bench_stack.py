@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.datasets import DEV_SETS  # noqa: E402
-from tandem.stack import Stack, StackConfig, free_port  # noqa: E402
+from tandem.tools.datasets import DEV_SETS  # noqa: E402
+from tandem.tools.stack import Stack, StackConfig, free_port  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 SETS = DEV_SETS
@@ -36,7 +36,7 @@ READING = ("<!-- stack-reading -->", "<!-- /stack-reading -->")
 
 def _median_limit(result: dict, mode: str, limit: int | None) -> float | None:
     """speedup_vs_ar over the first `limit` prompts of a result (the in-process run may have more)."""
-    from tandem.bench import median_speedup
+    from tandem.tools.bench import median_speedup
 
     prompts = result["prompts"][:limit] if limit else result["prompts"]
     ar = [(p["modes"]["ar"]["seconds"], p["modes"]["ar"]["tokens"]) for p in prompts]
@@ -122,7 +122,7 @@ def main() -> int:
     if args.doc_only:
         write_doc(args.results, doc)
         return 0
-    tandem = [sys.executable, "-m", "tandem.cli"]
+    tandem = [sys.executable, "-m", "tandem.tools.cli"]
     cfg = StackConfig(http_port=free_port(), grpc_port=free_port(), log_level="warning")
     with Stack(cfg) as stack:
         print(f"stack up: http {stack.http_url}, grpc {stack.grpc_address}", flush=True)

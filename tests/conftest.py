@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from tandem.models import LoadedModel
+from tandem.engine.models import LoadedModel
 
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the threads' hand-offs
 # made a forward of the 2-layer model 40x slower (80 ms instead of 2 ms). One thread keeps the

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 
-from tandem.models import LoadedModel, load_model
+from tandem.engine.models import LoadedModel, load_model
 
 DRAFT_LAYERS = 4
 

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.config import DraftStrategy, SamplingParams
-from tandem.proposers import Draft, DraftModelProposer, HybridProposer, NgramProposer, Proposer
-from tandem.sampling import make_generator
+from tandem.engine.config import DraftStrategy, SamplingParams
+from tandem.engine.proposers import Draft, DraftModelProposer, HybridProposer, NgramProposer, Proposer
+from tandem.engine.sampling import make_generator
 from tandem.services.drafter.settings import DrafterSettings
-from tandem.telemetry import tracer
+from tandem.serving.telemetry import tracer
 
 log = logging.getLogger("tandem.drafter")
 

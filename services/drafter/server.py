@@ -28,9 +28,9 @@ import grpc
 from grpc_health.v1 import health
 from pydantic import ValidationError
 
-from tandem.config import DraftStrategy, SamplingParams
-from tandem.logs import session_context
-from tandem.metrics import DrafterMetrics
+from tandem.engine.config import DraftStrategy, SamplingParams
+from tandem.serving.logs import session_context
+from tandem.serving.metrics import DrafterMetrics
 from tandem.services.drafter.core import (
     Block,
     DrafterCore,
@@ -39,7 +39,7 @@ from tandem.services.drafter.core import (
     UnknownSession,
 )
 from tandem.services.drafter.settings import DrafterSettings
-from tandem.grpc_server import build_server as build_grpc_server
+from tandem.serving.grpc_server import build_server as build_grpc_server
 from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("tandem.drafter")

@@ -7,7 +7,7 @@ import socket
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
 
-from tandem.models import LoadedModel
+from tandem.engine.models import LoadedModel
 
 
 def default_drafter_id() -> str:

@@ -26,7 +26,7 @@ from tandem.services.gateway.errors import (
     VerifierBusy,
     VerifierUnreachable,
 )
-from tandem.telemetry import inject_metadata, tracer
+from tandem.serving.telemetry import inject_metadata, tracer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("tandem.gateway.client")

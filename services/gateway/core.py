@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from pydantic import ValidationError
 
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.logs import log_prompts_enabled, session_id_var
-from tandem.metrics import GatewayMetrics, status_of
-from tandem.models import apply_chat_template
-from tandem.residency import ResidencyConfig, ResidencyIndex, RoutingDecision, VerifierRecord, route_locally
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.serving.logs import log_prompts_enabled, session_id_var
+from tandem.serving.metrics import GatewayMetrics, status_of
+from tandem.engine.models import apply_chat_template
+from tandem.serving.residency import ResidencyConfig, ResidencyIndex, RoutingDecision, VerifierRecord, route_locally
 from tandem.services.gateway.client import RpcClients, VerifierStream
 from tandem.services.gateway.errors import (
     InvalidRequest,
@@ -48,11 +48,11 @@ from tandem.services.gateway.errors import (
     VerifierUnreachable,
 )
 from tandem.services.gateway.settings import GatewaySettings
-from tandem.protoconv import STRATEGY_FROM_PB, STRATEGY_TO_PB, sampling_to_proto
-from tandem.ids import common_prefix_len
-from tandem.text import Detokenizer
-from tandem.spec import FinishReason
-from tandem.telemetry import tracer
+from tandem.serving.protoconv import STRATEGY_FROM_PB, STRATEGY_TO_PB, sampling_to_proto
+from tandem.engine.ids import common_prefix_len
+from tandem.engine.text import Detokenizer
+from tandem.engine.spec import FinishReason
+from tandem.serving.telemetry import tracer
 from tandem.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger("tandem.gateway")
@@ -238,7 +238,7 @@ class GatewayCore:
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> "GatewayCore":
-        from tandem.models import load_tokenizer
+        from tandem.engine.models import load_tokenizer
 
         model_id, tokenizer, max_context = load_tokenizer(settings.model)
         return cls(settings, tokenizer, model_id=model_id, max_context_tokens=max_context)

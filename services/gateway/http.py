@@ -6,7 +6,7 @@
     GET    /v1/sessions/{id}      a session's history length and verifier; DELETE forgets it
     GET    /health                readiness: 200 while a verifier of the model is live, else 503
     GET    /healthz               liveness: 200 while the process serves HTTP
-    GET    /metrics               Prometheus metrics of this gateway (tandem.metrics)
+    GET    /metrics               Prometheus metrics of this gateway (tandem.serving.metrics)
 
 Tandem's extensions and choices (everything else as in OpenAI's API reference):
 
@@ -52,8 +52,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.logs import session_id_var
-from tandem.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tandem.serving.logs import session_id_var
+from tandem.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
 from tandem.services.gateway.errors import (
     DeadlineExceeded,
@@ -64,7 +64,7 @@ from tandem.services.gateway.errors import (
     UnknownSession,
     UpstreamFailed,
 )
-from tandem.telemetry import instrument_http_app
+from tandem.serving.telemetry import instrument_http_app
 
 SESSION_HEADER = "X-Session-Id"
 

@@ -18,7 +18,7 @@ from tandem.services.gateway.errors import (
     UnknownSession,
     UpstreamFailed,
 )
-from tandem.spec import FinishReason
+from tandem.engine.spec import FinishReason
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 _STATUS: dict[type[GatewayError], grpc.StatusCode] = {

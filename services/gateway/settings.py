@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tandem.config import DraftStrategy, SpecConfig
+from tandem.engine.config import DraftStrategy, SpecConfig
 
 
 def _check_address(value: str) -> str:

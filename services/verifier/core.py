@@ -20,14 +20,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.logs import session_context
-from tandem.metrics import VerifierMetrics, status_of
-from tandem.ids import common_prefix_len
-from tandem.models import LoadedModel
-from tandem.runner import Sequence
-from tandem.spec import Engine, FinishReason, GenerationResult, StepOutput
-from tandem.telemetry import tracer
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.serving.logs import session_context
+from tandem.serving.metrics import VerifierMetrics, status_of
+from tandem.engine.ids import common_prefix_len
+from tandem.engine.models import LoadedModel
+from tandem.engine.runner import Sequence
+from tandem.engine.spec import Engine, FinishReason, GenerationResult, StepOutput
+from tandem.serving.telemetry import tracer
 
 from .remote import ChannelPool, RemoteProposer
 from .settings import VerifierSettings
@@ -78,7 +78,7 @@ class VerifierCore:
         settings: VerifierSettings,
         target: LoadedModel,
         *,
-        publisher=None,  # tandem.residency.ResidencyPublisher or None
+        publisher=None,  # tandem.serving.residency.ResidencyPublisher or None
         metrics: VerifierMetrics | None = None,
     ):
         self.settings = settings

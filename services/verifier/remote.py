@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.proposers import Draft, Offer, Proposer
-from tandem.protoconv import STRATEGY_TO_PB, sampling_to_proto
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.proposers import Draft, Offer, Proposer
+from tandem.serving.protoconv import STRATEGY_TO_PB, sampling_to_proto
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("tandem.verifier.remote")

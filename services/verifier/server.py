@@ -7,11 +7,11 @@ import logging
 
 import grpc
 
-from tandem.config import SpecConfig
-from tandem.grpc_server import build_server as _build, wait_for_termination
-from tandem.protoconv import FINISH_TO_PB, STRATEGY_FROM_PB, sampling_from_proto
-from tandem.spec import GenerationResult, SpecStats
-from tandem.telemetry import inject_metadata
+from tandem.engine.config import SpecConfig
+from tandem.serving.grpc_server import build_server as _build, wait_for_termination
+from tandem.serving.protoconv import FINISH_TO_PB, STRATEGY_FROM_PB, sampling_from_proto
+from tandem.engine.spec import GenerationResult, SpecStats
+from tandem.serving.telemetry import inject_metadata
 from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 from .core import InvalidRequest, Overloaded, SessionBusy, VerifierCore
@@ -112,13 +112,13 @@ def serve(settings) -> None:
     """Load the target, register in Redis, serve until SIGTERM/SIGINT, then drain and deregister."""
     import torch
 
-    from tandem.models import load_model, resolve_device
+    from tandem.engine.models import load_model, resolve_device
 
     torch.set_num_threads(settings.threads or torch.get_num_threads())
     target = load_model(settings.model, device=resolve_device(settings.device))
     publisher = None
     if settings.redis_url:
-        from tandem.residency import ResidencyPublisher
+        from tandem.serving.residency import ResidencyPublisher
 
         publisher = ResidencyPublisher(settings.redis_url, heartbeat_ttl_s=settings.heartbeat_s * 5,
                                        session_ttl_s=settings.session_ttl_s)

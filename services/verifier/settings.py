@@ -7,7 +7,7 @@ import socket
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.config import DraftStrategy
+from tandem.engine.config import DraftStrategy
 
 
 def default_id(role: str) -> str:

@@ -321,9 +321,9 @@ def test_values_yaml_documents_every_key_the_schema_accepts():
 def _service_commands() -> dict[str, click.Command]:
     import typer.main
 
-    import tandem.cli
+    import tandem.tools.cli
 
-    group = typer.main.get_command(tandem.cli.app)
+    group = typer.main.get_command(tandem.tools.cli.app)
     return {name: group.commands[name] for name in SERVICES}
 
 
@@ -531,7 +531,7 @@ def test_pods_are_non_root_with_read_only_root_filesystems(rendered, values):
 
 @pytest.mark.parametrize("values", list(VALUES))
 def test_disruption_budgets_autoscalers_and_graceful_termination(rendered, values):
-    from tandem.grpc_server import wait_for_termination
+    from tandem.serving.grpc_server import wait_for_termination
     from tandem.services.drafter.server import serve as drafter_serve
     from tandem.services.gateway.settings import GatewaySettings
 

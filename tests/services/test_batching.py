@@ -13,12 +13,12 @@ import pytest
 import redis
 import torch
 
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.llama import NativeLlama
-from tandem.residency import ResidencyPublisher
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.llama import NativeLlama
+from tandem.serving.residency import ResidencyPublisher
 from tandem.services.verifier.core import Overloaded, VerifierCore
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.spec import Engine, GenerationResult
+from tandem.engine.spec import Engine, GenerationResult
 
 
 def _contexts(n: int, seed: int = 0) -> list[list[int]]:
@@ -63,7 +63,7 @@ def test_batched_forward_equals_per_session_forwards(tiny_loaded):
 def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
     """Drafts run with int8 weights on a CPU (memory-bound steps); the numbers move by rounding
     only, and the target's own forward is never quantised."""
-    from tandem.proposers import _DraftLM
+    from tandem.engine.proposers import _DraftLM
 
     exact, quant = NativeLlama(tiny_loaded.model), NativeLlama(tiny_loaded.model, int8=True)
     if not quant.int8:
@@ -76,7 +76,7 @@ def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
     assert _DraftLM(tiny_loaded).native.int8, "the draft proposer uses the int8 forward"
     assert not _DraftLM(tiny_loaded, int8=False).native.int8
-    from tandem.runner import TargetRunner
+    from tandem.engine.runner import TargetRunner
 
     target_impl = getattr(TargetRunner(tiny_loaded).backend, "impl", None)
     assert target_impl is not None and not target_impl.int8

@@ -20,8 +20,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tandem.config import DraftStrategy, SamplingParams
-from tandem.proposers import DraftModelProposer, NgramProposer
+from tandem.engine.config import DraftStrategy, SamplingParams
+from tandem.engine.proposers import DraftModelProposer, NgramProposer
 from tandem.services.drafter.core import DrafterCore, InvalidRequest, Overloaded
 from tandem.services.drafter.server import build_server, serve
 from tandem.services.drafter.settings import DrafterSettings

@@ -14,19 +14,19 @@ import time
 import pytest
 import redis
 
-from tandem.bench import run_bench
-from tandem.bench_remote import GatewayTarget
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.datasets import PromptRecord
-from tandem.models import apply_chat_template
-from tandem.residency import ResidencyPublisher
+from tandem.tools.bench import run_bench
+from tandem.tools.bench_remote import GatewayTarget
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.tools.datasets import PromptRecord
+from tandem.engine.models import apply_chat_template
+from tandem.serving.residency import ResidencyPublisher
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.server import build_server as build_verifier
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.spec import Engine
+from tandem.engine.spec import Engine
 from tandem.v1 import common_pb2, gateway_pb2
 
 from test_gateway import Gateway
@@ -152,7 +152,7 @@ def test_bench_through_the_gateway_matches_in_process(chain, tiny_loaded):
 
 
 def test_loadtest_over_the_chain(chain, tmp_path):
-    from tandem.loadtest import plot_loadtest, run_loadtest
+    from tandem.tools.loadtest import plot_loadtest, run_loadtest
 
     gw, _ = chain
     records = [PromptRecord(id=str(i), dataset="tiny", category=None, system=None,

@@ -27,7 +27,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.residency import ResidencyConfig, ResidencyPublisher, VerifierRecord
+from tandem.serving.residency import ResidencyConfig, ResidencyPublisher, VerifierRecord
 from tandem.services.gateway.core import GatewayCore
 from tandem.services.gateway.serve import run_gateway
 from tandem.services.gateway.settings import GatewaySettings
@@ -461,7 +461,7 @@ def test_serve_stops_gracefully_on_sigterm(tmp_path, tiny_tokenizer) -> None:
     LlamaConfig(vocab_size=512, max_position_embeddings=512).save_pretrained(model_dir)
     http_port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "gateway", "--model", str(model_dir), "--host", "127.0.0.1",
+        [sys.executable, "-m", "tandem.tools.cli", "gateway", "--model", str(model_dir), "--host", "127.0.0.1",
          "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--verifier", f"127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -496,7 +496,7 @@ def test_detokenizer_deltas_concatenate_to_the_decoded_text() -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tandem.text import Detokenizer
+    from tandem.engine.text import Detokenizer
 
     corpus = ["naïve café déjà vu", "日本語 テキスト", "emoji 🎉🎉 party", "def f(x):\n    return x ** 2"]
     bpe = Tokenizer(models.BPE())

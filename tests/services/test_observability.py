@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.stack import Stack, StackConfig, free_port
+from tandem.tools.stack import Stack, StackConfig, free_port
 from conftest import make_tiny_llama, make_tiny_tokenizer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -274,7 +274,7 @@ def test_the_dashboard_queries_only_exported_metrics(observed: Observed) -> None
 def test_log_lines_carry_trace_and_session_ids() -> None:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from tandem.logs import JsonFormatter, RequestContextFilter, TextFormatter, session_context
+    from tandem.serving.logs import JsonFormatter, RequestContextFilter, TextFormatter, session_context
 
     out = io.StringIO()
     handler = logging.StreamHandler(out)
@@ -305,7 +305,7 @@ def test_log_lines_carry_trace_and_session_ids() -> None:
 def test_tracing_is_off_unless_the_environment_asks() -> None:
     from opentelemetry import context, propagate, trace
 
-    from tandem.telemetry import inject_metadata, tracing_configured
+    from tandem.serving.telemetry import inject_metadata, tracing_configured
 
     assert not tracing_configured({})
     assert tracing_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4317"})

@@ -9,8 +9,8 @@ import pytest
 from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.server import build_server
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.spec import Engine
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.spec import Engine
 from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 

@@ -8,13 +8,13 @@ import time
 import grpc
 import pytest
 
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.spec import Engine, GenerationResult
+from tandem.engine.spec import Engine, GenerationResult
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
 CONTEXT = [5, 17, 42, 99, 17, 42, 7, 250, 17, 42, 99, 3, 11, 5, 17, 42]
@@ -180,7 +180,7 @@ def test_a_paused_drafter_is_not_waited_for_and_local_lookup_still_drafts(tiny_l
     """When the verifier asks for no drafts (Commit.next_block_len = 0: a compute-bound batch), the
     drafter sends nothing; the verifier neither waits nor counts a fallback, and its own prompt
     lookup still offers a match."""
-    from tandem.proposers import NgramProposer
+    from tandem.engine.proposers import NgramProposer
     from tandem.services.verifier.remote import RemoteProposer
 
     dcore, server, address = _drafter()
@@ -209,7 +209,7 @@ def test_a_paused_drafter_is_not_waited_for_and_local_lookup_still_drafts(tiny_l
 def test_under_batching_prompt_lookup_runs_in_the_verifier(tiny_loaded):
     """With other sessions in the batch, an ngram session pauses its drafter at each commit and
     drafts with the verifier's own lookup; alone again, it asks the drafter again."""
-    from tandem.proposers import NgramProposer
+    from tandem.engine.proposers import NgramProposer
     from tandem.services.verifier.remote import RemoteProposer
 
     dcore, server, address = _drafter()

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 
 from opentelemetry import propagate, trace
 
-log = logging.getLogger("tandem.telemetry")
+log = logging.getLogger("tandem.serving.telemetry")
 
 tracer = trace.get_tracer("tandem")  # a proxy: real once setup_tracing installs a provider
 

@@ -20,7 +20,7 @@ import pytest
 
 from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2, verifier_pb2
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "protos"
 PROTO_NAMES = ("common", "gateway", "verifier", "drafter")
 

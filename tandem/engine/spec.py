@@ -22,13 +22,13 @@ from enum import Enum
 
 import torch
 
-from tandem.adaptive import AcceptanceCounts, BlockLengthController
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.models import LoadedModel
-from tandem.proposers import Draft, Proposer, ProposerFactory
-from tandem.runner import PrefillStats, Sequence, TargetRunner
-from tandem.sampling import make_generator
-from tandem.verify import verify
+from tandem.engine.adaptive import AcceptanceCounts, BlockLengthController
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.models import LoadedModel
+from tandem.engine.proposers import Draft, Proposer, ProposerFactory
+from tandem.engine.runner import PrefillStats, Sequence, TargetRunner
+from tandem.engine.sampling import make_generator
+from tandem.engine.verify import verify
 
 
 class FinishReason(str, Enum):

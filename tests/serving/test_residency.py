@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from tandem.residency import (
+from tandem.serving.residency import (
     KEY_PREFIX,
     VERIFIER_INDEX_KEY,
     ResidencyConfig,

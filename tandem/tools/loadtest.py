@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tandem.datasets import PromptRecord
+from tandem.tools.datasets import PromptRecord
 
 
 @dataclass

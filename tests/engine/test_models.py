@@ -15,9 +15,9 @@ import torch
 
 from conftest import EOS_ID, SPECIAL_TOKENS
 from smollm_fixture import smollm, smollm_draft  # noqa: F401  (fixtures)
-from tandem.config import SamplingParams, SpecConfig
-from tandem.datasets import load_prompts, to_chat
-from tandem.models import (
+from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.tools.datasets import load_prompts, to_chat
+from tandem.engine.models import (
     EMBEDDED_ID,
     LoadedModel,
     ModelError,
@@ -28,9 +28,9 @@ from tandem.models import (
     load_model,
     resolve_model_path,
 )
-from tandem.spec import Engine, FinishReason, plain_generate
+from tandem.engine.spec import Engine, FinishReason, plain_generate
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def word_tokenizer(words: list[str]):

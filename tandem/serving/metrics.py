@@ -43,7 +43,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-log = logging.getLogger("tandem.metrics")
+log = logging.getLogger("tandem.serving.metrics")
 
 disable_created_metrics()  # no `_created` series beside every counter: they only clutter dashboards
 

@@ -27,10 +27,10 @@ import logging
 import torch
 from transformers import DynamicCache
 
-from tandem.ids import common_prefix_len
-from tandem.models import LoadedModel
+from tandem.engine.ids import common_prefix_len
+from tandem.engine.models import LoadedModel
 
-log = logging.getLogger("tandem.runner")
+log = logging.getLogger("tandem.engine.runner")
 
 
 @dataclass
@@ -129,12 +129,12 @@ class HFBackend:
 
 
 class NativeBackend:
-    """The native Llama-family forward (tandem.llama): preallocated KV, chunked LM head."""
+    """The native Llama-family forward (tandem.engine.llama): preallocated KV, chunked LM head."""
 
     name = "native"
 
     def __init__(self, model: torch.nn.Module):
-        from tandem.llama import NativeLlama
+        from tandem.engine.llama import NativeLlama
 
         self.impl = NativeLlama(model)
 
@@ -170,7 +170,7 @@ def make_backend(model: torch.nn.Module, choice: str = "auto"):
     """`auto`: native for the Llama family, transformers otherwise (saying why, once)."""
     if choice == "transformers":
         return HFBackend(model)
-    from tandem.llama import Unsupported
+    from tandem.engine.llama import Unsupported
 
     try:
         return NativeBackend(model)

@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.distill import DistillConfig, build_draft, choose_head_vocab, distill, spread_layers
-from tandem.models import DRAFT_MANIFEST, LoadedModel, apply_chat_template, check_same_tokenizer, load_model
-from tandem.proposers import DraftModelProposer, HybridProposer
-from tandem.spec import Engine
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.tools.distill import DistillConfig, build_draft, choose_head_vocab, distill, spread_layers
+from tandem.engine.models import DRAFT_MANIFEST, LoadedModel, apply_chat_template, check_same_tokenizer, load_model
+from tandem.engine.proposers import DraftModelProposer, HybridProposer
+from tandem.engine.spec import Engine
 
 from smollm_fixture import smollm  # noqa: F401  (session fixture)
 
@@ -118,7 +118,7 @@ def test_hybrid_stats_show_which_proposer_drafted(distilled, tiny_loaded) -> Non
 def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
     """With prompt lookup measured as always right and the model always wrong, the hybrid drafts
     with prompt lookup where the context matches; with the opposite record, with the model."""
-    from tandem.adaptive import AcceptanceCounts
+    from tandem.engine.adaptive import AcceptanceCounts
 
     _, draft = distilled
     engine = Engine(tiny_loaded, draft, SpecConfig(strategy=DraftStrategy.hybrid, max_draft_tokens=4))
@@ -142,7 +142,7 @@ def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
 def test_the_target_writes_prompts_of_its_own(tiny_loaded, distilled, tmp_path) -> None:
     """Self-written prompts: sampled from the target's own user turn, reproducible with the seed,
     and trained on as one more prompt source."""
-    from tandem.distill import SELF_PROMPTS_FILE, write_prompts
+    from tandem.tools.distill import SELF_PROMPTS_FILE, write_prompts
 
     cfg = DistillConfig(**{**TINY_CFG, "self_prompts": 5})
     first = write_prompts(tiny_loaded, cfg, progress=False)
@@ -192,7 +192,7 @@ def test_a_resume_with_other_settings_is_refused(tiny_loaded, prompt_file, tmp_p
 
 
 def test_head_vocabulary_choice() -> None:
-    from tandem.distill import TeacherSeq
+    from tandem.tools.distill import TeacherSeq
 
     seq = TeacherSeq(ids=[5, 5, 5, 9, 9, 7, 3], start=3, top_ids=torch.zeros(4, 1, dtype=torch.int32),
                      top_probs=torch.ones(4, 1, dtype=torch.float16))
@@ -202,7 +202,7 @@ def test_head_vocabulary_choice() -> None:
 
 
 def test_distill_and_generate_from_the_cli(tiny_dir, prompt_file, tmp_path, monkeypatch) -> None:
-    from tandem.cli import app
+    from tandem.tools.cli import app
 
     target_dir = tiny_dir
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
@@ -227,8 +227,8 @@ def test_distill_and_generate_from_the_cli(tiny_dir, prompt_file, tmp_path, monk
 def test_a_reduced_head_draft_keeps_smollm2_exact(smollm) -> None:
     """Greedy output with a reduced-vocabulary draft built from SmolLM2 (untrained: its acceptance is
     low, which exercises rejection) equals plain decoding, for the model and hybrid proposers."""
-    from tandem.datasets import load_prompts, to_chat
-    from tandem.models import apply_chat_template
+    from tandem.tools.datasets import load_prompts, to_chat
+    from tandem.engine.models import apply_chat_template
 
     head_vocab = torch.arange(0, 49152, 6)  # every sixth id: many of the target's tokens are outside
     cfg = DistillConfig(layers=2)

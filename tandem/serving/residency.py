@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-log = logging.getLogger("tandem.residency")
+log = logging.getLogger("tandem.serving.residency")
 
 KEY_PREFIX = "tandem:v1:"
 VERIFIER_INDEX_KEY = KEY_PREFIX + "verifiers"

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 import torch
 from rich.table import Table
 
-from tandem.config import DraftStrategy, SamplingParams
-from tandem.datasets import PromptRecord, to_chat
-from tandem.models import apply_chat_template
-from tandem.progress import progress_bar
-from tandem.spec import Engine, FinishReason, GenerationResult, SpecStats
+from tandem.engine.config import DraftStrategy, SamplingParams
+from tandem.tools.datasets import PromptRecord, to_chat
+from tandem.engine.models import apply_chat_template
+from tandem.engine.progress import progress_bar
+from tandem.engine.spec import Engine, FinishReason, GenerationResult, SpecStats
 
 MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model": DraftStrategy.model,
          "hybrid": DraftStrategy.hybrid}
@@ -153,7 +153,7 @@ def steps_by_accepted(stats: SpecStats) -> list[int] | None:
 # A bench target has `model_id`, `draft_id`, `machine()` and `prepare(rec) -> (context, prompt
 # tokens or None)`, and either `conversation(rec, mode)` (an object whose `turn(t, sampling)` runs
 # user turn t and returns a GenerationResult) or `generate(context, sampling, mode)` for first turns
-# only (tandem.bench_remote.GatewayTarget). `modes` lists what it can run (default: ours).
+# only (tandem.tools.bench_remote.GatewayTarget). `modes` lists what it can run (default: ours).
 
 
 class EngineTarget:
@@ -319,12 +319,12 @@ def run_bench(
     report.
 
     `engine` is an in-process `Engine` (with `tokenizer`) or a bench target (see above; e.g.
-    `tandem.bench_remote.GatewayTarget`, our modes through a stack). `ar` is the baseline of our
+    `tandem.tools.bench_remote.GatewayTarget`, our modes through a stack). `ar` is the baseline of our
     modes and `hf-ar` of the peers, so each runs whenever a mode of its family does. `sampling`
     defaults to greedy; its max_new_tokens is replaced by `max_new_tokens`; a sampled run without a
     seed gets seed 0, and every generation then its own seed (`run_seed`), the same in all modes
     (a seeded generation of ours picks block lengths from nominal costs so that it replays: see
-    `tandem.spec.Generation`).
+    `tandem.engine.spec.Generation`).
     With repeats > 1 each prompt runs that many times per mode and each turn's figures are those of
     its median-time repeat; equality with the baseline is required of every repeat.
     """

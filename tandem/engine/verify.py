@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from tandem import kernels
-from tandem.config import SamplingParams
-from tandem.proposers import Draft
-from tandem.sampling import logits_to_probs
+from tandem.engine.config import SamplingParams
+from tandem.engine.proposers import Draft
+from tandem.engine.sampling import logits_to_probs
 
 
 @dataclass

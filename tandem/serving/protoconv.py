@@ -1,10 +1,10 @@
-"""Conversions between the typed config of `tandem.config` / `tandem.spec` and the `tandem.v1`
+"""Conversions between the typed config of `tandem.engine.config` / `tandem.engine.spec` and the `tandem.v1`
 protobuf messages, in one place for every service and client."""
 
 from __future__ import annotations
 
-from tandem.config import DraftStrategy, SamplingParams
-from tandem.spec import FinishReason
+from tandem.engine.config import DraftStrategy, SamplingParams
+from tandem.engine.spec import FinishReason
 from tandem.v1 import common_pb2
 
 STRATEGY_TO_PB = {

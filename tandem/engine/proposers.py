@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from tandem.config import SamplingParams, SpecConfig
-from tandem.ids import common_prefix_len
-from tandem.models import LoadedModel
+from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.engine.ids import common_prefix_len
+from tandem.engine.models import LoadedModel
 
 
 @dataclass
@@ -223,7 +223,7 @@ class _DraftLM:
     _native: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, object]]" = weakref.WeakKeyDictionary()
 
     def __init__(self, loaded: LoadedModel, *, int8: bool = True):
-        from tandem.llama import NativeLlama, Unsupported, check_supported
+        from tandem.engine.llama import NativeLlama, Unsupported, check_supported
 
         self.device = next(loaded.model.parameters()).device
         try:

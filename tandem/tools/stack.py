@@ -25,7 +25,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-log = logging.getLogger("tandem.stack")
+log = logging.getLogger("tandem.tools.stack")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -114,7 +114,7 @@ class Stack:
         env.setdefault("OTEL_SERVICE_NAME", f"tandem-{name.split('-')[0]}")
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [sys.executable, "-m", "tandem.cli", *args, "--log-level", self.config.log_level]
+        cmd = [sys.executable, "-m", "tandem.tools.cli", *args, "--log-level", self.config.log_level]
         log.debug("starting %s: %s", name, " ".join(cmd))
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.procs.append((name, proc))

@@ -15,10 +15,10 @@ import typer
 from typer.testing import CliRunner
 
 from conftest import make_tiny_tokenizer
-from tandem.cli import app
-from tandem.config import SamplingParams, SpecConfig
-from tandem.models import apply_chat_template, load_model
-from tandem.spec import Engine
+from tandem.tools.cli import app
+from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.engine.models import apply_chat_template, load_model
+from tandem.engine.spec import Engine
 
 # Rich wraps help text to the terminal: wide enough that no option name is cut with an ellipsis.
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}

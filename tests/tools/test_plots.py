@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.plots import FILES, caption, write_plots
+from tandem.tools.plots import FILES, caption, write_plots
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from tandem.bench import (
+from tandem.tools.bench import (
     LOSSLESS_NOTE,
     EngineTarget,
     format_category_table,
@@ -24,10 +24,10 @@ from tandem.bench import (
     speedup_ratios,
     steps_by_accepted,
 )
-from tandem.config import SamplingParams, SpecConfig
-from tandem.datasets import PromptRecord, load_prompts, to_chat
-from tandem.models import apply_chat_template
-from tandem.spec import Engine, FinishReason, GenerationResult, SpecStats
+from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.tools.datasets import PromptRecord, load_prompts, to_chat
+from tandem.engine.models import apply_chat_template
+from tandem.engine.spec import Engine, FinishReason, GenerationResult, SpecStats
 
 MODE_KEYS = {
     "tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_len", "lossless",
@@ -370,7 +370,7 @@ def test_hf_lookup_tokens_reaches_generate(tiny_loaded, records, monkeypatch) ->
 
 
 def test_peers_need_an_in_process_engine(records) -> None:
-    class RemoteLike:  # the interface of tandem.bench_remote.GatewayTarget
+    class RemoteLike:  # the interface of tandem.tools.bench_remote.GatewayTarget
         model_id, draft_id = "remote", None
 
         def prepare(self, rec):
@@ -459,7 +459,7 @@ def test_bench_command_with_peers_turns_and_plots(tiny_loaded, tmp_path: Path) -
     import torch
     from typer.testing import CliRunner
 
-    from tandem.cli import app
+    from tandem.tools.cli import app
 
     model_dir = tmp_path / "tiny-llama"
     tiny_loaded.model.save_pretrained(str(model_dir))

@@ -26,13 +26,13 @@ from scipy.stats import chisquare
 
 from conftest import EOS_ID, make_tiny_llama
 from tandem import kernels
-from tandem.adaptive import AcceptanceCounts, BlockLengthController
-from tandem.config import SamplingParams, SpecConfig
-from tandem.models import LoadedModel, apply_chat_template
-from tandem.proposers import Draft, DraftModelProposer, NgramProposer, Proposer
-from tandem.runner import ForwardCosts, TargetRunner
-from tandem.sampling import logits_to_probs, make_generator
-from tandem.spec import Engine, FinishReason, plain_generate
+from tandem.engine.adaptive import AcceptanceCounts, BlockLengthController
+from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.engine.models import LoadedModel, apply_chat_template
+from tandem.engine.proposers import Draft, DraftModelProposer, NgramProposer, Proposer
+from tandem.engine.runner import ForwardCosts, TargetRunner
+from tandem.engine.sampling import logits_to_probs, make_generator
+from tandem.engine.spec import Engine, FinishReason, plain_generate
 
 GREEDY_TOKENS = 40
 GREEDY40 = SamplingParams(max_new_tokens=GREEDY_TOKENS)
@@ -471,7 +471,7 @@ def test_a_draft_stops_where_the_draft_model_hesitates(tiny_draft_loaded, contex
     """Adaptive drafting stops a block at the first position (after the first) where the draft
     model's probability for its own token is below `stop_below`; the tokens are a prefix of its
     greedy continuation, and the first draft's probability is the block's confidence bucket."""
-    from tandem.proposers import confidence_bucket
+    from tandem.engine.proposers import confidence_bucket
 
     ids = contexts["prose"]
     full = greedy_oracle(tiny_draft_loaded.model, ids, 6)

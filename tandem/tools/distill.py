@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.datasets import DEV_SETS, PromptRecord, load_prompts, to_chat
-from tandem.models import DRAFT_MANIFEST, LoadedModel, apply_chat_template
-from tandem.progress import progress_bar
+from tandem.tools.datasets import DEV_SETS, PromptRecord, load_prompts, to_chat
+from tandem.engine.models import DRAFT_MANIFEST, LoadedModel, apply_chat_template
+from tandem.engine.progress import progress_bar
 
-log = logging.getLogger("tandem.distill")
+log = logging.getLogger("tandem.tools.distill")
 
 TEACHER_FILE = "teacher.pt"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -136,7 +136,7 @@ def write_prompts(target: LoadedModel, cfg: DistillConfig, *, progress: bool = T
     `self_prompt_tokens`), `gen_batch` at a time. An instruction-tuned target has seen many users:
     what it writes there is a spread of requests (advice, stories, code, e-mails) in the proportions
     of its own training, needing no dataset at all. Deterministic with the seed."""
-    from tandem.llama import NativeLlama
+    from tandem.engine.llama import NativeLlama
 
     if cfg.self_prompts == 0:
         return []
@@ -196,7 +196,7 @@ def generate_teacher(target: LoadedModel, prompts, cfg: DistillConfig, *, progre
     after) until `cfg.tokens` reply tokens exist, `gen_batch` sequences at a time in one batched
     forward (continuous: a finished sequence's slot takes the next prompt). Every position keeps
     the target's top-K next-token probabilities (temperature 1: the target's own distribution)."""
-    from tandem.llama import NativeLlama
+    from tandem.engine.llama import NativeLlama
 
     native = NativeLlama(target.model)
     eos = set(target.eos_token_ids)
@@ -297,7 +297,7 @@ def build_draft(target: LoadedModel, head_vocab: torch.Tensor, cfg: DistillConfi
     target (same width) or from a projection of its embeddings (narrower)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tandem.llama import rope_theta
+    from tandem.engine.llama import rope_theta
 
     tcfg = target.model.config
     t_hidden = tcfg.hidden_size

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tandem.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 
 app = typer.Typer(
     name="tandem",
@@ -28,7 +28,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-log = logging.getLogger("tandem.cli")
+log = logging.getLogger("tandem.tools.cli")
 
 ModelOpt = Annotated[
     str,
@@ -84,14 +84,14 @@ MetricsPortOpt = Annotated[
 def _setup(threads: int | None, log_level: str = "info", *, service: str | None = None,
            log_json: bool | None = None) -> None:
     """Logging for this process; for a service (`service` = "verifier", ...) also tracing, on when
-    the OTEL_* environment asks for it (tandem.telemetry)."""
+    the OTEL_* environment asks for it (tandem.serving.telemetry)."""
     import torch
 
-    from tandem.logs import setup_logging
+    from tandem.serving.logs import setup_logging
 
     setup_logging(log_level, log_json)
     if service is not None:
-        from tandem.telemetry import setup_tracing
+        from tandem.serving.telemetry import setup_tracing
 
         setup_tracing(f"tandem-{service}")
     torch.set_num_threads(threads or os.cpu_count() or 1)
@@ -105,7 +105,7 @@ def _fail(message: str) -> None:
 def _load(model: str, draft_model: str | None, *, needs_draft: bool = False):
     """Target and draft. A command that needs a draft and got none takes the target's distilled
     draft from the cache (`tandem distill` writes it there), saying so."""
-    from tandem.models import ModelError, check_same_tokenizer, find_default_draft, load_model
+    from tandem.engine.models import ModelError, check_same_tokenizer, find_default_draft, load_model
 
     try:
         target = load_model(model)
@@ -149,8 +149,8 @@ def generate(
     _setup(threads)
     from rich.console import Console
 
-    from tandem.models import apply_chat_template
-    from tandem.spec import Engine
+    from tandem.engine.models import apply_chat_template
+    from tandem.engine.spec import Engine
 
     try:
         sampling = SamplingParams(
@@ -164,7 +164,7 @@ def generate(
     engine = Engine(target, draft_lm, spec)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     context = apply_chat_template(target.tokenizer, messages)
-    from tandem.text import Detokenizer
+    from tandem.engine.text import Detokenizer
 
     stream = Detokenizer(target.tokenizer)
 
@@ -211,7 +211,7 @@ def convert(
 ) -> None:
     """Convert a GGUF model (default: the embedded SmolLM2) into the local safetensors cache, once."""
     _setup(None)
-    from tandem.models import ModelError, convert_gguf, resolve_model_path
+    from tandem.engine.models import ModelError, convert_gguf, resolve_model_path
 
     try:
         _, path = resolve_model_path(model)
@@ -253,9 +253,9 @@ def bench(
     _setup(threads)
     from rich.console import Console
 
-    from tandem.bench import format_category_table, format_table, run_bench
-    from tandem.datasets import load_prompts
-    from tandem.spec import Engine
+    from tandem.tools.bench import format_category_table, format_table, run_bench
+    from tandem.tools.datasets import load_prompts
+    from tandem.engine.spec import Engine
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     try:
@@ -266,7 +266,7 @@ def bench(
         _fail(str(exc))
     try:
         if endpoint:
-            from tandem.bench_remote import GatewayTarget
+            from tandem.tools.bench_remote import GatewayTarget
 
             bench_target = GatewayTarget(endpoint)
             result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats,
@@ -293,7 +293,7 @@ def bench(
     else:
         print(text)
     if plot:
-        from tandem.plots import write_plots
+        from tandem.tools.plots import write_plots
 
         for path in write_plots([result], plot):
             typer.echo(f"wrote {path}", err=True)
@@ -325,9 +325,9 @@ def distill(
     interruption. The result loads with --draft-model; for the default target, modes model and
     hybrid use it without one. The defaults took 13 minutes on 2 CPU cores (8 generating, 5 training)."""
     _setup(threads)
-    from tandem.distill import DistillConfig, dev_prompt_files
-    from tandem.distill import distill as run_distill
-    from tandem.models import ModelError, default_draft_path, load_model
+    from tandem.tools.distill import DistillConfig, dev_prompt_files
+    from tandem.tools.distill import distill as run_distill
+    from tandem.engine.models import ModelError, default_draft_path, load_model
 
     try:
         cfg = DistillConfig(
@@ -372,8 +372,8 @@ def loadtest(
     _setup(1, "warning")
     from rich.console import Console
 
-    from tandem.datasets import load_prompts
-    from tandem.loadtest import plot_loadtest, run_loadtest
+    from tandem.tools.datasets import load_prompts
+    from tandem.tools.loadtest import plot_loadtest, run_loadtest
 
     console = Console(stderr=True)
     try:
@@ -475,7 +475,7 @@ def drafter(
 
     draft = None
     if draft_model:
-        from tandem.models import ModelError, load_model
+        from tandem.engine.models import ModelError, load_model
 
         try:
             draft = load_model(draft_model)
@@ -543,7 +543,7 @@ def up(
 ) -> None:
     """Start the whole stack on this machine: embedded Valkey (unless --redis-url), a drafter,
     verifier(s) and the gateway, as separate processes. Prints the endpoints; Ctrl-C stops all."""
-    from tandem.stack import StackConfig
+    from tandem.tools.stack import StackConfig
 
     _run_stack(StackConfig(model=model, draft_model=draft_model, redis_url=redis_url, host=host, http_port=http_port,
                            grpc_port=grpc_port, verifiers=verifiers, verifier_threads=verifier_threads,
@@ -560,7 +560,7 @@ def demo(
     """The main job: bring the whole stack up (as `tandem up`), send real requests through the
     gateway's OpenAI API (streamed speculative, plain for comparison, a second turn of the same
     session), show text and speculation figures, then stop everything."""
-    from tandem.stack import StackConfig
+    from tandem.tools.stack import StackConfig
 
     _run_stack(StackConfig(model=model, http_port=http_port, grpc_port=grpc_port, log_level=log_level),
                demo_request=True)
@@ -570,13 +570,13 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
     _setup(None, "info")
     from rich.console import Console
 
-    from tandem.stack import Stack
+    from tandem.tools.stack import Stack
 
     console = Console(stderr=True)
     if cfg.draft_model is None:
         # The target's distilled draft (`tandem distill`), when one exists, serves strategies model
         # and hybrid; without one the drafter offers prompt lookup only.
-        from tandem.models import ModelError, find_default_draft, resolve_model_path
+        from tandem.engine.models import ModelError, find_default_draft, resolve_model_path
 
         try:
             found = find_default_draft(resolve_model_path(cfg.model)[0])
@@ -602,7 +602,7 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
             + "".join(f"\n  metrics     {url}   ({name})" for name, url in stack.metrics_urls.items())
         )
         if demo_request:
-            from tandem.demo import run_demo
+            from tandem.tools.demo import run_demo
 
             ok = run_demo(stack.http_url, console, strategy="hybrid" if cfg.draft_model else "ngram")
             if not ok:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.datasets import CODE_INSTRUCTION, PromptRecord, bfcl_schema, load_prompts, to_chat
+from tandem.tools.datasets import CODE_INSTRUCTION, PromptRecord, bfcl_schema, load_prompts, to_chat
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def _data_file(name: str) -> Path:

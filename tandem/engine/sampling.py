@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.config import SamplingParams
+from tandem.engine.config import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

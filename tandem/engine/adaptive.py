@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.runner import ForwardCosts
+from tandem.engine.runner import ForwardCosts
 
 MAX_POSITIONS = 64
 
