@@ -1,6 +1,7 @@
 """The drafter's domain object: per-session draft state and the draft-ahead pipeline.
 
-No gRPC here: `server.py` unpacks requests, calls `DrafterCore` and packs its `Block`s.
+No gRPC here: `server.py` unpacks requests, calls `DrafterCore` and packs its `DraftBlock`s
+(tandem.serving.messages).
 
 Sessions. A verifier opens a session with its context, then commits what each verification step
 accepted; the core answers with blocks of drafts. Sessions are keyed by (owner, session_id), the
@@ -42,6 +43,7 @@ import torch
 from tandem.engine.config import DraftStrategy, SamplingParams
 from tandem.engine.proposers import Draft, DraftModelProposer, HybridProposer, NgramProposer, Proposer
 from tandem.engine.sampling import make_generator
+from tandem.serving.messages import DraftBlock, DrafterInfo
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.serving.telemetry import tracer
 
@@ -62,31 +64,6 @@ class UnknownSession(DrafterError):
 
 class Overloaded(DrafterError):
     """No room for another session (DrafterSettings.max_sessions)."""
-
-
-@dataclass
-class Block:
-    """A block of drafts for one session (mirrors tandem.v1.DraftBlock)."""
-
-    session_id: str
-    base_len: int  # token_ids[0] proposes the token at this sequence index
-    token_ids: list[int]
-    # Proposal distribution q_i of each token as (support ids, probs) when the drafter sampled;
-    # None for deterministic drafters (q_i one-hot at token_ids[i]).
-    proposals: list[tuple[list[int], list[float]]] | None
-    proposer: str  # "ngram" or "model"
-    draft_time_us: int
-    speculative: bool  # drafted ahead: token_ids[0] is the guessed bonus of the previous block
-    confidence: int  # proposer's confidence bucket (n-gram: matched suffix length); 0 = none
-
-
-@dataclass
-class DrafterInfo:
-    drafter_id: str
-    strategies: list[DraftStrategy]
-    model_id: str  # "" without a draft model
-    vocab_size: int  # draft model's vocabulary; 0 without one
-    active_sessions: int
 
 
 @dataclass
@@ -138,7 +115,7 @@ class _Pending:
     `start` on. It is consistent with a commit iff committed ids[start:] match `assumed` and the
     block still proposes something at or past the committed length."""
 
-    block: Block
+    block: DraftBlock
     start: int  # sequence index of assumed[0]
     assumed: list[int]  # anchor drafts from `start`, then the block's own tokens
     seconds: float
@@ -159,7 +136,7 @@ class _Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     epoch: int = 0  # bumped by every commit, so a lazy block iterator of an older one stops
     closed: bool = False
-    anchor: Block | None = None  # the block the verifier is checking now (draft-ahead extends it)
+    anchor: DraftBlock | None = None  # the block the verifier is checking now (draft-ahead extends it)
     pending: _Pending | None = None
 
 
@@ -195,7 +172,7 @@ class DrafterCore:
         next_block_len: int,
         *,
         owner: str = "",
-    ) -> Iterator[Block]:
+    ) -> Iterator[DraftBlock]:
         """(Re)start a session; blocks: a regular one at len(context_ids) with up to
         next_block_len drafts, then a speculative one (none when next_block_len is 0).
 
@@ -253,7 +230,7 @@ class DrafterCore:
 
     def commit(
         self, session_id: str, committed_len: int, appended_ids: list[int], next_block_len: int, *, owner: str = ""
-    ) -> Iterator[Block]:
+    ) -> Iterator[DraftBlock]:
         """Extend the session by the committed tokens; blocks: nothing when the last speculative
         block is consistent (the verifier uses it) and a speculative block after it, else a fresh
         regular block at committed_len and a speculative block after that. Nothing at all when
@@ -311,7 +288,7 @@ class DrafterCore:
             active = len(self._sessions)
         return DrafterInfo(
             drafter_id=self.settings.drafter_id,
-            strategies=[DraftStrategy.ngram] + ([DraftStrategy.model, DraftStrategy.hybrid] if model is not None else []),
+            strategies=(DraftStrategy.ngram,) + ((DraftStrategy.model, DraftStrategy.hybrid) if model is not None else ()),
             model_id=model.model_id if model is not None else "",
             vocab_size=self._draft_vocab,
             active_sessions=active,
@@ -368,7 +345,7 @@ class DrafterCore:
             session.pending = None
         session.anchor = None
 
-    def _settle(self, session: _Session) -> Block | None:
+    def _settle(self, session: _Session) -> DraftBlock | None:
         """Judge the pending speculative block against the commit just applied; return it when
         the verifier can use it."""
         pending, session.pending = session.pending, None
@@ -389,7 +366,7 @@ class DrafterCore:
                 self._stats.speculative_wasted += 1
         return block if consistent else None
 
-    def _blocks(self, session: _Session, epoch: int, *, regular: bool) -> Iterator[Block]:
+    def _blocks(self, session: _Session, epoch: int, *, regular: bool) -> Iterator[DraftBlock]:
         if regular:
             with session.lock:
                 if session.closed or session.epoch != epoch:
@@ -412,13 +389,13 @@ class DrafterCore:
         if block is not None:
             yield block
 
-    def _draft_regular(self, session: _Session) -> Block | None:
+    def _draft_regular(self, session: _Session) -> DraftBlock | None:
         k = min(session.next_block_len, session.max_block_len)
         draft = self._propose(session, session.ids, k)
         if draft is None:
             # Say so rather than stay silent: the verifier then decodes plainly at once instead of
             # waiting for a block that is not coming.
-            return Block(session_id=session.session_id, base_len=len(session.ids), token_ids=[], proposals=None,
+            return DraftBlock(session_id=session.session_id, base_len=len(session.ids), token_ids=[], proposals=[],
                          proposer=session.strategy.value, draft_time_us=0, speculative=False, confidence=0)
         block = self._block(session, len(session.ids), draft, speculative=False)
         with self._stats_lock:
@@ -427,7 +404,7 @@ class DrafterCore:
                 self._stats.regular_blocks += 1
         return block
 
-    def _draft_ahead(self, session: _Session) -> Block | None:
+    def _draft_ahead(self, session: _Session) -> DraftBlock | None:
         """The speculative block after the anchor: [guessed bonus, up to k drafts], based at the
         anchor's end. Records it as pending; None when no guess exists."""
         anchor, ids = session.anchor, session.ids
@@ -477,19 +454,19 @@ class DrafterCore:
             draft = session.proposer.propose(ids, k, session.sampling, session.gen)
         return draft if len(draft) else None
 
-    def _block(self, session: _Session, base_len: int, draft: Draft, *, speculative: bool) -> Block | None:
+    def _block(self, session: _Session, base_len: int, draft: Draft, *, speculative: bool) -> DraftBlock | None:
         """Pack a draft, cut at its first id outside [0, vocab_size) (the verifier would reject
         the whole block for it); None when nothing is left."""
         tokens = draft.tokens
         n = next((i for i, t in enumerate(tokens) if not 0 <= t < session.vocab_size), len(tokens))
         if n == 0:
             return None
-        proposals = None
+        proposals = []  # deterministic drafts: q is one-hot
         if draft.support is not None:
             proposals = [
                 (draft.support[i].tolist(), draft.support_probs[i].tolist()) for i in range(n)
             ]
-        return Block(
+        return DraftBlock(
             session_id=session.session_id,
             base_len=base_len,
             token_ids=list(tokens[:n]),
@@ -501,7 +478,7 @@ class DrafterCore:
         )
 
 
-def _trace_block(span, session: _Session, block: Block | None, *, speculative: bool) -> None:
+def _trace_block(span, session: _Session, block: DraftBlock | None, *, speculative: bool) -> None:
     """A draft block's span attributes (tandem.drafted = 0: the proposer had nothing to offer)."""
     if not span.is_recording():
         return

@@ -30,9 +30,9 @@ from pydantic import ValidationError
 
 from tandem.engine.config import DraftStrategy, SamplingParams
 from tandem.serving.logs import session_context
+from tandem.serving.messages import DraftBlock
 from tandem.serving.metrics import DrafterMetrics
 from tandem.services.drafter.core import (
-    Block,
     DrafterCore,
     InvalidRequest,
     Overloaded,
@@ -40,6 +40,13 @@ from tandem.services.drafter.core import (
 )
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.serving.grpc_server import build_server as build_grpc_server
+from tandem.serving.protoconv import (
+    STRATEGY_FROM_PB,
+    draft_block_to_proto,
+    drafter_info_to_proto,
+    sampling_from_proto,
+    strategy_name,
+)
 from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("tandem.drafter")
@@ -52,12 +59,6 @@ _STATUS = {
     UnknownSession: grpc.StatusCode.NOT_FOUND,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-_STRATEGY_FROM_PB = {
-    common_pb2.DRAFT_STRATEGY_NGRAM: DraftStrategy.ngram,
-    common_pb2.DRAFT_STRATEGY_MODEL: DraftStrategy.model,
-    common_pb2.DRAFT_STRATEGY_HYBRID: DraftStrategy.hybrid,
-}
-_STRATEGY_TO_PB = {v: k for k, v in _STRATEGY_FROM_PB.items()}
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -104,7 +105,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                 stats.speculative_blocks += 1
                             else:
                                 stats.regular_blocks += 1
-                            yield _block_to_pb(block)
+                            yield draft_block_to_proto(block)
                         if request.WhichOneof("kind") == "open":
                             dropped.discard(sid)
                     except Exception as exc:  # noqa: BLE001 - one session's failure must not end the stream
@@ -134,7 +135,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             log.warning("draft session %s dropped (%s): %s", sid, code.name, exc)
         dropped.add(sid)
 
-    def _dispatch(self, request: drafter_pb2.DraftRequest, owner: str, stats: _StreamStats) -> Iterator[Block]:
+    def _dispatch(self, request: drafter_pb2.DraftRequest, owner: str, stats: _StreamStats) -> Iterator[DraftBlock]:
         sid, kind = request.session_id, request.WhichOneof("kind")
         if kind == "open":
             msg = request.open
@@ -161,53 +162,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def GetInfo(
         self, request: drafter_pb2.DrafterInfoRequest, context: grpc.ServicerContext
     ) -> drafter_pb2.DrafterInfo:
-        info = self.core.info()
-        return drafter_pb2.DrafterInfo(
-            drafter_id=info.drafter_id,
-            strategies=[_STRATEGY_TO_PB[s] for s in info.strategies],
-            model_id=info.model_id,
-            vocab_size=info.vocab_size,
-            active_sessions=info.active_sessions,
-        )
+        return drafter_info_to_proto(self.core.info())
 
 
 def _strategy_from_pb(session_id: str, strategy: int) -> DraftStrategy:
-    if strategy not in _STRATEGY_FROM_PB:
-        name = common_pb2.DraftStrategy.Name(strategy) if strategy in common_pb2.DraftStrategy.values() else strategy
+    drafted = STRATEGY_FROM_PB.get(strategy)
+    if drafted in (None, DraftStrategy.none):
         raise InvalidRequest(
-            f"session {session_id}: strategy {name} cannot be drafted "
-            "(NGRAM or MODEL; the verifier resolves the default before opening)"
+            f"session {session_id}: strategy {strategy_name(strategy)} cannot be drafted "
+            "(NGRAM, MODEL or HYBRID; the verifier resolves the default before opening)"
         )
-    return _STRATEGY_FROM_PB[strategy]
+    return drafted
 
 
 def _sampling_from_pb(session_id: str, msg: common_pb2.SamplingParams) -> SamplingParams:
-    # Only what drafting uses; stop ids and lengths are the verifier's business.
     try:
-        return SamplingParams(
-            temperature=msg.temperature,
-            top_p=msg.top_p if msg.top_p != 0.0 else 1.0,  # proto: 0 = off
-            top_k=msg.top_k,
-            seed=msg.seed if msg.HasField("seed") else None,
-        )
+        return sampling_from_proto(msg)
     except ValidationError as exc:
         errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise InvalidRequest(f"session {session_id}: invalid sampling parameters: {errors}") from None
-
-
-def _block_to_pb(block: Block) -> drafter_pb2.DraftBlock:
-    return drafter_pb2.DraftBlock(
-        session_id=block.session_id,
-        base_len=block.base_len,
-        token_ids=block.token_ids,
-        proposals=[
-            drafter_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in block.proposals or ()
-        ],
-        proposer=block.proposer,
-        draft_time_us=block.draft_time_us,
-        speculative=block.speculative,
-        confidence=block.confidence,
-    )
 
 
 def _build(

@@ -1,6 +1,7 @@
 """The verifier's domain object: the target model, its sessions' KV caches and their decode loops.
 
-No gRPC here (the servicer in server.py translates); the remote drafter is reached through
+No gRPC here (the servicer in server.py translates): the remote drafter is reached through a
+`DrafterConnector` given at construction (drafter_client.py's over gRPC) and wrapped in a
 `RemoteProposer`, which the loop sees as any other proposer.
 
 Sessions: a request with a session id reuses that session's KV cache (its `Sequence`): a later turn
@@ -29,7 +30,7 @@ from tandem.engine.runner import Sequence
 from tandem.engine.spec import Engine, FinishReason, GenerationResult, StepOutput
 from tandem.serving.telemetry import tracer
 
-from .remote import ChannelPool, RemoteProposer
+from .drafting import DrafterConnector, RemoteProposer
 from .settings import VerifierSettings
 
 log = logging.getLogger("tandem.verifier")
@@ -80,12 +81,15 @@ class VerifierCore:
         *,
         publisher=None,  # tandem.serving.residency.ResidencyPublisher or None
         metrics: VerifierMetrics | None = None,
+        connector: DrafterConnector | None = None,
     ):
+        """`connector` reaches drafters by address; None: requests naming a drafter decode with
+        the verifier's own prompt lookup (ngram) or plainly."""
         self.settings = settings
         self.target = target
         self.engine = Engine(target, None, SpecConfig(max_draft_tokens=settings.max_draft_tokens))
         self.publisher = publisher
-        self.channels = ChannelPool()
+        self.connector = connector
         self.counters = VerifierCounters()
         self.address = settings.advertise_address or f"{settings.host}:{settings.port}"
         self.executor = self.engine.runner.enable_batching(settings.batch_wait_ms / 1000.0)
@@ -128,7 +132,8 @@ class VerifierCore:
             for sid, sess in sessions:
                 self.publisher.evict_session(sid, sess.seq.ids)
             self.publisher.deregister(self.settings.verifier_id)
-        self.channels.close()
+        if self.connector is not None:
+            self.connector.close()
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -275,12 +280,12 @@ class VerifierCore:
         drafter_address: str = "",
         *,
         is_active: Callable[[], bool] = lambda: True,
-        metadata: tuple = (),
+        headers: tuple = (),
     ) -> Iterator[StepOutput | GenerationResult]:
         """Run one request: yields a StepOutput per target step, then the GenerationResult."""
         status = "cancelled"  # unless it finishes or fails: the consumer stopped early
         steps = self._generate(session_id, context_ids, sampling, spec, drafter_address,
-                               is_active=is_active, metadata=metadata)
+                               is_active=is_active, headers=headers)
         with session_context(session_id), contextlib.closing(steps):
             try:
                 for item in steps:
@@ -303,7 +308,7 @@ class VerifierCore:
         drafter_address: str,
         *,
         is_active: Callable[[], bool],
-        metadata: tuple,
+        headers: tuple,
     ) -> Iterator[StepOutput | GenerationResult]:
         self.validate(context_ids, sampling)
         self.counters.requests += 1
@@ -312,11 +317,11 @@ class VerifierCore:
         keep = True
         try:
             self._share_prefix(sess, list(context_ids))
-            if spec.strategy != DraftStrategy.none and drafter_address:
+            if spec.strategy != DraftStrategy.none and drafter_address and self.connector is not None:
                 proposer = RemoteProposer(
-                    self.channels.get(drafter_address), session_id or uuid.uuid4().hex, sampling, spec,
+                    self.connector, drafter_address, session_id or uuid.uuid4().hex, sampling, spec,
                     self.target.vocab_size, wait_s=self.settings.draft_wait_ms / 1000.0,
-                    retry_s=self.settings.drafter_retry_s, metadata=metadata,
+                    retry_s=self.settings.drafter_retry_s, headers=headers,
                     others_busy=lambda: self.executor.busy_sessions > 1,
                     local=(self.engine.factory.build(spec.model_copy(update={"strategy": DraftStrategy.ngram}))
                            if spec.strategy in (DraftStrategy.ngram, DraftStrategy.hybrid) else None),
@@ -372,7 +377,7 @@ class VerifierCore:
         if not span.is_recording():
             return
         span.set_attributes({
-            "tandem.block_len": step.drafted,  # drafts verified in this forward (0 = plain step)
+            "tandem.block_len": step.block_len,  # drafts asked for (0 = a planned plain step)
             "tandem.proposer": step.proposer or "none",
             "tandem.drafted": step.drafted,
             "tandem.accepted": step.accepted,

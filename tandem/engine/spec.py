@@ -54,6 +54,8 @@ class SpecStats:
     prefill_computed_tokens: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # request start to the first committed token (set by result())
+    decode_seconds: float = 0.0  # the decode loop after the first committed token (set by result())
     # accepted count per draft position: accepted_by_position[i] = steps whose draft i was accepted
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
@@ -64,6 +66,11 @@ class SpecStats:
     def mean_accepted_len(self) -> float:
         """Committed tokens per target step (1.0 for plain decoding)."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def plain_steps(self) -> int:
+        """Steps that verified no draft (strategy none, a choice of 0, or a fallback)."""
+        return self.steps - self.spec_steps
 
     @property
     def acceptance_rate(self) -> float:
@@ -106,6 +113,7 @@ class StepOutput:
     drafted: int
     accepted: int
     proposer: str | None = None  # which proposer drafted this step (None: a plain step)
+    block_len: int = 0  # drafts the controller asked for (>= drafted: a proposer may offer fewer)
 
 
 @dataclass
@@ -160,6 +168,7 @@ class Generation:
             adaptive=spec.adaptive,
         )
         self.stats = SpecStats()
+        self._block_len = 0  # drafts the controller asked for in the current step
         self.output: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.prompt_len = len(context_ids)
@@ -215,6 +224,7 @@ class Generation:
         offer, k = best[0], best[1]
         if offer is None or k <= 0:
             return None
+        self._block_len = k
         draft = self.proposer.propose_from(offer.proposer, ids, k, self.sampling, self.gen)
         self.stats.draft_seconds += draft.seconds
         if self.proposer.costly and not self.replayable:
@@ -239,6 +249,7 @@ class Generation:
         """Run one target forward; return what it committed."""
         if self.finished:
             raise RuntimeError("generation already finished")
+        self._block_len = 0
         draft = self._draft()
         start = time.perf_counter()
         logits = self.seq.forward_block(draft.tokens if draft else [])  # [k+1, vocab]
@@ -250,6 +261,7 @@ class Generation:
         self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None)
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
         out.proposer = draft.proposer if draft is not None else None
+        out.block_len = self._block_len if draft is not None else 0
         if self.proposer is not None:
             if self.finished:
                 self.proposer.close()
@@ -301,13 +313,15 @@ class Generation:
         if self.proposer is not None:
             self.stats.fallback_steps = self.proposer.fallback_steps
             self.stats.rejected_blocks = self.proposer.rejected_blocks
+        first = (self.first_token_at or end) - self.started
+        self.stats.prefill_seconds, self.stats.decode_seconds = first, end - self.started - first
         return GenerationResult(
             token_ids=list(self.output),
             finish_reason=self.finish_reason or FinishReason.cancelled,
             stats=self.stats,
             prompt_tokens=self.prompt_len,
             seconds=end - self.started,
-            first_token_seconds=(self.first_token_at or end) - self.started,
+            first_token_seconds=first,
         )
 
 

@@ -1,11 +1,28 @@
-"""Conversions between the typed config of `tandem.engine.config` / `tandem.engine.spec` and the `tandem.v1`
-protobuf messages, in one place for every service and client."""
+"""The one place where domain objects meet `tandem.v1` protobuf messages.
+
+Servicers and gRPC clients call these functions; the domain cores never see a message. Each pair
+is exact both ways for what the contract carries (a proto3 zero means "not set" where the proto
+comment says so: `top_p` 0 = off, `max_new_tokens` 0 = server default, strategy UNSPECIFIED =
+server default).
+"""
 
 from __future__ import annotations
 
-from tandem.engine.config import DraftStrategy, SamplingParams
-from tandem.engine.spec import FinishReason
-from tandem.v1 import common_pb2
+import time
+
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.spec import FinishReason, GenerationResult, SpecStats, StepOutput
+from tandem.serving.messages import (
+    CommittedTokens,
+    DraftBlock,
+    DrafterInfo,
+    DraftSessionOpen,
+    VerifierRequest,
+)
+from tandem.serving.residency import VerifierRecord
+from tandem.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+# -- enums --------------------------------------------------------------------------------------
 
 STRATEGY_TO_PB = {
     DraftStrategy.none: common_pb2.DRAFT_STRATEGY_NONE,
@@ -16,12 +33,21 @@ STRATEGY_TO_PB = {
 STRATEGY_FROM_PB = {pb: s for s, pb in STRATEGY_TO_PB.items()}  # UNSPECIFIED is absent: server default
 
 FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,  # not the last message
     FinishReason.stop: common_pb2.FINISH_REASON_STOP,
     FinishReason.length: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.cancelled: common_pb2.FINISH_REASON_CANCELLED,
     FinishReason.error: common_pb2.FINISH_REASON_ERROR,
 }
 FINISH_FROM_PB = {pb: f for f, pb in FINISH_TO_PB.items()}
+
+
+def strategy_name(pb: int) -> str:
+    """A DraftStrategy value as its proto name, for error messages (unknown numbers as numbers)."""
+    return common_pb2.DraftStrategy.Name(pb) if pb in common_pb2.DraftStrategy.values() else str(pb)
+
+
+# -- sampling and speculation -------------------------------------------------------------------
 
 
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
@@ -38,10 +64,147 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
     """Raises ValueError (pydantic's ValidationError) for out-of-range values."""
     return SamplingParams(
         temperature=msg.temperature,
-        top_p=msg.top_p if 0 < msg.top_p <= 1 else 1.0,  # proto: 0 = off
+        top_p=msg.top_p if msg.top_p != 0 else 1.0,  # proto: 0 = off
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         max_new_tokens=msg.max_new_tokens or default_max_new_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+    )
+
+
+def spec_to_proto(spec: SpecConfig) -> common_pb2.SpeculationParams:
+    return common_pb2.SpeculationParams(
+        strategy=STRATEGY_TO_PB[spec.strategy], max_draft_tokens=spec.max_draft_tokens, adaptive=spec.adaptive,
+    )
+
+
+def spec_from_proto(msg: common_pb2.SpeculationParams, default: SpecConfig) -> SpecConfig:
+    """`default` filled in by what the message sets. Raises ValueError for out-of-range values."""
+    update: dict = {}
+    if msg.strategy != common_pb2.DRAFT_STRATEGY_UNSPECIFIED:
+        update["strategy"] = STRATEGY_FROM_PB[msg.strategy]
+    if msg.max_draft_tokens:
+        update["max_draft_tokens"] = msg.max_draft_tokens
+    if msg.HasField("adaptive"):
+        update["adaptive"] = msg.adaptive
+    return SpecConfig.model_validate({**default.model_dump(), **update})
+
+
+def stats_to_proto(s: SpecStats) -> common_pb2.SpeculationStats:
+    return common_pb2.SpeculationStats(
+        drafted=s.drafted, accepted=s.accepted, recovered=s.recovered, bonus=s.bonus, steps=s.steps,
+        mean_accepted_len=s.mean_accepted_len, fallback_steps=s.fallback_steps,
+        rejected_blocks=s.rejected_blocks, prefill_reused_tokens=s.prefill_reused_tokens,
+        prefill_computed_tokens=s.prefill_computed_tokens, plain_steps=s.plain_steps,
+        prefill_time_us=int(s.prefill_seconds * 1e6), decode_time_us=int(s.decode_seconds * 1e6),
+    )
+
+
+def stats_from_proto(msg: common_pb2.SpeculationStats) -> SpecStats:
+    """The request's counters as the engine keeps them (per-position and per-proposer breakdowns
+    do not travel; `mean_accepted_len` follows from accepted and steps)."""
+    return SpecStats(
+        drafted=msg.drafted, accepted=msg.accepted, recovered=msg.recovered, bonus=msg.bonus,
+        steps=msg.steps, spec_steps=msg.steps - msg.plain_steps, fallback_steps=msg.fallback_steps,
+        rejected_blocks=msg.rejected_blocks, prefill_reused_tokens=msg.prefill_reused_tokens,
+        prefill_computed_tokens=msg.prefill_computed_tokens,
+        prefill_seconds=msg.prefill_time_us / 1e6, decode_seconds=msg.decode_time_us / 1e6,
+    )
+
+
+# -- verifier -----------------------------------------------------------------------------------
+
+
+def verifier_request_to_proto(req: VerifierRequest) -> verifier_pb2.SessionGenerateRequest:
+    return verifier_pb2.SessionGenerateRequest(
+        session_id=req.session_id, context_ids=req.context_ids, sampling=sampling_to_proto(req.sampling),
+        speculation=spec_to_proto(req.spec), drafter_address=req.drafter_address,
+    )
+
+
+def step_to_proto(step: StepOutput) -> verifier_pb2.CommittedTokens:
+    return verifier_pb2.CommittedTokens(
+        token_ids=step.tokens, first_index=step.first_index,
+        step=verifier_pb2.StepInfo(drafted=step.drafted, accepted=step.accepted, block_len=step.block_len),
+    )
+
+
+def result_to_proto(result: GenerationResult) -> verifier_pb2.CommittedTokens:
+    """The stream's last message: nothing more committed, the finish reason and the counters."""
+    return verifier_pb2.CommittedTokens(
+        first_index=len(result.token_ids), finish_reason=FINISH_TO_PB[result.finish_reason],
+        stats=stats_to_proto(result.stats),
+    )
+
+
+def committed_from_proto(msg: verifier_pb2.CommittedTokens) -> CommittedTokens:
+    """UNSPECIFIED finish = not the last message; an unknown reason reads as an error."""
+    final = msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    return CommittedTokens(
+        token_ids=tuple(msg.token_ids), first_index=msg.first_index,
+        drafted=msg.step.drafted, accepted=msg.step.accepted, block_len=msg.step.block_len,
+        finish_reason=FINISH_FROM_PB.get(msg.finish_reason, FinishReason.error) if final else None,
+        stats=stats_from_proto(msg.stats) if msg.HasField("stats") else None,
+    )
+
+
+def verifier_info_to_proto(rec: VerifierRecord, vocab_size: int, eos_token_ids: list[int]) -> verifier_pb2.VerifierInfo:
+    return verifier_pb2.VerifierInfo(
+        verifier_id=rec.verifier_id, model_id=rec.model_id, vocab_size=vocab_size,
+        max_context_tokens=rec.max_context_tokens, kv_capacity_tokens=rec.kv_capacity_tokens,
+        kv_used_tokens=rec.kv_used_tokens, active_sessions=rec.active_sessions, eos_token_ids=eos_token_ids,
+    )
+
+
+def verifier_record_from_proto(msg: verifier_pb2.VerifierInfo, address: str) -> VerifierRecord:
+    """A GetInfo answer as routing sees it; `address` is where the caller reached it."""
+    return VerifierRecord(
+        verifier_id=msg.verifier_id, address=address, model_id=msg.model_id,
+        max_context_tokens=msg.max_context_tokens, kv_capacity_tokens=msg.kv_capacity_tokens,
+        kv_used_tokens=msg.kv_used_tokens, active_sessions=msg.active_sessions, updated_at=time.time(),
+    )
+
+
+# -- drafter ------------------------------------------------------------------------------------
+
+
+def draft_open_to_proto(req: DraftSessionOpen) -> drafter_pb2.OpenSession:
+    return drafter_pb2.OpenSession(
+        context_ids=req.context_ids, strategy=STRATEGY_TO_PB[req.strategy], max_draft_tokens=req.max_draft_tokens,
+        sampling=sampling_to_proto(req.sampling), vocab_size=req.vocab_size, next_block_len=req.next_block_len,
+    )
+
+
+def draft_block_to_proto(block: DraftBlock) -> drafter_pb2.DraftBlock:
+    return drafter_pb2.DraftBlock(
+        session_id=block.session_id, base_len=block.base_len, token_ids=block.token_ids,
+        proposals=[drafter_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in block.proposals],
+        proposer=block.proposer, draft_time_us=block.draft_time_us, speculative=block.speculative,
+        confidence=block.confidence,
+    )
+
+
+def draft_block_from_proto(msg: drafter_pb2.DraftBlock) -> DraftBlock:
+    return DraftBlock(
+        session_id=msg.session_id, base_len=msg.base_len, token_ids=list(msg.token_ids),
+        proposals=[(list(d.token_ids), list(d.probs)) for d in msg.proposals],
+        proposer=msg.proposer, confidence=msg.confidence, speculative=msg.speculative,
+        draft_time_us=msg.draft_time_us,
+    )
+
+
+def drafter_info_to_proto(info: DrafterInfo) -> drafter_pb2.DrafterInfo:
+    return drafter_pb2.DrafterInfo(
+        drafter_id=info.drafter_id, strategies=[STRATEGY_TO_PB[s] for s in info.strategies],
+        model_id=info.model_id, vocab_size=info.vocab_size, active_sessions=info.active_sessions,
+    )
+
+
+def drafter_info_from_proto(msg: drafter_pb2.DrafterInfo) -> DrafterInfo:
+    """Strategies this build does not know are left out."""
+    return DrafterInfo(
+        drafter_id=msg.drafter_id,
+        strategies=tuple(STRATEGY_FROM_PB[s] for s in msg.strategies if s in STRATEGY_FROM_PB),
+        model_id=msg.model_id, vocab_size=msg.vocab_size, active_sessions=msg.active_sessions,
     )

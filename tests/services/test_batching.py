@@ -17,6 +17,7 @@ from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.llama import NativeLlama
 from tandem.serving.residency import ResidencyPublisher
 from tandem.services.verifier.core import Overloaded, VerifierCore
+from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.settings import VerifierSettings
 from tandem.engine.spec import Engine, GenerationResult
 
@@ -83,7 +84,8 @@ def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
 
 
 def _verifier(loaded, **kw) -> VerifierCore:
-    return VerifierCore(VerifierSettings(**{"verifier_id": "v-batch", "port": 0, "batch_wait_ms": 20, **kw}), loaded)
+    return VerifierCore(VerifierSettings(**{"verifier_id": "v-batch", "port": 0, "batch_wait_ms": 20, **kw}), loaded,
+                        connector=GrpcDrafterConnector())
 
 
 def test_concurrent_sessions_share_forwards_and_match_the_reference(tiny_loaded):

@@ -24,6 +24,7 @@ from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.services.verifier.core import VerifierCore
+from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.server import build_server as build_verifier
 from tandem.services.verifier.settings import VerifierSettings
 from tandem.engine.spec import Engine
@@ -38,7 +39,7 @@ class RealVerifier:
     def __init__(self, vid: str, loaded, redis_url: str):
         self.publisher = ResidencyPublisher(redis_url, heartbeat_ttl_s=5, session_ttl_s=60)
         self.core = VerifierCore(VerifierSettings(verifier_id=vid, port=0, heartbeat_s=0.5, draft_wait_ms=200),
-                                 loaded, publisher=self.publisher)
+                                 loaded, publisher=self.publisher, connector=GrpcDrafterConnector())
         self.server, port, _ = build_verifier(self.core)
         self.server.start()
         self.address = f"127.0.0.1:{port}"

@@ -13,6 +13,7 @@ from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.services.verifier.core import VerifierCore
+from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.settings import VerifierSettings
 from tandem.engine.spec import Engine, GenerationResult
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
@@ -29,7 +30,7 @@ def _drafter(draft_loaded=None, port: int = 0, *, int8: bool = True):
 
 def _verifier(loaded, **overrides) -> VerifierCore:
     settings = VerifierSettings(**{"verifier_id": "v-test", "port": 0, "draft_wait_ms": 200, **overrides})
-    return VerifierCore(settings, loaded)
+    return VerifierCore(settings, loaded, connector=GrpcDrafterConnector())
 
 
 def _run(core, drafter_address, strategy, max_new=32, session="s", sampling=None):
@@ -181,13 +182,13 @@ def test_a_paused_drafter_is_not_waited_for_and_local_lookup_still_drafts(tiny_l
     drafter sends nothing; the verifier neither waits nor counts a fallback, and its own prompt
     lookup still offers a match."""
     from tandem.engine.proposers import NgramProposer
-    from tandem.services.verifier.remote import RemoteProposer
+    from tandem.services.verifier.drafting import RemoteProposer
 
     dcore, server, address = _drafter()
-    channel = grpc.insecure_channel(address)
+    connector = GrpcDrafterConnector()
     try:
         spec = SpecConfig(strategy=DraftStrategy.ngram, max_draft_tokens=4)
-        remote = RemoteProposer(channel, "p", SamplingParams(), spec, tiny_loaded.vocab_size, wait_s=5.0,
+        remote = RemoteProposer(connector, address, "p", SamplingParams(), spec, tiny_loaded.vocab_size, wait_s=5.0,
                                 local=NgramProposer(1, 4))
         remote.open(CONTEXT)
         first = remote.peek(CONTEXT)  # the drafter's own block, waited for
@@ -202,7 +203,7 @@ def test_a_paused_drafter_is_not_waited_for_and_local_lookup_still_drafts(tiny_l
         assert remote.fallback_steps == 0
         remote.close()
     finally:
-        channel.close()
+        connector.close()
         server.stop(None)
 
 
@@ -210,14 +211,14 @@ def test_under_batching_prompt_lookup_runs_in_the_verifier(tiny_loaded):
     """With other sessions in the batch, an ngram session pauses its drafter at each commit and
     drafts with the verifier's own lookup; alone again, it asks the drafter again."""
     from tandem.engine.proposers import NgramProposer
-    from tandem.services.verifier.remote import RemoteProposer
+    from tandem.services.verifier.drafting import RemoteProposer
 
     dcore, server, address = _drafter()
-    channel = grpc.insecure_channel(address)
+    connector = GrpcDrafterConnector()
     busy = [True]
     try:
         spec = SpecConfig(strategy=DraftStrategy.ngram, max_draft_tokens=4)
-        remote = RemoteProposer(channel, "b", SamplingParams(), spec, tiny_loaded.vocab_size, wait_s=5.0,
+        remote = RemoteProposer(connector, address, "b", SamplingParams(), spec, tiny_loaded.vocab_size, wait_s=5.0,
                                 local=NgramProposer(1, 4), others_busy=lambda: busy[0])
         remote.open(CONTEXT)  # opened under batching: paused from the start
         assert remote.peek(CONTEXT).proposer == "ngram"
@@ -235,5 +236,5 @@ def test_under_batching_prompt_lookup_runs_in_the_verifier(tiny_loaded):
         assert dcore.stats()["regular_blocks"] >= 1
         remote.close()
     finally:
-        channel.close()
+        connector.close()
         server.stop(None)

@@ -1,8 +1,10 @@
-"""The verifier's side of the drafter's `Draft` stream, as a `Proposer`.
+"""The verifier's side of a remote drafter, as a `Proposer`, with no transport in it.
 
 The speculative loop does not know its drafter is remote: `peek` returns the best block that has
 arrived for the current position (waiting a bounded time for one), `propose` hands it over, and
-`on_commit` tells the drafter what the target committed. Blocks arrive on a background thread.
+`on_commit` tells the drafter what the target committed. Blocks arrive on the connector's thread
+(`DrafterConnector`, the small interface this module needs; drafter_client.py implements it over
+gRPC, tests may implement it in-process).
 
 Nothing a drafter sends can change the output, only the speed: a block is used only if it is based
 at or before the committed length and its overlap equals the committed tokens (DESIGN.md: stale
@@ -10,30 +12,63 @@ blocks are dropped and counted), its ids lie in the vocabulary, and its proposal
 well formed. Everything else is counted in `rejected_blocks` and ignored. A drafter that dies or
 stalls does not stop speculation: a step without a usable block in time (counted in
 `fallback_steps`) drafts with the verifier's own prompt lookup when the session's strategy uses it
-(microseconds of work, no model), else decodes plainly; the stream reconnects on its own.
+(microseconds of work, no model), else decodes plainly; the link reopens on its own.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-import grpc
 import torch
 
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.proposers import Draft, Offer, Proposer
-from tandem.serving.protoconv import STRATEGY_TO_PB, sampling_to_proto
-from tandem.v1 import drafter_pb2, drafter_pb2_grpc
+from tandem.serving.messages import DraftBlock, DraftSessionOpen
 
-log = logging.getLogger("tandem.verifier.remote")
+log = logging.getLogger("tandem.verifier.drafting")
 
-_END = object()  # sentinel that ends the request iterator
 NOTHING = Draft(tokens=[], proposer="none")  # the drafter said it has no proposal for this position
+
+
+# -- the connector interface ------------------------------------------------------------------
+
+
+class DrafterUnavailable(Exception):
+    """A link to a drafter could not be opened or broke; the message says why."""
+
+
+class DraftLink(Protocol):
+    """One session's open draft stream."""
+
+    def commit(self, committed_len: int, appended_ids: list[int], next_block_len: int) -> None: ...
+
+    def close(self, reason: str) -> None: ...
+
+
+class DrafterConnector(Protocol):
+    """Opens draft links to drafters by address. `on_block` and `on_lost` are called from the
+    connector's own threads; `on_lost` at most once per link, never after `close`."""
+
+    def open(
+        self,
+        address: str,
+        request: DraftSessionOpen,
+        *,
+        on_block: Callable[[DraftBlock], None],
+        on_lost: Callable[[str], None],
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> DraftLink: ...
+
+    def close(self) -> None: ...
+
+
+# -- the proposer -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -46,34 +81,13 @@ class _Block:
     confidence: int
 
 
-class ChannelPool:
-    """One channel per drafter address, shared by every session of a verifier."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
-
-    def get(self, address: str) -> grpc.Channel:
-        with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = grpc.insecure_channel(address)
-                self._channels[address] = ch
-            return ch
-
-    def close(self) -> None:
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
-
-
 class RemoteProposer(Proposer):
     name = "remote"
 
     def __init__(
         self,
-        channel: grpc.Channel,
+        connector: DrafterConnector,
+        address: str,
         session_id: str,
         sampling: SamplingParams,
         spec: SpecConfig,
@@ -81,98 +95,87 @@ class RemoteProposer(Proposer):
         *,
         wait_s: float = 0.010,
         retry_s: float = 1.0,
-        metadata: tuple = (),
-        others_busy=lambda: False,
+        headers: Sequence[tuple[str, str]] = (),
+        others_busy: Callable[[], bool] = lambda: False,
         local: Proposer | None = None,
     ):
-        self.stub = drafter_pb2_grpc.DrafterStub(channel)
+        self.connector = connector
+        self.address = address
         self.session_id = session_id
         self.sampling = sampling
         self.spec = spec
         self.vocab_size = vocab_size
         self.wait_s = wait_s
         self.retry_s = retry_s
-        self.metadata = metadata
+        self.headers = tuple(headers)
         # True while other sessions share the verifier's batched forwards: then a session that
         # waits for its drafts delays nobody's forward but splits the batch, so it does not wait.
         self.others_busy = others_busy
         # Drafts a step whose remote block is late or missing (prompt lookup over the same ids).
         self.local = local
         self._local_offer: int | None = None  # committed length at which `local` offered
-        self._paused = False  # the last Commit asked for no drafts
+        self._paused = False  # the last commit asked for no drafts
         self.rejected_blocks = 0
         self.fallback_steps = 0
         self._cond = threading.Condition()
         self._blocks: list[_Block] = []
-        self._requests: queue.Queue | None = None
-        self._call = None
+        self._link: DraftLink | None = None
+        self._generation = 0  # which link the callbacks belong to: a lost old link is no news
         self._dead_since: float | None = None
         self._misses = 0
         self._offer: tuple[int, Draft] | None = None  # (committed len, trimmed draft) from peek
-        self._committed: list[int] = []
         self._closed = False
 
-    # -- stream lifecycle ---------------------------------------------------------------------
+    # -- link lifecycle -----------------------------------------------------------------------
 
     def open(self, context_ids: list[int]) -> None:
         """Start (or restart) the session on the drafter with the whole context."""
-        self._committed = list(context_ids)
-        requests: queue.Queue = queue.Queue()
-        self._requests = requests
         with self._cond:
             self._blocks.clear()
-        s = self.sampling
-        open_msg = drafter_pb2.OpenSession(
-            context_ids=context_ids,
-            strategy=STRATEGY_TO_PB[self.spec.strategy],
-            max_draft_tokens=self.spec.max_draft_tokens,
-            sampling=sampling_to_proto(s),
-            vocab_size=self.vocab_size,
-            next_block_len=0 if self._lookup_locally() else self.spec.max_draft_tokens,
+            self._generation += 1
+            generation = self._generation
+        next_k = 0 if self._lookup_locally() else self.spec.max_draft_tokens
+        self._paused = next_k == 0
+        request = DraftSessionOpen(
+            session_id=self.session_id, context_ids=list(context_ids), strategy=self.spec.strategy,
+            max_draft_tokens=self.spec.max_draft_tokens, sampling=self.sampling,
+            vocab_size=self.vocab_size, next_block_len=next_k,
         )
-        self._paused = open_msg.next_block_len == 0
-        requests.put(drafter_pb2.DraftRequest(session_id=self.session_id, open=open_msg))
 
-        def request_iter():
-            while True:
-                item = requests.get()
-                if item is _END:
+        def on_block(block: DraftBlock) -> None:
+            valid = self._validate(block)
+            if valid is None:
+                return
+            with self._cond:
+                if generation != self._generation:
                     return
-                yield item
+                self._blocks.append(valid)
+                del self._blocks[:-8]  # only the newest few can still be useful
+                self._cond.notify_all()
+
+        def on_lost(reason: str) -> None:
+            if not self._closed and generation == self._generation:
+                self._mark_dead(reason)
 
         try:
-            self._call = self.stub.Draft(request_iter(), metadata=self.metadata)
-        except grpc.RpcError as exc:  # pragma: no cover - creation itself rarely fails
-            self._mark_dead(exc)
+            self._link = self.connector.open(self.address, request, on_block=on_block, on_lost=on_lost,
+                                             headers=self.headers)
+        except DrafterUnavailable as exc:
+            self._link = None
+            self._mark_dead(str(exc))
             return
         self._dead_since = None
-        threading.Thread(target=self._receive, args=(self._call,), daemon=True, name="draft-recv").start()
 
-    def _receive(self, call) -> None:
-        try:
-            for msg in call:
-                block = self._validate(msg)
-                if block is None:
-                    continue
-                with self._cond:
-                    self._blocks.append(block)
-                    del self._blocks[:-8]  # only the newest few can still be useful
-                    self._cond.notify_all()
-        except grpc.RpcError as exc:
-            if not self._closed and call is self._call:
-                self._mark_dead(exc)
-
-    def _mark_dead(self, exc: Exception) -> None:
-        code = exc.code() if hasattr(exc, "code") else None
+    def _mark_dead(self, reason: str) -> None:
         if self._dead_since is None:
             log.warning("drafter stream of session %s lost (%s); decoding plainly until it returns",
-                        self.session_id, code or exc)
+                        self.session_id, reason)
         self._dead_since = time.monotonic()
         with self._cond:
             self._blocks.clear()
             self._cond.notify_all()
 
-    def _validate(self, msg: drafter_pb2.DraftBlock) -> _Block | None:
+    def _validate(self, msg: DraftBlock) -> _Block | None:
         tokens = list(msg.token_ids)
         bad = None
         if msg.session_id and msg.session_id != self.session_id:
@@ -187,8 +190,8 @@ class RemoteProposer(Proposer):
                 bad = f"{len(msg.proposals)} proposal distributions for {len(tokens)} tokens"
             else:
                 support, probs = [], []
-                for tok, dist in zip(tokens, msg.proposals):
-                    ids, ps = list(dist.token_ids), list(dist.probs)
+                for tok, (ids, ps) in zip(tokens, msg.proposals):
+                    ids, ps = list(ids), list(ps)
                     total = sum(ps)
                     if (
                         len(ids) != len(ps) or not ids or tok not in ids or len(set(ids)) != len(ids)
@@ -314,22 +317,13 @@ class RemoteProposer(Proposer):
         if next_k > 0 and self._lookup_locally():
             next_k = 0
         self._paused = next_k <= 0
-        if self._requests is None or self._dead_since is not None:
+        if self._link is None or self._dead_since is not None:
             return
-        self._requests.put(drafter_pb2.DraftRequest(
-            session_id=self.session_id,
-            commit=drafter_pb2.Commit(committed_len=len(ids), appended_ids=appended, next_block_len=next_k),
-        ))
+        self._link.commit(len(ids), list(appended), next_k)
 
     def close(self, reason: str = "finished") -> None:
         if self._closed:
             return
         self._closed = True
-        if self._requests is not None:
-            self._requests.put(drafter_pb2.DraftRequest(
-                session_id=self.session_id, close=drafter_pb2.CloseSession(reason=reason)))
-            self._requests.put(_END)
-        call = self._call
-        if call is not None:
-            # Let the Close reach the drafter, then make sure the stream is torn down.
-            threading.Timer(1.0, call.cancel).start()
+        if self._link is not None:
+            self._link.close(reason)
