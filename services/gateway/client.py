@@ -1,5 +1,6 @@
-"""The gateway's gRPC clients of verifiers and drafters: one channel per address, and the
-translation of gRPC failures into the gateway's domain errors, so that core.py never sees grpc.
+"""The gateway's gRPC clients of verifiers and drafters: one channel per address, the conversion of
+messages to and from domain objects (tandem.serving.protoconv), and the translation of gRPC
+failures into the gateway's domain errors, so that core.py never sees grpc or protobuf.
 
 A Verifier.Generate failure means different things depending on when it happens:
 - before the first message, UNAVAILABLE (or a server-side CANCELLED) means the verifier is not
@@ -27,6 +28,14 @@ from tandem.services.gateway.errors import (
     VerifierUnreachable,
 )
 from tandem.serving.telemetry import inject_metadata, tracer
+from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
+from tandem.serving.protoconv import (
+    committed_from_proto,
+    drafter_info_from_proto,
+    verifier_record_from_proto,
+    verifier_request_to_proto,
+)
+from tandem.serving.residency import VerifierRecord
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("tandem.gateway.client")
@@ -43,7 +52,8 @@ _CHANNEL_OPTIONS = [
 
 
 class VerifierStream:
-    """The CommittedTokens stream of one Verifier.Generate call (async iterator), with errors
+    """The CommittedTokens stream of one Verifier.Generate call (async iterator of domain
+    `CommittedTokens`), with errors
     translated as described in the module docstring. `cancel()` ends the upstream call."""
 
     def __init__(self, call, address: str, span: trace.Span = trace.INVALID_SPAN):
@@ -63,7 +73,7 @@ class VerifierStream:
     def __aiter__(self) -> "VerifierStream":
         return self
 
-    async def __anext__(self) -> verifier_pb2.CommittedTokens:
+    async def __anext__(self) -> CommittedTokens:
         try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
@@ -73,7 +83,7 @@ class VerifierStream:
             self._end_span()
             raise StopAsyncIteration
         self.received += 1
-        return msg
+        return committed_from_proto(msg)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -111,25 +121,25 @@ class RpcClients:
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         return channel
 
-    async def verifier_info(self, address: str, timeout_s: float) -> verifier_pb2.VerifierInfo | None:
+    async def verifier_info(self, address: str, timeout_s: float) -> VerifierRecord | None:
         """GetInfo, or None when the verifier does not answer in time."""
         stub = verifier_pb2_grpc.VerifierStub(self._channel(address))
         try:
-            return await stub.GetInfo(verifier_pb2.InfoRequest(), timeout=timeout_s)
+            return verifier_record_from_proto(await stub.GetInfo(verifier_pb2.InfoRequest(), timeout=timeout_s), address)
         except grpc.aio.AioRpcError as exc:
             log.debug("verifier %s GetInfo failed: %s", address, exc.code().name)
             return None
 
-    async def drafter_info(self, address: str, timeout_s: float) -> drafter_pb2.DrafterInfo | None:
+    async def drafter_info(self, address: str, timeout_s: float) -> DrafterInfo | None:
         stub = drafter_pb2_grpc.DrafterStub(self._channel(address))
         try:
-            return await stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s)
+            return drafter_info_from_proto(await stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s))
         except grpc.aio.AioRpcError as exc:
             log.debug("drafter %s GetInfo failed: %s", address, exc.code().name)
             return None
 
     def generate(
-        self, address: str, request: verifier_pb2.SessionGenerateRequest, timeout_s: float | None
+        self, address: str, request: VerifierRequest, timeout_s: float | None
     ) -> VerifierStream:
         stub = verifier_pb2_grpc.VerifierStub(self._channel(address))
         # A client span by hand, its context in the metadata: the grpc.aio client instrumentation
@@ -138,7 +148,8 @@ class RpcClients:
             "rpc.system": "grpc", "rpc.service": "tandem.v1.Verifier", "rpc.method": "Generate",
             "server.address": address,
         })
-        call = stub.Generate(request, timeout=timeout_s, metadata=inject_metadata(span=span))
+        call = stub.Generate(verifier_request_to_proto(request), timeout=timeout_s,
+                             metadata=inject_metadata(span=span))
         return VerifierStream(call, address, span)
 
     async def close(self) -> None:

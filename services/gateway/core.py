@@ -6,7 +6,7 @@ http.py (OpenAI HTTP) unpack into `GenerationRequest`, iterate `GatewayCore.gene
 One request, end to end:
 
     context  = chat template(messages) | tokenize(prompt) | the session's history   (token ids)
-    verifier = residency: session owner > longest resident prefix > least loaded    (residency.py)
+    verifier = routing policy: session owner > longest resident prefix > least loaded (serving/routing.py)
     drafter  = the session's drafter for its strategy (round-robin when new)
     stream   = Verifier.Generate(session_id, context, sampling, speculation, drafter)
     for each CommittedTokens: check first_index == tokens so far, detokenize, yield a Chunk
@@ -21,6 +21,7 @@ anything streamed is replaced by the next candidate (safe, since the context tra
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -36,7 +37,9 @@ from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.serving.logs import log_prompts_enabled, session_id_var
 from tandem.serving.metrics import GatewayMetrics, status_of
 from tandem.engine.models import apply_chat_template
-from tandem.serving.residency import ResidencyConfig, ResidencyIndex, RoutingDecision, VerifierRecord, route_locally
+from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
+from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
+from tandem.serving.routing import RoutingDecision, RoutingPolicy
 from tandem.services.gateway.client import RpcClients, VerifierStream
 from tandem.services.gateway.errors import (
     InvalidRequest,
@@ -48,12 +51,10 @@ from tandem.services.gateway.errors import (
     VerifierUnreachable,
 )
 from tandem.services.gateway.settings import GatewaySettings
-from tandem.serving.protoconv import STRATEGY_FROM_PB, STRATEGY_TO_PB, sampling_to_proto
 from tandem.engine.ids import common_prefix_len
 from tandem.engine.text import Detokenizer
-from tandem.engine.spec import FinishReason
+from tandem.engine.spec import FinishReason, SpecStats
 from tandem.serving.telemetry import tracer
-from tandem.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger("tandem.gateway")
 
@@ -105,7 +106,7 @@ class Chunk:
     verifier_id: str
     finish_reason: FinishReason | None = None  # set on the last chunk only (stop or length)
     usage: Usage | None = None  # last chunk only
-    stats: common_pb2.SpeculationStats | None = None  # last chunk only
+    stats: SpecStats | None = None  # last chunk only: the verifier's counters of the request
     routing: RoutingDecision | None = None  # last chunk only: where and why
 
 
@@ -218,6 +219,7 @@ class GatewayCore:
                 )
             )
         self._index = index
+        self._policy = RoutingPolicy(index)
         self.sessions = SessionStore(settings.max_sessions, settings.session_idle_s)
         self.stats = GatewayStats()
         self.metrics = GatewayMetrics()
@@ -227,7 +229,7 @@ class GatewayCore:
                               lambda: index.errors, kind="counter")
         self._static: dict[str, VerifierRecord | None] = dict.fromkeys(settings.verifiers)  # last GetInfo
         self._registered: list[VerifierRecord] = []  # last read from Redis
-        self._drafters: dict[str, drafter_pb2.DrafterInfo | None] = dict.fromkeys(settings.drafters)
+        self._drafters: dict[str, DrafterInfo | None] = dict.fromkeys(settings.drafters)
         self._next_drafter = itertools.count()
         self._down: dict[str, float] = {}  # verifier id -> monotonic time until which it is skipped
         self._inflight: Counter[str] = Counter()  # verifier id -> this gateway's requests on it
@@ -265,7 +267,7 @@ class GatewayCore:
         s = self.settings
         verifiers = await asyncio.gather(*(self._clients.verifier_info(a, s.rpc_timeout_s) for a in self._static))
         for address, info in zip(list(self._static), verifiers):
-            self._static[address] = None if info is None else VerifierRecord.from_info(info, address)
+            self._static[address] = info
             if info is not None:
                 self._down.pop(info.verifier_id, None)
         drafters = await asyncio.gather(*(self._clients.drafter_info(a, s.rpc_timeout_s) for a in self._drafters))
@@ -294,11 +296,7 @@ class GatewayCore:
         return min([self._max_context, *limits])
 
     def list_models(self) -> list[ModelCard]:
-        offered = {
-            STRATEGY_FROM_PB[s]
-            for info in self._drafters.values() if info is not None
-            for s in info.strategies if s in STRATEGY_FROM_PB
-        }
+        offered = {s for info in self._drafters.values() if info is not None for s in info.strategies}
         strategies = (DraftStrategy.none, *sorted(offered - {DraftStrategy.none}, key=lambda d: d.value))
         return [ModelCard(self.model_name, True, self.context_window(), len(self.live_verifiers()), strategies)]
 
@@ -475,19 +473,17 @@ class GatewayCore:
         affinity = None
         if session is not None and session.verifier_id is not None:
             affinity = (session.verifier_id, common_prefix_len(session.token_ids, prep.context_ids))
-        if self._index is None:
-            usable = [c for c in candidates if c.model_id == self.model_id and c.verifier_id not in exclude]
-            return route_locally(usable, affinity=affinity, inflight=inflight)
-        return await asyncio.to_thread(
-            self._index.route, prep.session_id, prep.context_ids, candidates,
+        route = functools.partial(
+            self._policy.route, prep.session_id, prep.context_ids, candidates,
             model_id=self.model_id, exclude=exclude, inflight=inflight, affinity=affinity,
         )
+        # Reading Redis blocks: off the event loop. Without Redis the policy is pure and instant.
+        return route() if self._index is None else await asyncio.to_thread(route)
 
     def _drafter_for(self, session: _Session | None, strategy: DraftStrategy) -> str:
         if strategy == DraftStrategy.none:
             return ""
-        wanted = STRATEGY_TO_PB[strategy]
-        offering = [a for a, info in self._drafters.items() if info is not None and wanted in info.strategies]
+        offering = [a for a, info in self._drafters.items() if info is not None and strategy in info.strategies]
         if not offering:
             return ""  # the verifier decodes plainly
         if session is not None and session.drafters.get(strategy) in offering:
@@ -495,8 +491,8 @@ class GatewayCore:
         return offering[next(self._next_drafter) % len(offering)]
 
     async def _connect(
-        self, prep: _Prepared, request: verifier_pb2.SessionGenerateRequest, deadline: float
-    ) -> tuple[RoutingDecision, VerifierStream, verifier_pb2.CommittedTokens]:
+        self, prep: _Prepared, request: VerifierRequest, deadline: float
+    ) -> tuple[RoutingDecision, VerifierStream, CommittedTokens]:
         """Open the stream on the best verifier that answers; the first message proves it did."""
         tried: set[str] = set()
         failures: list[str] = []
@@ -572,17 +568,7 @@ class GatewayCore:
         sid, context, sampling = prep.session_id, prep.context_ids, prep.sampling
         session = self.sessions.get(sid) if sid else None
         drafter = self._drafter_for(session, prep.spec.strategy)
-        request = verifier_pb2.SessionGenerateRequest(
-            session_id=sid or "",
-            context_ids=context,
-            sampling=sampling_to_proto(sampling),
-            speculation=common_pb2.SpeculationParams(
-                strategy=STRATEGY_TO_PB[prep.spec.strategy],
-                max_draft_tokens=prep.spec.max_draft_tokens,
-                adaptive=prep.spec.adaptive,
-            ),
-            drafter_address=drafter,
-        )
+        request = VerifierRequest(sid or "", context, sampling, prep.spec, drafter)
         decision, stream, msg = await self._connect(prep, request, time.monotonic() + prep.timeout_s)
         vid = decision.verifier_id
         self.stats.routed[decision.reason] += 1
@@ -600,7 +586,7 @@ class GatewayCore:
                         f"verifier {vid} broke the protocol: a chunk starts at output index "
                         f"{msg.first_index}, expected {len(generated)}"
                     )
-                ids = tuple(msg.token_ids)
+                ids = msg.token_ids
                 generated.extend(ids)
                 if len(generated) > sampling.max_new_tokens:
                     raise UpstreamFailed(
@@ -608,10 +594,10 @@ class GatewayCore:
                         f"{sampling.max_new_tokens}"
                     )
                 finish = msg.finish_reason
-                final = finish != common_pb2.FINISH_REASON_UNSPECIFIED
-                if final and finish not in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
+                final = finish is not None
+                if final and finish not in (FinishReason.stop, FinishReason.length):
                     raise UpstreamFailed(
-                        f"verifier {vid} stopped with {common_pb2.FinishReason.Name(finish)} after "
+                        f"verifier {vid} stopped with {finish.value} after "
                         f"{len(generated)} tokens; the completion is incomplete"
                     )
                 text = detok.push([t for t in ids if t not in hidden], final=final)
@@ -620,16 +606,16 @@ class GatewayCore:
                         yield Chunk(text, ids, msg.first_index, vid)
                     msg = await anext(stream, None)
                     continue
-                cached = min(msg.stats.prefill_reused_tokens, len(context))
+                stats = msg.stats or SpecStats()
+                cached = min(stats.prefill_reused_tokens, len(context))
                 log.info("completed on %s (routed by %s): %d prompt tokens (%d cached) + %d generated, finish %s; "
                          "drafted %d, accepted %d in %d steps", vid, decision.reason, len(context), cached,
-                         len(generated), common_pb2.FinishReason.Name(finish), msg.stats.drafted,
-                         msg.stats.accepted, msg.stats.steps)
+                         len(generated), finish.value, stats.drafted, stats.accepted, stats.steps)
                 yield Chunk(
                     text, ids, msg.first_index, vid,
-                    finish_reason=FinishReason.stop if finish == common_pb2.FINISH_REASON_STOP else FinishReason.length,
+                    finish_reason=finish,
                     usage=Usage(len(context), len(generated), cached),
-                    stats=msg.stats,
+                    stats=stats,
                     routing=decision,
                 )
                 await self._drain(stream, vid)

@@ -18,8 +18,8 @@ from tandem.services.gateway.errors import (
     UnknownSession,
     UpstreamFailed,
 )
-from tandem.engine.spec import FinishReason
-from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tandem.serving.protoconv import FINISH_TO_PB, STRATEGY_FROM_PB, STRATEGY_TO_PB, stats_to_proto
+from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 _STATUS: dict[type[GatewayError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -33,19 +33,6 @@ _STATUS: dict[type[GatewayError], grpc.StatusCode] = {
 }
 
 _GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-
-_FINISH = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.stop: common_pb2.FINISH_REASON_STOP,
-    FinishReason.length: common_pb2.FINISH_REASON_LENGTH,
-}
-_STRATEGY_NAMES = {
-    common_pb2.DRAFT_STRATEGY_NONE: "none",
-    common_pb2.DRAFT_STRATEGY_NGRAM: "ngram",
-    common_pb2.DRAFT_STRATEGY_MODEL: "model",
-    common_pb2.DRAFT_STRATEGY_HYBRID: "hybrid",
-}
-_STRATEGY_PROTO = {v: k for k, v in _STRATEGY_NAMES.items()}
 
 
 def status_code(exc: GatewayError) -> grpc.StatusCode:
@@ -80,7 +67,7 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
     if msg.HasField("speculation"):
         p = msg.speculation
         fields.update(
-            strategy=_STRATEGY_NAMES.get(p.strategy),  # UNSPECIFIED = server default
+            strategy=STRATEGY_FROM_PB[p.strategy].value if p.strategy in STRATEGY_FROM_PB else None,  # UNSPECIFIED = default
             max_draft_tokens=p.max_draft_tokens or None,
             adaptive=p.adaptive if p.HasField("adaptive") else None,
         )
@@ -92,7 +79,7 @@ def pack_chunk(chunk: Chunk) -> gateway_pb2.GenerateResponse:
         text=chunk.text,
         token_ids=list(chunk.token_ids),
         first_index=chunk.first_index,
-        finish_reason=_FINISH[chunk.finish_reason],
+        finish_reason=FINISH_TO_PB[chunk.finish_reason],
         verifier_id=chunk.verifier_id,
     )
     if chunk.usage is not None:
@@ -104,7 +91,7 @@ def pack_chunk(chunk: Chunk) -> gateway_pb2.GenerateResponse:
             )
         )
     if chunk.stats is not None:
-        msg.stats.CopyFrom(chunk.stats)
+        msg.stats.CopyFrom(stats_to_proto(chunk.stats))
     return msg
 
 
@@ -127,7 +114,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     is_default=card.is_default,
                     max_context_tokens=card.max_context_tokens,
                     verifier_count=card.verifier_count,
-                    strategies=[_STRATEGY_PROTO[s.value] for s in card.strategies],
+                    strategies=[STRATEGY_TO_PB[s] for s in card.strategies],
                 )
                 for card in self._core.list_models()
             ]

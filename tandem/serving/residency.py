@@ -1,6 +1,7 @@
 """KV residency in Redis: which verifier is alive, which holds a session, which holds a prompt prefix.
 
-Verifiers publish (`ResidencyPublisher`), gateways read and route (`ResidencyIndex`). Redis holds
+Verifiers publish (`ResidencyPublisher`), gateways read (`ResidencyIndex`) and route by the policy in
+tandem.serving.routing. Redis holds
 metadata only, never tensors. It is an optimization, never a dependency: every method catches Redis
 errors, counts them and logs once per outage, so a verifier keeps serving and a gateway keeps
 routing (by load) while Redis is down. While an outage lasts, calls skip Redis for `retry_after_s`
@@ -45,9 +46,9 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field
@@ -118,20 +119,6 @@ class VerifierRecord:
     updated_at: float = 0.0  # unix seconds of the information
 
     @classmethod
-    def from_info(cls, info, address: str) -> "VerifierRecord":
-        """From a `tandem.v1.VerifierInfo` message (or anything with its field names)."""
-        return cls(
-            verifier_id=info.verifier_id,
-            address=address,
-            model_id=info.model_id,
-            max_context_tokens=int(info.max_context_tokens),
-            kv_capacity_tokens=int(info.kv_capacity_tokens),
-            kv_used_tokens=int(info.kv_used_tokens),
-            active_sessions=int(info.active_sessions),
-            updated_at=time.time(),
-        )
-
-    @classmethod
     def coerce(cls, info: "VerifierRecord | Mapping") -> "VerifierRecord":
         """A record from itself or from a mapping with its field names (extra keys ignored)."""
         if isinstance(info, VerifierRecord):
@@ -164,47 +151,14 @@ class VerifierRecord:
         )
 
 
-RoutingReason = Literal["session", "prefix", "load", "redis-unavailable"]
-
-
 @dataclass(frozen=True)
-class RoutingDecision:
-    verifier_id: str
-    address: str
-    reason: RoutingReason  # why this verifier: it holds the session, the longest prefix, or is least loaded
-    matched_tokens: int  # prompt tokens expected resident there (0 when routed by load)
+class ResidencyView:
+    """What Redis says about one request, read in one go (tandem.serving.routing decides with it)."""
 
-
-def least_loaded(
-    candidates: Sequence[VerifierRecord], inflight: Mapping[str, int] | None = None
-) -> VerifierRecord | None:
-    """Fewest active sessions, then least KV in use; ties go to the smaller id (deterministic).
-    `inflight` holds requests the caller itself has in flight per verifier: a lower bound on its
-    active sessions that is fresher than the last heartbeat."""
-    inflight = inflight or {}
-
-    def load(rec: VerifierRecord) -> tuple[int, int, str]:
-        return (max(rec.active_sessions, inflight.get(rec.verifier_id, 0)), rec.kv_used_tokens, rec.verifier_id)
-
-    return min(candidates, key=load, default=None)
-
-
-def route_locally(
-    candidates: Sequence[VerifierRecord],
-    *,
-    affinity: tuple[str, int] | None = None,
-    inflight: Mapping[str, int] | None = None,
-    reason: RoutingReason = "load",
-) -> RoutingDecision | None:
-    """Routing without Redis, from what the caller knows itself. `affinity` = (verifier id, tokens
-    of this context it holds): where the caller last sent this session; if that verifier is a
-    candidate the session stays there (its KV is likely still resident), else the least loaded
-    candidate wins, labelled `reason`."""
-    by_id = {c.verifier_id: c for c in candidates}
-    if affinity is not None and affinity[0] in by_id:
-        return RoutingDecision(affinity[0], by_id[affinity[0]].address, "session", affinity[1])
-    rec = least_loaded(candidates, inflight)
-    return None if rec is None else RoutingDecision(rec.verifier_id, rec.address, reason, 0)
+    registered: list[VerifierRecord]  # live registered verifiers
+    session_owner: str | None  # verifier id the session key names (None: no key)
+    session_resident: int  # tokens of the session's KV resident there
+    prefix_held: dict[str, int]  # verifier id -> tokens of the context's prefix whose KV it holds
 
 
 class _RedisHealth:
@@ -416,8 +370,9 @@ class ResidencyPublisher:
 
 
 class ResidencyIndex:
-    """Gateway side: reads residency and routes. Never raises on Redis errors: it answers
-    "unknown" (empty results) and routes by load, with `redis_ok` False until Redis answers again."""
+    """Gateway side: reads residency for the routing policy (tandem.serving.routing). Never raises on
+    Redis errors: it answers "unknown" (empty results, or no view), with `redis_ok` False until Redis
+    answers again."""
 
     def __init__(self, config: ResidencyConfig | str, client: redis.Redis | None = None, **overrides):
         """`config`: a ResidencyConfig, or a Redis URL with ResidencyConfig fields as keywords."""
@@ -444,52 +399,17 @@ class ResidencyIndex:
         """verifier id -> tokens of `token_ids` whose KV it holds (full blocks of the prefix)."""
         return self._health.call(lambda: self._longest_prefix(token_ids), {})[0]
 
-    def route(
-        self,
-        session_id: str | None,
-        token_ids: Sequence[int],
-        candidates: Sequence[VerifierRecord] = (),
-        *,
-        model_id: str | None = None,
-        exclude: Collection[str] = (),
-        inflight: Mapping[str, int] | None = None,
-        affinity: tuple[str, int] | None = None,
-    ) -> RoutingDecision | None:
-        """Pick a verifier for a request: the one holding the session, else the one holding the
-        longest prefix of `token_ids`, else the least loaded. `candidates` are verifiers the caller
-        knows without Redis (its static configuration); registered ones are added. Verifiers in
-        `exclude` or serving another model are skipped. `affinity` is the caller's own memory of the
-        session (see `route_locally`): it stands in for a session key that Redis lacks (not yet
-        published, or Redis down). None: no verifier at all."""
+    def view(self, session_id: str | None, token_ids: Sequence[int]) -> ResidencyView | None:
+        """Everything routing reads for one request; None when Redis does not answer."""
 
-        def usable(rec: VerifierRecord) -> bool:
-            return rec.verifier_id not in exclude and (model_id is None or rec.model_id == model_id)
-
-        def decide() -> RoutingDecision | None:
-            live = {c.verifier_id: c for c in candidates if usable(c)}
-            live.update((r.verifier_id, r) for r in self._verifiers() if usable(r))
-            if not live:
-                return None
+        def read() -> ResidencyView:
+            owner, resident = (None, None)
             if session_id:
                 owner, resident = self._redis.hmget(session_key(session_id), ["verifier_id", "resident_tokens"])
-                if owner in live:
-                    matched = min(int(resident or 0), len(token_ids))
-                    return RoutingDecision(owner, live[owner].address, "session", matched)
-                if affinity is not None and affinity[0] in live:
-                    return RoutingDecision(affinity[0], live[affinity[0]].address, "session", affinity[1])
-            held = {vid: n for vid, n in self._longest_prefix(token_ids).items() if vid in live}
-            if held:
-                best_n = max(held.values())
-                best = least_loaded([live[vid] for vid, n in held.items() if n == best_n], inflight)
-                return RoutingDecision(best.verifier_id, best.address, "prefix", best_n)
-            rec = least_loaded(list(live.values()), inflight)
-            return RoutingDecision(rec.verifier_id, rec.address, "load", 0)
+            return ResidencyView(self._verifiers(), owner, int(resident or 0), self._longest_prefix(token_ids))
 
-        decision, ok = self._health.call(decide, None)
-        if ok:
-            return decision
-        return route_locally([c for c in candidates if usable(c)], affinity=affinity, inflight=inflight,
-                             reason="redis-unavailable")
+        view, ok = self._health.call(read, None)
+        return view if ok else None
 
     def close(self) -> None:
         self._redis.close()

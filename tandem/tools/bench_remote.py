@@ -17,7 +17,7 @@ import grpc
 
 from tandem.engine.config import DraftStrategy, SamplingParams
 from tandem.tools.datasets import PromptRecord, to_chat
-from tandem.serving.protoconv import FINISH_FROM_PB, STRATEGY_TO_PB, sampling_to_proto
+from tandem.serving.protoconv import FINISH_FROM_PB, STRATEGY_TO_PB, sampling_to_proto, stats_from_proto
 from tandem.engine.spec import FinishReason, GenerationResult, SpecStats
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -60,12 +60,7 @@ class GatewayTarget:
                 tokens.extend(msg.token_ids)
             last = msg
         end = time.perf_counter()
-        st = last.stats
-        stats = SpecStats(
-            drafted=st.drafted, accepted=st.accepted, recovered=st.recovered, bonus=st.bonus, steps=st.steps,
-            fallback_steps=st.fallback_steps, rejected_blocks=st.rejected_blocks,
-            prefill_reused_tokens=st.prefill_reused_tokens, prefill_computed_tokens=st.prefill_computed_tokens,
-        )
+        stats = stats_from_proto(last.stats)
         # The stop token is streamed (it belongs to the session's history) but is not output.
         if last.finish_reason == common_pb2.FINISH_REASON_STOP and tokens:
             tokens = tokens[:-1]

@@ -1,5 +1,5 @@
-"""KV residency in Redis (tandem/residency.py) against a real Valkey server: the key schema and its
-TTLs, heartbeat expiry, routing by session / longest prefix / load, eviction, prefix hash
+"""KV residency in Redis (tandem/serving/residency.py) against a real Valkey server: the key schema and its
+TTLs, heartbeat expiry, the routing policy reading it (session / longest prefix / load), eviction, prefix hash
 chaining, and an unreachable Redis (the publisher carries on, the index routes by load)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 import pytest
 import redis
 
+from tandem.serving.routing import RoutingPolicy
 from tandem.serving.residency import (
     KEY_PREFIX,
     VERIFIER_INDEX_KEY,
@@ -112,31 +113,31 @@ def test_route_by_session_then_prefix_then_load(rds, config) -> None:
     pub_a.publish_session("s1", "va", turn1 + [40, 41])  # its KV: context + generated
 
     # A fresh request with no residency anywhere goes to the least loaded.
-    fresh = index.route(None, [99] * 12)
+    fresh = RoutingPolicy(index).route(None, [99] * 12)
     assert (fresh.verifier_id, fresh.reason, fresh.matched_tokens) == ("vb", "load", 0)
     # The session's next turn goes where its KV is, although that verifier is busier.
     turn2 = turn1 + [40, 41, 6, 7, 8]
-    d = index.route("s1", turn2)
+    d = RoutingPolicy(index).route("s1", turn2)
     assert (d.verifier_id, d.address, d.reason, d.matched_tokens) == ("va", "va.local:1", "session", 15)
     # Another session sharing the system prompt goes where that prefix is resident.
-    d = index.route("s2", system + [9, 9, 9, 9, 9])
+    d = RoutingPolicy(index).route("s2", system + [9, 9, 9, 9, 9])
     assert (d.verifier_id, d.reason, d.matched_tokens) == ("va", "prefix", 8)
     assert index.longest_prefix(turn2) == {"va": 12}
     # The longest prefix wins over a shorter one elsewhere.
     pub_b.publish_session("s3", "vb", system + [7, 7, 7, 7])
-    d = index.route("s4", turn1 + [40, 41, 0])
+    d = RoutingPolicy(index).route("s4", turn1 + [40, 41, 0])
     assert (d.verifier_id, d.matched_tokens) == ("va", 12)  # vb holds only the first 8
     assert index.longest_prefix(system + [7, 7, 7, 7, 1]) == {"va": 8, "vb": 12}
     # The caller's memory of a session stands in for a session key Redis does not have (yet).
-    d = index.route("s9", turn2, affinity=("vb", 7))
+    d = RoutingPolicy(index).route("s9", turn2, affinity=("vb", 7))
     assert (d.verifier_id, d.reason, d.matched_tokens) == ("vb", "session", 7)
     # A session whose verifier is excluded (it failed to connect) falls back to prefix, then load.
-    d = index.route("s1", turn2, exclude={"va"})
+    d = RoutingPolicy(index).route("s1", turn2, exclude={"va"})
     assert (d.verifier_id, d.reason) == ("vb", "prefix")
     # Another model's verifiers are never chosen.
-    assert index.route("s1", turn2, model_id="other") is None
+    assert RoutingPolicy(index).route("s1", turn2, model_id="other") is None
     # The caller's in-flight counts are a lower bound on a verifier's load.
-    assert index.route(None, [99] * 12, inflight={"vb": 9}).verifier_id == "va"
+    assert RoutingPolicy(index).route(None, [99] * 12, inflight={"vb": 9}).verifier_id == "va"
 
 
 def test_route_takes_static_candidates_and_skips_dead_sessions(rds, config) -> None:
@@ -144,10 +145,10 @@ def test_route_takes_static_candidates_and_skips_dead_sessions(rds, config) -> N
     static = [record("vs", active=0)]
     pub = ResidencyPublisher(config)
     pub.publish_session("s1", "vgone", list(range(8)))  # its verifier never registered (dead)
-    d = index.route("s1", list(range(8)), static)
+    d = RoutingPolicy(index).route("s1", list(range(8)), static)
     assert (d.verifier_id, d.reason) == ("vs", "load")
     assert index.session_verifier("s1") == "vgone"
-    assert index.route("s1", [1], []) is None
+    assert RoutingPolicy(index).route("s1", [1], []) is None
 
 
 def test_eviction_removes_keys_but_keeps_shared_blocks(rds, config) -> None:
@@ -182,11 +183,11 @@ def test_redis_unreachable(caplog) -> None:
     assert pub.errors == 5 and not pub.redis_ok
     index = ResidencyIndex(cfg)
     assert index.verifiers() == [] and index.session_verifier("s1") is None and index.longest_prefix([1] * 8) == {}
-    d = index.route("s1", list(range(8)), [record("vb", active=3), record("vc", active=1)])
+    d = RoutingPolicy(index).route("s1", list(range(8)), [record("vb", active=3), record("vc", active=1)])
     assert (d.verifier_id, d.address, d.reason, d.matched_tokens) == ("vc", "vc.local:1", "redis-unavailable", 0)
     assert not index.redis_ok and index.errors == 4
     # The caller's own memory of the session still keeps it in place.
-    d = index.route("s1", list(range(8)), [record("vb", active=3), record("vc", active=1)], affinity=("vb", 6))
+    d = RoutingPolicy(index).route("s1", list(range(8)), [record("vb", active=3), record("vc", active=1)], affinity=("vb", 6))
     assert (d.verifier_id, d.reason, d.matched_tokens) == ("vb", "session", 6)
     assert time.monotonic() - t0 < 2.0  # refused connections fail fast
     outage_logs = [r for r in caplog.records if "unavailable" in r.getMessage()]

@@ -1,0 +1,116 @@
+"""The gateway's routing policy: which verifier serves a request, and why.
+
+Policy, in order (the first that applies wins):
+
+1. **session** — the verifier that holds the session's KV: Redis's session key names it, or, when
+   Redis lacks the key (a verifier publishes a turn only as it ends, or Redis is down), the
+   verifier this gateway last sent the session to (`affinity`).
+2. **prefix** — the verifier holding the longest resident prefix of the context (full prefix
+   blocks, Redis's prefix keys); ties go to the least loaded of them.
+3. **load** — the least loaded live verifier: fewest active sessions (this gateway's own in-flight
+   requests count as a fresher lower bound), then least KV in use, then the smaller id.
+
+Only verifiers of the served model that are live and not excluded (just failed, or backing off)
+are candidates: the caller's static ones plus those registered in Redis. When Redis does not
+answer, steps 1 (by affinity) and 3 still run, labelled `redis-unavailable`, so the gateway keeps
+serving. Redis is the store this policy reads (`ResidencyIndex.view`), nothing more.
+
+Worked example: verifiers A (2 active) and B (0 active); the context's first 64 tokens are
+resident on A. A new session goes to A by `prefix` (64 matched tokens); with A excluded it goes to
+B by `load`; its next turn goes to whichever served it, by `session`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from tandem.serving.residency import ResidencyIndex, ResidencyView, VerifierRecord
+
+RoutingReason = Literal["session", "prefix", "load", "redis-unavailable"]
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    verifier_id: str
+    address: str
+    reason: RoutingReason  # why this verifier: it holds the session, the longest prefix, or is least loaded
+    matched_tokens: int  # prompt tokens expected resident there (0 when routed by load)
+
+
+def least_loaded(
+    candidates: Sequence[VerifierRecord], inflight: Mapping[str, int] | None = None
+) -> VerifierRecord | None:
+    """Fewest active sessions, then least KV in use; ties go to the smaller id (deterministic).
+    `inflight` holds requests the caller itself has in flight per verifier: a lower bound on its
+    active sessions that is fresher than the last heartbeat."""
+    inflight = inflight or {}
+
+    def load(rec: VerifierRecord) -> tuple[int, int, str]:
+        return (max(rec.active_sessions, inflight.get(rec.verifier_id, 0)), rec.kv_used_tokens, rec.verifier_id)
+
+    return min(candidates, key=load, default=None)
+
+
+class RoutingPolicy:
+    """Session > prefix > load, reading residency from `index` (None: no Redis configured)."""
+
+    def __init__(self, index: ResidencyIndex | None = None):
+        self.index = index
+
+    def route(
+        self,
+        session_id: str | None,
+        token_ids: Sequence[int],
+        candidates: Sequence[VerifierRecord] = (),
+        *,
+        model_id: str | None = None,
+        exclude: Collection[str] = (),
+        inflight: Mapping[str, int] | None = None,
+        affinity: tuple[str, int] | None = None,
+    ) -> RoutingDecision | None:
+        """The verifier for a request, or None when no candidate is left.
+
+        `candidates`: verifiers the caller knows without Redis (its static configuration); the
+        registered ones are added. `affinity` = (verifier id, tokens of this context it holds):
+        where the caller last sent this session. May block on Redis (call it off the event loop)."""
+
+        def usable(rec: VerifierRecord) -> bool:
+            return rec.verifier_id not in exclude and (model_id is None or rec.model_id == model_id)
+
+        view = None if self.index is None else self.index.view(session_id, token_ids)
+        live = {c.verifier_id: c for c in candidates if usable(c)}
+        if view is not None:
+            live.update((r.verifier_id, r) for r in view.registered if usable(r))
+        if not live:
+            return None
+        if self.index is not None and view is None:
+            return self._without_residency(live, affinity, inflight, "redis-unavailable")
+        if view is None:
+            return self._without_residency(live, affinity, inflight, "load")
+        return self._with_residency(live, view, len(token_ids), affinity, inflight)
+
+    @staticmethod
+    def _without_residency(live: dict[str, VerifierRecord], affinity: tuple[str, int] | None,
+                           inflight: Mapping[str, int] | None, reason: RoutingReason) -> RoutingDecision:
+        if affinity is not None and affinity[0] in live:
+            return RoutingDecision(affinity[0], live[affinity[0]].address, "session", affinity[1])
+        rec = least_loaded(list(live.values()), inflight)
+        return RoutingDecision(rec.verifier_id, rec.address, reason, 0)
+
+    @staticmethod
+    def _with_residency(live: dict[str, VerifierRecord], view: ResidencyView, context_len: int,
+                        affinity: tuple[str, int] | None, inflight: Mapping[str, int] | None) -> RoutingDecision:
+        owner = view.session_owner
+        if owner in live:
+            return RoutingDecision(owner, live[owner].address, "session", min(view.session_resident, context_len))
+        if affinity is not None and affinity[0] in live:
+            return RoutingDecision(affinity[0], live[affinity[0]].address, "session", affinity[1])
+        held = {vid: n for vid, n in view.prefix_held.items() if vid in live}
+        if held:
+            best_n = max(held.values())
+            best = least_loaded([live[vid] for vid, n in held.items() if n == best_n], inflight)
+            return RoutingDecision(best.verifier_id, best.address, "prefix", best_n)
+        rec = least_loaded(list(live.values()), inflight)
+        return RoutingDecision(rec.verifier_id, rec.address, "load", 0)
