@@ -27,6 +27,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
+from typing import Protocol
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -40,7 +41,6 @@ from tandem.engine.models import apply_chat_template
 from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
 from tandem.serving.routing import RoutingDecision, RoutingPolicy
-from tandem.services.gateway.client import RpcClients, VerifierStream
 from tandem.services.gateway.errors import (
     InvalidRequest,
     NoVerifierAvailable,
@@ -60,6 +60,30 @@ log = logging.getLogger("tandem.gateway")
 
 _DRAIN_S = 1.0  # how long a verifier may take to close its stream after the final message
 
+
+
+class CommittedStream(Protocol):
+    """One Verifier.Generate call as the core reads it: an async iterator of CommittedTokens whose
+    failures are the domain errors of errors.py (VerifierUnreachable / VerifierBusy before the
+    first message, UpstreamFailed or DeadlineExceeded after)."""
+
+    def __aiter__(self) -> "CommittedStream": ...
+
+    async def __anext__(self) -> CommittedTokens: ...
+
+    def cancel(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """How the core reaches verifiers and drafters (client.py's `RpcClients` over gRPC)."""
+
+    async def verifier_info(self, address: str, timeout_s: float) -> VerifierRecord | None: ...
+
+    async def drafter_info(self, address: str, timeout_s: float) -> DrafterInfo | None: ...
+
+    def generate(self, address: str, request: VerifierRequest, timeout_s: float | None) -> CommittedStream: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -201,7 +225,7 @@ class GatewayCore:
         *,
         model_id: str,
         max_context_tokens: int,
-        clients: RpcClients | None = None,
+        clients: Upstream,
         index: ResidencyIndex | None = None,
     ):
         self.settings = settings
@@ -210,7 +234,7 @@ class GatewayCore:
         self.model_name = settings.served_model_name or model_id
         self._max_context = min(max_context_tokens, settings.max_context_tokens or max_context_tokens)
         self._vocab = len(tokenizer)
-        self._clients = clients or RpcClients()
+        self._clients = clients
         if index is None and settings.redis_url:
             index = ResidencyIndex(
                 ResidencyConfig(
@@ -239,11 +263,11 @@ class GatewayCore:
         self._eos_ids = frozenset() if eos is None else frozenset([int(eos)])
 
     @classmethod
-    def from_settings(cls, settings: GatewaySettings) -> "GatewayCore":
+    def from_settings(cls, settings: GatewaySettings, clients: Upstream) -> "GatewayCore":
         from tandem.engine.models import load_tokenizer
 
         model_id, tokenizer, max_context = load_tokenizer(settings.model)
-        return cls(settings, tokenizer, model_id=model_id, max_context_tokens=max_context)
+        return cls(settings, tokenizer, model_id=model_id, max_context_tokens=max_context, clients=clients)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -492,7 +516,7 @@ class GatewayCore:
 
     async def _connect(
         self, prep: _Prepared, request: VerifierRequest, deadline: float
-    ) -> tuple[RoutingDecision, VerifierStream, CommittedTokens]:
+    ) -> tuple[RoutingDecision, CommittedStream, CommittedTokens]:
         """Open the stream on the best verifier that answers; the first message proves it did."""
         tried: set[str] = set()
         failures: list[str] = []
@@ -551,7 +575,7 @@ class GatewayCore:
             })
 
     @staticmethod
-    async def _drain(stream: VerifierStream, vid: str) -> None:
+    async def _drain(stream: CommittedStream, vid: str) -> None:
         """After the final message, let the verifier end the call itself rather than cancel it: it
         publishes the session's residency as the turn ends, so the client's next turn (sent once
         this one completed) finds it in Redis. A verifier that does not close promptly is

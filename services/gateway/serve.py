@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import uvicorn
 
+from tandem.services.gateway.client import RpcClients
 from tandem.services.gateway.core import GatewayCore
 from tandem.services.gateway.http import create_app
 from tandem.services.gateway.server import build_grpc_server
@@ -81,7 +82,7 @@ def serve(settings: GatewaySettings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        core = GatewayCore.from_settings(settings)
+        core = GatewayCore.from_settings(settings, RpcClients())
         await run_gateway(core, settings, stop)
 
     asyncio.run(main())

@@ -18,7 +18,7 @@ import grpc
 from tandem.engine.config import DraftStrategy, SamplingParams
 from tandem.tools.datasets import PromptRecord, to_chat
 from tandem.serving.protoconv import FINISH_FROM_PB, STRATEGY_TO_PB, sampling_to_proto, stats_from_proto
-from tandem.engine.spec import FinishReason, GenerationResult, SpecStats
+from tandem.engine.spec import FinishReason, GenerationResult
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 _MODE_STRATEGY = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model": DraftStrategy.model}

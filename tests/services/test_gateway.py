@@ -28,6 +28,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.serving.residency import ResidencyConfig, ResidencyPublisher, VerifierRecord
+from tandem.services.gateway.client import RpcClients
 from tandem.services.gateway.core import GatewayCore
 from tandem.services.gateway.serve import run_gateway
 from tandem.services.gateway.settings import GatewaySettings
@@ -155,7 +156,8 @@ class Gateway:
 
     async def _main(self, tokenizer) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        self.core = GatewayCore(self.settings, tokenizer, model_id=MODEL, max_context_tokens=512)
+        self.core = GatewayCore(self.settings, tokenizer, model_id=MODEL, max_context_tokens=512,
+                                clients=RpcClients())
 
         def ready(http_port: int, grpc_port: int) -> None:
             self.url, self.grpc_port = f"http://127.0.0.1:{http_port}", grpc_port
