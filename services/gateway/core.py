@@ -192,7 +192,7 @@ class SessionStore:
 
 @dataclass
 class GatewayStats:
-    """Counters for logs, /health and metrics sinks."""
+    """The gateway's counters: /health shows them, the metrics read them at scrape time."""
 
     requests: int = 0
     routed: Counter = field(default_factory=Counter)  # routing reason -> requests
@@ -246,7 +246,7 @@ class GatewayCore:
         self._policy = RoutingPolicy(index)
         self.sessions = SessionStore(settings.max_sessions, settings.session_idle_s)
         self.stats = GatewayStats()
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(lambda: self.stats.routed, lambda: self.stats.connect_failures)
         self.metrics.read("tandem_requests_in_flight", "Requests this gateway is serving now.", lambda: self._active)
         if index is not None:
             self.metrics.read("tandem_redis_errors", "Failed Redis calls (residency reads).",
@@ -542,7 +542,6 @@ class GatewayCore:
                 raise UpstreamFailed(f"verifier {decision.verifier_id} ended the stream without a message") from None
             except VerifierUnreachable as exc:
                 self.stats.connect_failures += 1
-                self.metrics.connect_failure()
                 trace.get_current_span().add_event(
                     "verifier_unreachable", {"tandem.verifier_id": decision.verifier_id, "tandem.error": str(exc)})
                 self._down[decision.verifier_id] = time.monotonic() + self.settings.down_backoff_s
@@ -596,7 +595,6 @@ class GatewayCore:
         decision, stream, msg = await self._connect(prep, request, time.monotonic() + prep.timeout_s)
         vid = decision.verifier_id
         self.stats.routed[decision.reason] += 1
-        self.metrics.routed(decision.reason)
         # Stop tokens are committed (they belong to the history) but never shown; a stop id can only
         # be the last token, so leaving these ids out of the text is exact.
         hidden = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self._eos_ids)

@@ -59,20 +59,6 @@ class _Session:
     last_used: float = field(default_factory=time.monotonic)
 
 
-@dataclass
-class VerifierCounters:
-    requests: int = 0
-    prefill_reused_tokens: int = 0
-    prefill_computed_tokens: int = 0
-    evictions: int = 0
-    fallback_steps: int = 0
-    rejected_blocks: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    steps: int = 0
-    prefill_shared_tokens: int = 0  # context tokens whose KV was copied from another session
-
-
 class VerifierCore:
     def __init__(
         self,
@@ -90,7 +76,6 @@ class VerifierCore:
         self.engine = Engine(target, None, SpecConfig(max_draft_tokens=settings.max_draft_tokens))
         self.publisher = publisher
         self.connector = connector
-        self.counters = VerifierCounters()
         self.address = settings.advertise_address or f"{settings.host}:{settings.port}"
         self.executor = self.engine.runner.enable_batching(settings.batch_wait_ms / 1000.0)
         self._lock = threading.Lock()  # guards the session table
@@ -221,7 +206,7 @@ class VerifierCore:
             if donor is None or best - own < self.SHARE_MIN_TOKENS:
                 return 0
             seq.share_from(donor.seq, best)
-        self.counters.prefill_shared_tokens += best
+        self.metrics.shared(best)
         return best
 
     def _make_room(self, new_tokens: int, exclude: str | None) -> list[tuple[str, list[int]]]:
@@ -242,7 +227,6 @@ class VerifierCore:
                 continue
             del self._sessions[sid]
             evicted.append((sid, sess.seq.ids))
-            self.counters.evictions += 1
             self.metrics.eviction()
             log.info("evicted idle session %s (%d tokens) to make room", sid, len(sess.seq))
         if over():
@@ -311,7 +295,6 @@ class VerifierCore:
         headers: tuple,
     ) -> Iterator[StepOutput | GenerationResult]:
         self.validate(context_ids, sampling)
-        self.counters.requests += 1
         sess = self._checkout(session_id, len(context_ids))
         proposer = None
         keep = True
@@ -356,7 +339,7 @@ class VerifierCore:
             finally:
                 self.executor.session_busy(-1)
             result = gen.result()
-            self._count(result)
+            self.metrics.faults(result.stats.fallback_steps, result.stats.rejected_blocks)
             yield result
         except GeneratorExit:
             raise  # the client went away between steps: the session's state is consistent, keep it
@@ -396,17 +379,6 @@ class VerifierCore:
                                                     "tandem.fallback_steps": proposer.fallback_steps})
             if rejected > 0:
                 span.add_event("draft_blocks_rejected", {"tandem.rejected_blocks": rejected})
-
-    def _count(self, result: GenerationResult) -> None:
-        self.metrics.faults(result.stats.fallback_steps, result.stats.rejected_blocks)
-        c, s = self.counters, result.stats
-        c.prefill_reused_tokens += s.prefill_reused_tokens
-        c.prefill_computed_tokens += s.prefill_computed_tokens
-        c.fallback_steps += s.fallback_steps
-        c.rejected_blocks += s.rejected_blocks
-        c.drafted += s.drafted
-        c.accepted += s.accepted
-        c.steps += s.steps
 
 
 def gen_ok(sess: _Session) -> bool:

@@ -1,8 +1,10 @@
 """Prometheus sinks of each service's statistics (prometheus-client, one registry per service).
 
-Each service's domain object keeps its own stats (SpecStats per generation, VerifierCounters,
-GatewayStats, DrafterStats) and reports events to its sink here; values the domain already owns
-(KV in use, Redis errors, the drafter's counters) are read at scrape time. Nothing is exported
+One statistics path per service. The verifier reports each step, prefill and eviction here as it
+happens, and these metrics are its only counters (tests and logs read them too, through `value`).
+The gateway and the drafter keep stats objects of their own (GatewayStats for /health,
+DrafterStats), which these sinks read at scrape time, as they read values the domain owns (KV in
+use, Redis errors) rather than count them a second time. Nothing is exported
 until `serve` (the services' `--metrics-port`; the gateway also answers GET /metrics on its HTTP
 port). Names follow Prometheus conventions: `_total` counters, base units in the name.
 
@@ -30,7 +32,7 @@ length (committed tokens per target step, DESIGN.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -90,6 +92,10 @@ class ServiceMetrics:
     def request(self, status: str) -> None:
         self._requests.labels(self.service, status).inc()
 
+    def value(self, name: str, **labels: str) -> float:
+        """The current value of one sample (a counter's name ends in `_total`); 0 if never set."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
     def read(self, name: str, doc: str, read: Callable[[], float], *, kind: str = "gauge") -> None:
         """Export a value owned elsewhere (`kind` "counter": monotonic, name without `_total`)."""
         self.registry.register(_Read(name, doc, read, kind))
@@ -143,6 +149,9 @@ class VerifierMetrics(ServiceMetrics):
         self._prefill = Counter(
             "tandem_prefill_tokens", "Context tokens at prefill: reused (KV resident) or computed.",
             ["kind"], registry=r)
+        self._shared = Counter(
+            "tandem_prefix_shared_tokens", "Context tokens whose KV was copied from another resident session "
+            "(a shared system prompt or tool schema; counted in reused too).", registry=r)
         self._evictions = Counter("tandem_kv_evictions", "Idle sessions evicted to make room in the KV cache.",
                                   registry=r)
         self._fallback = Counter(
@@ -186,6 +195,9 @@ class VerifierMetrics(ServiceMetrics):
         self._prefill.labels("reused").inc(reused)
         self._prefill.labels("computed").inc(computed)
 
+    def shared(self, tokens: int) -> None:
+        self._shared.inc(tokens)
+
     def faults(self, fallback_steps: int, rejected_blocks: int) -> None:
         self._fallback.inc(fallback_steps)
         self._rejected.inc(rejected_blocks)
@@ -195,10 +207,12 @@ class VerifierMetrics(ServiceMetrics):
 
 
 class GatewayMetrics(ServiceMetrics):
-    """What clients see: latency to the first token and between tokens, and where requests went."""
+    """What clients see: latency to the first token and between tokens; where requests went and
+    verifiers that failed at connect are read from the gateway's stats (`routed`: reason -> count)."""
 
-    def __init__(self) -> None:
+    def __init__(self, routed: Callable[[], Mapping[str, int]], connect_failures: Callable[[], int]) -> None:
         super().__init__("gateway")
+        self.registry.register(_RoutingCollector(routed, connect_failures))
         r = self.registry
         self._ttft = Histogram(
             "tandem_time_to_first_token_seconds", "From a request's arrival to its first generated token.",
@@ -206,29 +220,41 @@ class GatewayMetrics(ServiceMetrics):
         self._itl = Histogram(
             "tandem_inter_token_latency_seconds", "Time per output token between streamed chunks (a chunk of n "
             "tokens after a gap g counts n times at g/n).", buckets=_ITL_BUCKETS, registry=r)
-        self._lookups = Counter(
-            "tandem_residency_lookups", "Routing decisions by KV residency: hit (session or prefix resident "
-            "on the chosen verifier) or miss (routed by load).", ["result"], registry=r)
-        self._routed = Counter(
-            "tandem_routing_decisions", "Routing decisions by reason: session, prefix, load, redis-unavailable.",
-            ["reason"], registry=r)
-        self._connect_failures = Counter(
-            "tandem_verifier_connect_failures", "Verifiers found unreachable at connect (the next one tried).",
-            registry=r)
-
-    def routed(self, reason: str) -> None:
-        self._routed.labels(reason).inc()
-        self._lookups.labels("hit" if reason in ("session", "prefix") else "miss").inc()
-
-    def connect_failure(self) -> None:
-        self._connect_failures.inc()
-
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
 
     def tokens(self, n: int, gap_seconds: float) -> None:
         for _ in range(n):
             self._itl.observe(gap_seconds / n)
+
+
+def _labelled(name: str, doc: str, label: str, values: Mapping[str, float]) -> CounterMetricFamily:
+    """A counter family with one label, from a mapping label value -> count."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, n in values.items():
+        family.add_metric([key], n)
+    return family
+
+
+class _RoutingCollector:
+    """The gateway's routing counters, read from its stats at scrape time."""
+
+    def __init__(self, routed: Callable[[], Mapping[str, int]], connect_failures: Callable[[], int]):
+        self._routed, self._connect_failures = routed, connect_failures
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        routed = dict(self._routed())
+        yield _labelled("tandem_routing_decisions", "Routing decisions by reason: session, prefix, load, "
+                        "redis-unavailable.", "reason", routed)
+        hits = sum(n for reason, n in routed.items() if reason in ("session", "prefix"))
+        yield _labelled("tandem_residency_lookups", "Routing decisions by KV residency: hit (session or prefix "
+                        "resident on the chosen verifier) or miss (routed by load).", "result",
+                        {"hit": hits, "miss": sum(routed.values()) - hits})
+        yield CounterMetricFamily("tandem_verifier_connect_failures", "Verifiers found unreachable at connect "
+                                  "(the next one tried).", value=self._connect_failures())
 
 
 class DrafterMetrics(ServiceMetrics):
@@ -248,18 +274,13 @@ class _DrafterCollector:
 
     def collect(self):
         s = self._stats()
-        blocks = CounterMetricFamily(
+        yield _labelled(
             "tandem_draft_blocks", "Draft blocks sent: regular (at the committed length) or speculative "
-            "(drafted ahead while the previous block was verified).", labels=["kind"])
-        blocks.add_metric(["regular"], s["regular_blocks"])
-        blocks.add_metric(["speculative"], s["speculative_blocks"])
-        yield blocks
-        spec = CounterMetricFamily(
+            "(drafted ahead while the previous block was verified).", "kind",
+            {"regular": s["regular_blocks"], "speculative": s["speculative_blocks"]})
+        yield _labelled(
             "tandem_speculative_blocks", "Speculative blocks by outcome: used (consistent with the next "
-            "commit) or wasted.", labels=["outcome"])
-        spec.add_metric(["used"], s["speculative_used"])
-        spec.add_metric(["wasted"], s["speculative_wasted"])
-        yield spec
+            "commit) or wasted.", "outcome", {"used": s["speculative_used"], "wasted": s["speculative_wasted"]})
         yield CounterMetricFamily("tandem_draft_seconds", "Seconds spent drafting (every block).",
                                   value=s["draft_seconds"])
         yield GaugeMetricFamily("tandem_draft_sessions_active", "Open draft sessions.", value=s["active_sessions"])

@@ -134,7 +134,7 @@ def test_admission_control_when_every_slot_is_busy(tiny_loaded):
     # Once a is idle, b gets in by evicting it.
     items = list(core.generate("b", ctx[::-1], SamplingParams(max_new_tokens=4), SpecConfig(strategy=DraftStrategy.none)))
     assert isinstance(items[-1], GenerationResult)
-    assert core.session_ids() == ["b"] and core.counters.evictions == 1
+    assert core.session_ids() == ["b"] and core.metrics.value("tandem_kv_evictions_total") == 1
 
 
 def test_overload_is_resource_exhausted_with_retry_hint(tiny_loaded):
@@ -181,7 +181,7 @@ def test_shared_prefix_is_copied_not_recomputed(tiny_loaded):
     ra = list(core.generate("a", a, SamplingParams(max_new_tokens=6), none))[-1]
     assert ra.stats.prefill_computed_tokens == len(a) - 1
     rb = list(core.generate("b", b, SamplingParams(max_new_tokens=6), none))[-1]
-    assert core.counters.prefill_shared_tokens >= len(system) - 1
+    assert core.metrics.value("tandem_prefix_shared_tokens_total") >= len(system) - 1
     assert rb.stats.prefill_computed_tokens <= len(b) - len(system)
     reference = Engine(tiny_loaded).generate(b, SamplingParams(max_new_tokens=6), none).token_ids
     assert rb.token_ids == reference

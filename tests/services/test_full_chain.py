@@ -124,7 +124,7 @@ def test_second_turn_sticks_to_its_verifier_and_prefills_only_new_tokens(chain):
     holder = next(v for v in verifiers if v.core.settings.verifier_id == first)
     other = next(v for v in verifiers if v is not holder)
     assert "conv" in holder.core.session_ids() and "conv" not in other.core.session_ids()
-    assert other.core.counters.prefill_computed_tokens == 0
+    assert other.core.metrics.value("tandem_prefill_tokens_total", kind="computed") == 0
 
 
 def test_dead_verifier_session_moves_and_is_rebuilt(chain, tiny_loaded):
