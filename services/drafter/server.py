@@ -186,9 +186,9 @@ def _sampling_from_pb(session_id: str, msg: common_pb2.SamplingParams) -> Sampli
 def _build(
     core: DrafterCore, address: str, max_workers: int
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    # Each open Draft stream holds one worker thread for its lifetime (a verifier keeps one stream
-    # and multiplexes its sessions on it), so max_workers must exceed the number of verifiers,
-    # with room left for GetInfo and health checks.
+    # Each open Draft stream holds one worker thread for its lifetime, and today's verifier opens
+    # one stream per drafted session: max_workers bounds the drafted sessions of all verifiers
+    # together, with room left for GetInfo and health checks.
     servicer = DrafterServicer(core)
     return build_grpc_server(
         lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),

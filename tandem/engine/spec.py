@@ -261,7 +261,7 @@ class Generation:
         self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None)
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
         out.proposer = draft.proposer if draft is not None else None
-        out.block_len = self._block_len if draft is not None else 0
+        out.block_len = self._block_len
         if self.proposer is not None:
             if self.finished:
                 self.proposer.close()

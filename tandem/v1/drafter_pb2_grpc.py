@@ -54,7 +54,9 @@ class DrafterServicer:
     def Draft(self, request_iterator, context):
         """The draft loop of one or more sessions. The verifier sends Open, then one Commit per
         verification step, then Close; the drafter streams DraftBlocks. A stream may carry several
-        sessions, told apart by session_id; ending the stream closes all of them.
+        sessions, told apart by session_id; ending the stream closes all of them. (The drafter
+        serves both shapes; today's verifier opens one stream per drafted session, and each open
+        stream holds one drafter worker thread.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,7 +46,9 @@ class DrafterStub:
     Draft: _grpc.StreamStreamMultiCallable[_drafter_pb2.DraftRequest, _drafter_pb2.DraftBlock]
     """The draft loop of one or more sessions. The verifier sends Open, then one Commit per
     verification step, then Close; the drafter streams DraftBlocks. A stream may carry several
-    sessions, told apart by session_id; ending the stream closes all of them.
+    sessions, told apart by session_id; ending the stream closes all of them. (The drafter
+    serves both shapes; today's verifier opens one stream per drafted session, and each open
+    stream holds one drafter worker thread.)
     """
     GetInfo: _grpc.UnaryUnaryMultiCallable[_drafter_pb2.DrafterInfoRequest, _drafter_pb2.DrafterInfo]
     """Describe this drafter: strategies, draft model, load."""
@@ -59,7 +61,9 @@ class DrafterAsyncStub(DrafterStub):
     Draft: _aio.StreamStreamMultiCallable[_drafter_pb2.DraftRequest, _drafter_pb2.DraftBlock]  # type: ignore[assignment]
     """The draft loop of one or more sessions. The verifier sends Open, then one Commit per
     verification step, then Close; the drafter streams DraftBlocks. A stream may carry several
-    sessions, told apart by session_id; ending the stream closes all of them.
+    sessions, told apart by session_id; ending the stream closes all of them. (The drafter
+    serves both shapes; today's verifier opens one stream per drafted session, and each open
+    stream holds one drafter worker thread.)
     """
     GetInfo: _aio.UnaryUnaryMultiCallable[_drafter_pb2.DrafterInfoRequest, _drafter_pb2.DrafterInfo]  # type: ignore[assignment]
     """Describe this drafter: strategies, draft model, load."""
@@ -75,7 +79,9 @@ class DrafterServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_drafter_pb2.DraftBlock], _abc.AsyncIterator[_drafter_pb2.DraftBlock]]:
         """The draft loop of one or more sessions. The verifier sends Open, then one Commit per
         verification step, then Close; the drafter streams DraftBlocks. A stream may carry several
-        sessions, told apart by session_id; ending the stream closes all of them.
+        sessions, told apart by session_id; ending the stream closes all of them. (The drafter
+        serves both shapes; today's verifier opens one stream per drafted session, and each open
+        stream holds one drafter worker thread.)
         """
 
     @_abc_1.abstractmethod
