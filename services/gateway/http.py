@@ -55,32 +55,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.serving.logs import session_id_var
 from tandem.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
-from tandem.services.gateway.errors import (
-    DeadlineExceeded,
-    GatewayError,
-    InvalidRequest,
-    NoVerifierAvailable,
-    Overloaded,
-    UnknownSession,
-    UpstreamFailed,
-)
+from tandem.services.gateway import errors
 from tandem.serving.telemetry import instrument_http_app
 
 SESSION_HEADER = "X-Session-Id"
 
-_HTTP: dict[type[GatewayError], tuple[int, str]] = {
-    InvalidRequest: (400, "invalid_request_error"),
-    UnknownSession: (404, "not_found_error"),
-    Overloaded: (429, "overloaded_error"),
-    UpstreamFailed: (502, "upstream_error"),
-    NoVerifierAvailable: (503, "service_unavailable_error"),
-    DeadlineExceeded: (504, "timeout_error"),
+_HTTP: dict[type[errors.GatewayError], tuple[int, str]] = {
+    errors.InvalidRequest: (400, "invalid_request_error"),
+    errors.UnknownSession: (404, "not_found_error"),
+    errors.Overloaded: (429, "overloaded_error"),
+    errors.UpstreamFailed: (502, "upstream_error"),
+    errors.NoVerifierAvailable: (503, "service_unavailable_error"),
+    errors.DeadlineExceeded: (504, "timeout_error"),
 }
 
 T = TypeVar("T")
 
 
-def http_status(exc: GatewayError) -> tuple[int, str]:
+def http_status(exc: errors.GatewayError) -> tuple[int, str]:
     for cls in type(exc).__mro__:
         if cls in _HTTP:
             return _HTTP[cls]
@@ -94,7 +86,7 @@ def _error_body(message: str, kind: str, status: int) -> dict:
 RETRY_AFTER_S = 1  # a full verifier frees KV within seconds: sessions finish, idle ones are evicted
 
 
-def error_response(exc: GatewayError) -> JSONResponse:
+def error_response(exc: errors.GatewayError) -> JSONResponse:
     status, kind = http_status(exc)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     return JSONResponse(_error_body(str(exc), kind, status), status_code=status, headers=headers)
@@ -159,14 +151,14 @@ class _CommonBody(_Strict):
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
-            raise InvalidRequest(f"n must be 1 (one choice per request), got {self.n}")
+            raise errors.InvalidRequest(f"n must be 1 (one choice per request), got {self.n}")
         if self.stop:
-            raise InvalidRequest(
+            raise errors.InvalidRequest(
                 "stop strings are not supported: generation stops on token ids, so pass stop_token_ids"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
-                raise InvalidRequest(f"{name} is not supported (it would change the target's distribution)")
+                raise errors.InvalidRequest(f"{name} is not supported (it would change the target's distribution)")
 
 
 class ChatCompletionBody(_CommonBody):
@@ -196,13 +188,13 @@ async def _parse(request: Request, model: type[T]) -> T:
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        raise errors.InvalidRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise InvalidRequest("the request body must be a JSON object")
+        raise errors.InvalidRequest("the request body must be a JSON object")
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
-        raise InvalidRequest(_describe(exc)) from None
+        raise errors.InvalidRequest(_describe(exc)) from None
     body.check_supported()
     return body
 
@@ -210,10 +202,10 @@ async def _parse(request: Request, model: type[T]) -> T:
 def _session_id(request: Request, body: _CommonBody) -> str | None:
     header = request.headers.get(SESSION_HEADER)
     if header is not None and body.session_id is not None and header != body.session_id:
-        raise InvalidRequest(f"the {SESSION_HEADER} header and the session_id field disagree")
+        raise errors.InvalidRequest(f"the {SESSION_HEADER} header and the session_id field disagree")
     sid = header if header is not None else body.session_id
     if sid is not None and not (0 < len(sid) <= 256 and sid.isprintable()):
-        raise InvalidRequest("a session id must be 1 to 256 printable characters")
+        raise errors.InvalidRequest("a session id must be 1 to 256 printable characters")
     return sid
 
 
@@ -222,7 +214,7 @@ def _domain_request(request: Request, body: _CommonBody, **input_fields) -> Gene
     extra_max = getattr(body, "max_completion_tokens", None)
     if extra_max is not None:
         if max_tokens is not None and max_tokens != extra_max:
-            raise InvalidRequest("max_tokens and max_completion_tokens disagree; give one")
+            raise errors.InvalidRequest("max_tokens and max_completion_tokens disagree; give one")
         max_tokens = extra_max
     spec = body.speculation or SpeculationOptions()
     return GenerationRequest(
@@ -375,7 +367,7 @@ async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, 
                     for event in fmt.events(chunk, first=is_first):
                         yield _sse(event)
                     chunk, is_first = await anext(chunks, None), False
-            except GatewayError as exc:
+            except errors.GatewayError as exc:
                 status, kind = http_status(exc)
                 yield _sse(_error_body(str(exc), kind, status))
                 return
@@ -390,8 +382,8 @@ def create_app(core: GatewayCore) -> FastAPI:
     app = FastAPI(title="Tandem gateway", version="v1", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
 
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+    @app.exception_handler(errors.GatewayError)
+    async def _gateway_error(request: Request, exc: errors.GatewayError) -> JSONResponse:
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -403,7 +395,7 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionBody)
         if body.logprobs:
-            raise InvalidRequest("logprobs is not supported")
+            raise errors.InvalidRequest("logprobs is not supported")
         messages = [m.as_template_dict() for m in body.messages]
         return await _respond(request, core, _domain_request(request, body, messages=messages), body, chat=True)
 
@@ -411,11 +403,11 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionBody)
         if body.logprobs:
-            raise InvalidRequest("logprobs is not supported")
+            raise errors.InvalidRequest("logprobs is not supported")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise InvalidRequest("one prompt per request: batch prompts are not supported")
+                raise errors.InvalidRequest("one prompt per request: batch prompts are not supported")
             prompt = prompt[0]
         return await _respond(request, core, _domain_request(request, body, prompt=prompt), body, chat=False)
 

@@ -9,33 +9,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
-from tandem.services.gateway.errors import (
-    DeadlineExceeded,
-    GatewayError,
-    InvalidRequest,
-    NoVerifierAvailable,
-    Overloaded,
-    UnknownSession,
-    UpstreamFailed,
-)
+from tandem.services.gateway import errors
 from tandem.serving.protoconv import FINISH_TO_PB, STRATEGY_FROM_PB, STRATEGY_TO_PB, stats_to_proto
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-_STATUS: dict[type[GatewayError], grpc.StatusCode] = {
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    UnknownSession: grpc.StatusCode.NOT_FOUND,
-    NoVerifierAvailable: grpc.StatusCode.UNAVAILABLE,
-    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+_STATUS: dict[type[errors.GatewayError], grpc.StatusCode] = {
+    errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.UnknownSession: grpc.StatusCode.NOT_FOUND,
+    errors.NoVerifierAvailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     # The stream was cut after tokens went out: the client should retry the turn (its history
     # already holds the streamed prefix), as ABORTED tells it.
-    UpstreamFailed: grpc.StatusCode.ABORTED,
+    errors.UpstreamFailed: grpc.StatusCode.ABORTED,
 }
 
 _GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
-def status_code(exc: GatewayError) -> grpc.StatusCode:
+def status_code(exc: errors.GatewayError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in _STATUS:
             return _STATUS[cls]
@@ -103,7 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             async for chunk in self._core.generate(unpack_request(request, context.time_remaining())):
                 yield pack_chunk(chunk)
-        except GatewayError as exc:
+        except errors.GatewayError as exc:
             await context.abort(status_code(exc), str(exc))
 
     async def ListModels(self, request, context):

@@ -225,23 +225,16 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
-class ResidencyPublisher:
-    """Verifier side: registration, heartbeat and the residency of its sessions' KV.
+class _RedisClient:
+    """What both sides share: the typed config, one Redis client, and the outage bookkeeping."""
 
-    It remembers locally which prefix blocks each session holds, so that evicting one session
-    removes the verifier from a block's set only when no other session of it still holds the block
-    (sessions sharing a system prompt share its blocks). Thread-safe. Never raises on Redis errors.
-    """
+    ROLE = "residency"
 
     def __init__(self, config: ResidencyConfig | str, client: redis.Redis | None = None, **overrides):
         """`config`: a ResidencyConfig, or a Redis URL with ResidencyConfig fields as keywords."""
         self.config = config = _config(config, overrides)
         self._redis = client or _connect(config)
-        self._health = _RedisHealth("residency publisher", config.url, config.retry_after_s)
-        self._lock = threading.Lock()
-        self._verifier_id: str | None = None
-        self._sessions: dict[str, tuple[str, list[str]]] = {}  # sid -> (verifier id, block hashes)
-        self._block_refs: Counter[tuple[str, str]] = Counter()  # (verifier id, hash) -> sessions holding it
+        self._health = _RedisHealth(self.ROLE, config.url, config.retry_after_s)
 
     @property
     def redis_ok(self) -> bool:
@@ -250,6 +243,24 @@ class ResidencyPublisher:
     @property
     def errors(self) -> int:
         return self._health.errors
+
+
+class ResidencyPublisher(_RedisClient):
+    """Verifier side: registration, heartbeat and the residency of its sessions' KV.
+
+    It remembers locally which prefix blocks each session holds, so that evicting one session
+    removes the verifier from a block's set only when no other session of it still holds the block
+    (sessions sharing a system prompt share its blocks). Thread-safe. Never raises on Redis errors.
+    """
+
+    ROLE = "residency publisher"
+
+    def __init__(self, config: ResidencyConfig | str, client: redis.Redis | None = None, **overrides):
+        super().__init__(config, client, **overrides)
+        self._lock = threading.Lock()
+        self._verifier_id: str | None = None
+        self._sessions: dict[str, tuple[str, list[str]]] = {}  # sid -> (verifier id, block hashes)
+        self._block_refs: Counter[tuple[str, str]] = Counter()  # (verifier id, hash) -> sessions holding it
 
     def register(self, info: VerifierRecord | Mapping) -> bool:
         """Announce a verifier (idempotent; the same write as a heartbeat). True if Redis took it.
@@ -369,24 +380,12 @@ class ResidencyPublisher:
         return released
 
 
-class ResidencyIndex:
+class ResidencyIndex(_RedisClient):
     """Gateway side: reads residency for the routing policy (tandem.serving.routing). Never raises on
     Redis errors: it answers "unknown" (empty results, or no view), with `redis_ok` False until Redis
     answers again."""
 
-    def __init__(self, config: ResidencyConfig | str, client: redis.Redis | None = None, **overrides):
-        """`config`: a ResidencyConfig, or a Redis URL with ResidencyConfig fields as keywords."""
-        self.config = config = _config(config, overrides)
-        self._redis = client or _connect(config)
-        self._health = _RedisHealth("residency index", config.url, config.retry_after_s)
-
-    @property
-    def redis_ok(self) -> bool:
-        return self._health.ok
-
-    @property
-    def errors(self) -> int:
-        return self._health.errors
+    ROLE = "residency index"
 
     def verifiers(self) -> list[VerifierRecord]:
         """Live registered verifiers (empty when Redis is unreachable)."""

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,37 +35,41 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process for {address} exited with code {proc.returncode} before becoming healthy")
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} did not become healthy within {timeout_s:.0f} s")
-            time.sleep(0.2)
-
-
-def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def _wait_until(what: str, healthy: Callable[[], bool], timeout_s: float, proc: subprocess.Popen | None) -> None:
+    """Poll `healthy` every 0.2 s until it says yes; fail early if `proc` exits first."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with code {proc.returncode} before becoming healthy")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+            raise RuntimeError(f"process for {what} exited with code {proc.returncode} before becoming healthy")
+        if healthy():
+            return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f} s")
+            raise TimeoutError(f"{what} did not become healthy within {timeout_s:.0f} s")
         time.sleep(0.2)
+
+
+def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        def serving() -> bool:
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            except grpc.RpcError:
+                return False
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+        _wait_until(address, serving, timeout_s, proc)
+
+
+def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    def ok() -> bool:
+        try:
+            return httpx.get(url, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _wait_until(url, ok, timeout_s, proc)
 
 
 @dataclass

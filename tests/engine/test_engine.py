@@ -604,6 +604,7 @@ def sampling_context(sharp, contexts) -> list[int]:
     raise AssertionError("no context where prompt lookup drafts the greedy continuation")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ngram", "model"])
 def test_sampled_output_follows_the_target_distribution(strategy, sharp, near, sampling_context) -> None:
     ctx = sampling_context
@@ -617,6 +618,7 @@ def test_sampled_output_follows_the_target_distribution(strategy, sharp, near, s
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
 
 
+@pytest.mark.slow
 def test_plain_sampling_follows_the_target_distribution(sharp, sampling_context) -> None:
     ctx = sampling_context
     p1, joint = exact_first_two(sharp.model, ctx, TOP_K, 1.0)
@@ -626,6 +628,7 @@ def test_plain_sampling_follows_the_target_distribution(sharp, sampling_context)
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
 
 
+@pytest.mark.slow
 def test_the_chi_square_test_catches_a_biased_sampler(sharp, near, sampling_context, monkeypatch) -> None:
     """Negative control: the classic bug of drawing the recovered token from p instead of
     norm(max(0, p - q)) must fail the same test, at half its sample size; else the test above has no

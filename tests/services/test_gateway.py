@@ -455,6 +455,7 @@ def test_client_disconnect_cancels_the_verifier_call(stack) -> None:
     assert v.cancelled.wait(15), "the verifier call was not cancelled"
 
 
+@pytest.mark.slow
 def test_serve_stops_gracefully_on_sigterm(tmp_path, tiny_tokenizer) -> None:
     from transformers import LlamaConfig
 

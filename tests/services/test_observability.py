@@ -156,6 +156,7 @@ def _attrs(span: trace_pb2.Span) -> dict:
     return out
 
 
+@pytest.mark.slow  # the module fixture starts the three services as processes
 def test_one_trace_across_the_three_services(observed: Observed) -> None:
     assert set(observed.exit_codes.values()) == {0}, f"every service stops gracefully: {observed.exit_codes}"
     spans = [(svc, s) for svc, s in observed.spans if s.trace_id.hex() == TRACE_ID]
@@ -219,6 +220,7 @@ def test_one_trace_across_the_three_services(observed: Observed) -> None:
         observed.responses[1]["usage"]["prompt_tokens_details"]["cached_tokens"]) > 0
 
 
+@pytest.mark.slow  # the module fixture starts the three services as processes
 def test_metrics_move_by_what_the_responses_report(observed: Observed) -> None:
     o = observed
     verifier = "verifier-0"
@@ -264,6 +266,7 @@ def test_metrics_move_by_what_the_responses_report(observed: Observed) -> None:
     assert o.delta("drafter", "tandem_draft_blocks_total", kind="regular") > 0
 
 
+@pytest.mark.slow  # the module fixture starts the three services as processes
 def test_the_dashboard_queries_only_exported_metrics(observed: Observed) -> None:
     exported = {name for scrape in observed.after.values() for name, _ in scrape}
     dashboard = json.loads((Path(__file__).parents[2] / "deploy/grafana/tandem-dashboard.json").read_text())
