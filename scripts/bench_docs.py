@@ -24,12 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.tools.datasets import DEV_SETS  # noqa: E402
+from tandem.tools.datasets import DEV_SETS, PROMPTS_DIR  # noqa: E402
 from tandem.tools.bench import median_speedup  # noqa: E402
 from tandem.tools.plots import FILES, dataset_label, write_plots  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data"
-# (results name, file under shared/data): the dev sets of shared/data/PROVENANCE.md
+DATA = PROMPTS_DIR
+# (results name, file under DATA): the bundled dev sets (tandem/tools/prompts/PROVENANCE.md)
 SETS = DEV_SETS
 OURS = ("ar", "ngram", "model", "hybrid")
 PEER = "hf-prompt-lookup"
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_set(name: str, path: Path, args) -> None:
     if not path.exists():
-        raise SystemExit(f"{path} is missing: shared/data is laid beside the repository")
+        raise SystemExit(f"{path} is missing from the bundled prompt sets")
     cmd = [
         sys.executable, "-m", "tandem.tools.cli", "bench", "--dataset", str(path), "--limit", str(args.limit),
         "--max-new-tokens", str(args.max_new_tokens), "--modes", args.modes,

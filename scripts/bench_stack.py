@@ -22,10 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.tools.datasets import DEV_SETS  # noqa: E402
+from tandem.tools.datasets import DEV_SETS, PROMPTS_DIR  # noqa: E402
 from tandem.tools.stack import Stack, StackConfig, free_port  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data"
+DATA = PROMPTS_DIR
 SETS = DEV_SETS
 
 

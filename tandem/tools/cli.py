@@ -225,7 +225,7 @@ def convert(
 
 @app.command()
 def bench(
-    dataset: Annotated[Path, typer.Option("--dataset", "-d", help="Prompt set: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns and optional category.", exists=True, dir_okay=False)],
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Prompt set: a bundled development set by name (humaneval, mt_bench, gsm8k, bfcl_multiple) or a file: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns and optional category.")],
     limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N prompts.", min=1)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens per generation.", min=1)] = 128,
     modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram, model and hybrid (a draft model: --draft-model, or the target's distilled draft); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs a draft model too).")] = "ar,ngram",
@@ -254,12 +254,12 @@ def bench(
     from rich.console import Console
 
     from tandem.tools.bench import format_category_table, format_table, run_bench
-    from tandem.tools.datasets import load_prompts
+    from tandem.tools.datasets import load_prompts, resolve_dataset
     from tandem.engine.spec import Engine
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     try:
-        records = load_prompts(dataset, limit)
+        records = load_prompts(resolve_dataset(dataset), limit)
         sampling = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
         spec = SpecConfig(max_draft_tokens=max_draft_tokens, adaptive=adaptive)
     except ValueError as exc:
@@ -309,7 +309,7 @@ def distill(
     tokens: Annotated[int, typer.Option("--tokens", help="Target-generated reply tokens to train on.", min=1)] = 66_000,
     epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training text.", min=0.01)] = 5.5,
     prompts: Annotated[Optional[list[Path]], typer.Option("--prompts", help="Prompt set(s) to generate training text for (repeatable; any format `tandem bench` reads). Default: the four dev sets under --data-dir (first --holdout prompts of each left out), in equal shares.", exists=True, dir_okay=False)] = None,
-    data_dir: Annotated[Path, typer.Option("--data-dir", help="Where the shared prompt sets live.")] = Path("../shared/data"),
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Where the development prompt sets live (default: the ones bundled with Tandem).")] = None,
     holdout: Annotated[int, typer.Option("--holdout", help="Leave out the first N prompts of each benchmarked dev set (the benchmarks run those).", min=0)] = 20,
     self_prompts: Annotated[int, typer.Option("--self-prompts", help="User messages the target writes for itself as one more prompt source (open-ended requests the prompt sets lack; 0: none).", min=0)] = 128,
     init_layers: Annotated[Optional[str], typer.Option("--init-layers", help="Comma-separated target layers the draft's layers start from (default: the first --layers layers).")] = None,
@@ -325,6 +325,7 @@ def distill(
     interruption. The result loads with --draft-model; for the default target, modes model and
     hybrid use it without one. The defaults took 13 minutes on 2 CPU cores (8 generating, 5 training)."""
     _setup(threads)
+    from tandem.tools.datasets import PROMPTS_DIR
     from tandem.tools.distill import DistillConfig, dev_prompt_files
     from tandem.tools.distill import distill as run_distill
     from tandem.engine.models import ModelError, default_draft_path, load_model
@@ -338,6 +339,7 @@ def distill(
         target_lm = load_model(target)
     except (ValueError, ModelError) as exc:
         _fail(str(exc))
+    data_dir = data_dir or PROMPTS_DIR
     files = list(prompts) if prompts else dev_prompt_files(data_dir)
     if not files:
         _fail(f"no prompt sets found under {data_dir}: pass --prompts FILE or --data-dir DIR")
@@ -357,7 +359,7 @@ def distill(
 @app.command()
 def loadtest(
     endpoint: Annotated[str, typer.Option("--endpoint", help="The gateway's HTTP address, HOST:PORT or http://HOST:PORT.")],
-    dataset: Annotated[Path, typer.Option("--dataset", "-d", help="Conversations: any prompt set (multi-turn records run their turns in one session).", exists=True, dir_okay=False)],
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Conversations: a bundled development set by name (mt_bench, ...) or any prompt file (multi-turn records run their turns in one session).")],
     concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Comma-separated concurrent session counts.")] = "1,4,16",
     turns: Annotated[int, typer.Option("--turns", help="Turns per conversation (later turns append the reply and the next user message).", min=1)] = 2,
     duration: Annotated[float, typer.Option("--duration", help="Seconds per phase after which no new request starts.", min=1)] = 120.0,
@@ -372,7 +374,7 @@ def loadtest(
     _setup(1, "warning")
     from rich.console import Console
 
-    from tandem.tools.datasets import load_prompts
+    from tandem.tools.datasets import load_prompts, resolve_dataset
     from tandem.tools.loadtest import plot_loadtest, run_loadtest
 
     console = Console(stderr=True)
@@ -380,7 +382,7 @@ def loadtest(
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
         if not levels or min(levels) < 1:
             raise ValueError("--concurrency needs positive integers, e.g. 1,4,16")
-        records = load_prompts(dataset, limit)
+        records = load_prompts(resolve_dataset(dataset), limit)
     except ValueError as exc:
         _fail(str(exc))
     base = endpoint if endpoint.startswith("http") else f"http://{endpoint}"
@@ -400,7 +402,7 @@ def loadtest(
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
-        plot_loadtest(result, str(out.with_suffix(".png")), title=f"tandem loadtest: {dataset.name}")
+        plot_loadtest(result, str(out.with_suffix(".png")), title=f"tandem loadtest: {Path(dataset).stem}")
         console.print(f"wrote {out} and {out.with_suffix('.png')}")
     else:
         print(text)

@@ -1,6 +1,6 @@
 """Prompt sets for benchmarks: JSON-lines files read into one record type.
 
-A record's shape decides how it is read (the formats of shared/data/PROVENANCE.md):
+A record's shape decides how it is read (the formats of prompts/PROVENANCE.md beside this file):
 
     {"question": [[{role, content}, ...]], "function": [...]}    BFCL: tools go into the system prompt
     {"turns": ["...", "..."], "category", "question_id"}         MT-Bench, GSM8K (EAGLE's files)
@@ -223,10 +223,36 @@ def _through_user_turn(messages: list[dict], turn_index: int) -> list[dict]:
     raise IndexError(f"no user turn {turn_index}")
 
 
-# The development prompt sets of ../shared/data (see its PROVENANCE.md): (short name, path under it).
+# The public prompt sets this project benchmarks and distils on ship inside the package, unchanged,
+# with their licences and provenance (prompts/PROVENANCE.md), so every command and test works from
+# any directory of a fresh clone or an installed wheel.
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+
+# The development sets: (short name, path under PROMPTS_DIR).
 DEV_SETS = [
     ("bfcl_multiple", "bfcl/BFCL_v4_multiple.json"),
     ("humaneval", "HumanEval.jsonl"),
     ("gsm8k", "gsm8k_question.jsonl"),
     ("mt_bench", "mt_bench_question.jsonl"),
 ]
+
+
+def dev_set(name: str) -> Path:
+    """The file of a development set by short name (`humaneval`, `mt_bench`, ...)."""
+    for short, rel in DEV_SETS:
+        if short == name:
+            return PROMPTS_DIR / rel
+    raise KeyError(f"no development set {name!r}; known: {', '.join(n for n, _ in DEV_SETS)}")
+
+
+def resolve_dataset(spec: str | Path) -> Path:
+    """A prompt-set argument: a development set's short name, or a file path. Raises ValueError
+    saying what exists when it is neither."""
+    if str(spec) in {n for n, _ in DEV_SETS}:
+        return dev_set(str(spec))
+    path = Path(spec)
+    if path.is_file():
+        return path
+    raise ValueError(
+        f"{spec} is neither a file nor a development set (known sets: {', '.join(n for n, _ in DEV_SETS)})"
+    )

@@ -16,7 +16,7 @@ import torch
 from conftest import EOS_ID, SPECIAL_TOKENS
 from smollm_fixture import smollm, smollm_draft  # noqa: F401  (fixtures)
 from tandem.engine.config import SamplingParams, SpecConfig
-from tandem.tools.datasets import load_prompts, to_chat
+from tandem.tools.datasets import PROMPTS_DIR, load_prompts, to_chat
 from tandem.engine.models import (
     EMBEDDED_ID,
     LoadedModel,
@@ -30,7 +30,7 @@ from tandem.engine.models import (
 )
 from tandem.engine.spec import Engine, FinishReason, plain_generate
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = PROMPTS_DIR
 
 
 def word_tokenizer(words: list[str]):
@@ -206,9 +206,6 @@ def test_greedy_speculation_on_smollm2_equals_plain_decoding(smollm, smollm_draf
     """On real prompts, token for token: plain decoding (strategy none) == HF `generate` == prompt
     lookup (adaptive, on measured costs) == the 4-layer draft model (fixed blocks of 3, so every step
     verifies drafts that are mostly wrong: rejection and rollback at nearly every step)."""
-    missing = [f for f in REAL_PROMPTS.values() if not (DATA / f).exists()]
-    if missing:
-        pytest.skip(f"{DATA} lacks {missing} (shared/data is laid beside the repository)")
     check_same_tokenizer(smollm, smollm_draft)
     engine = Engine(smollm, smollm_draft)
     sampling = SamplingParams(max_new_tokens=REAL_TOKENS)

@@ -7,16 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from tandem.tools.datasets import CODE_INSTRUCTION, PromptRecord, bfcl_schema, load_prompts, to_chat
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-
+from tandem.tools.datasets import (
+    CODE_INSTRUCTION,
+    DEV_SETS,
+    PROMPTS_DIR,
+    PromptRecord,
+    bfcl_schema,
+    load_prompts,
+    resolve_dataset,
+    to_chat,
+)
 
 def _data_file(name: str) -> Path:
-    path = DATA / name
-    if not path.exists():
-        pytest.skip(f"{path} is not here (shared/data is laid beside the repository)")
-    return path
+    """A bundled prompt set: it ships with the package, so it is always here."""
+    return PROMPTS_DIR / name
 
 
 def _write(tmp_path: Path, name: str, lines: list) -> Path:
@@ -229,3 +233,18 @@ def test_any_jsonl_with_prompt_messages_or_turns_and_categories(tmp_path: Path) 
     assert to_chat(records[2], 1, own)[-2:] == [
         {"role": "assistant", "content": "mine"}, {"role": "user", "content": "bye"},
     ]
+
+
+def test_bundled_sets_resolve_by_name_from_any_directory(tmp_path, monkeypatch) -> None:
+    """A fresh clone (or an installed wheel) with nothing beside it: the dev sets are found by name
+    wherever the command runs, and every one of them parses."""
+    monkeypatch.chdir(tmp_path)
+    for name, rel in DEV_SETS:
+        path = resolve_dataset(name)
+        assert path == PROMPTS_DIR / rel and path.is_file()
+        assert len(load_prompts(path, 3)) == 3
+    assert (PROMPTS_DIR / "PROVENANCE.md").is_file()
+    own = _write(tmp_path, "mine.jsonl", [{"prompt": "hi"}])
+    assert resolve_dataset("mine.jsonl") == own.relative_to(tmp_path)
+    with pytest.raises(ValueError, match="neither a file nor a development set.*humaneval"):
+        resolve_dataset("no-such-set")

@@ -227,7 +227,7 @@ def test_distill_and_generate_from_the_cli(tiny_dir, prompt_file, tmp_path, monk
 def test_a_reduced_head_draft_keeps_smollm2_exact(smollm) -> None:
     """Greedy output with a reduced-vocabulary draft built from SmolLM2 (untrained: its acceptance is
     low, which exercises rejection) equals plain decoding, for the model and hybrid proposers."""
-    from tandem.tools.datasets import load_prompts, to_chat
+    from tandem.tools.datasets import dev_set, load_prompts, to_chat
     from tandem.engine.models import apply_chat_template
 
     head_vocab = torch.arange(0, 49152, 6)  # every sixth id: many of the target's tokens are outside
@@ -236,7 +236,7 @@ def test_a_reduced_head_draft_keeps_smollm2_exact(smollm) -> None:
     draft = LoadedModel("smollm-reduced", "", model, smollm.tokenizer, head_vocab=head_vocab)
     engine = Engine(smollm, draft, SpecConfig(strategy=DraftStrategy.model, max_draft_tokens=4, adaptive=False))
     sampling = SamplingParams(max_new_tokens=32)
-    recs = load_prompts("../shared/data/mt_bench_question.jsonl", 2) + load_prompts("../shared/data/HumanEval.jsonl", 1)
+    recs = load_prompts(dev_set("mt_bench"), 2) + load_prompts(dev_set("humaneval"), 1)
     for rec in recs:
         ids = apply_chat_template(smollm.tokenizer, to_chat(rec, 0))
         plain = engine.generate(ids, sampling, SpecConfig(strategy=DraftStrategy.none)).token_ids

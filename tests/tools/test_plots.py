@@ -53,7 +53,7 @@ def synthetic_result(dataset: str, categories: list[str | None]) -> dict:
                     "torch_threads": 1, "device": "cpu"},
         "date": "2026-01-02T03:04:05+00:00",
         "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "max_new_tokens": 64},
-        "dataset": f"../shared/data/{dataset}.jsonl",
+        "dataset": f"{dataset}.jsonl",
     }}
     if any(c is not None for c in categories):
         result["by_category"] = {c or "(none)": modes for c in dict.fromkeys(categories)}
