@@ -15,6 +15,24 @@ Acceptance is tracked per proposer and confidence bucket (for prompt lookup: the
 length, which predicts acceptance far better than an average), per draft position. Each sequence
 keeps its own counts, shrunk towards runner-wide counts, which are shrunk towards a fixed prior: a new
 session starts from what other sessions measured and adapts to its own text within a few steps.
+
+A choice of k = 0 produces no new evidence, so on its own it would be final: a session whose text
+turns repetitive half-way would never find out. Two things keep the controller learning:
+
+- Evidence fades: each new observation of a bucket discounts the older ones (`FORGET` per session,
+  `SHARED_FORGET` runner-wide), so estimates follow the text as it is now, not as it was.
+- Probes: when a bucket's offers keep being declined, its `interval`-th decline drafts one token
+  anyway (`probe`), which both measures acceptance and re-measures the cost of a 2-token forward.
+  Each probe doubles the bucket's interval (up to `PROBE_MAX_INTERVAL`); drafting by plan resets it.
+  Long prompt-lookup matches (8+ tokens: text the context continues) are always worth a look: their
+  first decline is probed and their interval never exceeds `LONG_MATCH_MAX_INTERVAL`.
+
+Worked example: on a host where a second token costs as much as the first (forward(2) = 2
+forward(1)), drafting never pays and every offer is declined; a short-match bucket is probed at its
+8th, 24th, 56th, 120th ... decline, each probe costing at most one token's forward, so over 500
+steps about 5 probes: within noise of plain decoding. When the text turns repetitive, long matches
+appear and are looked at at once; their drafts are accepted, the faded estimate rises within a
+probe or two, and drafting by plan resumes.
 """
 
 from __future__ import annotations
@@ -32,6 +50,13 @@ _PRIOR = {0: 0.3, 1: 0.2, 2: 0.35, 3: 0.45, 4: 0.55, 5: 0.65, 6: 0.75, 7: 0.85}
 _MODEL_PRIOR = {0: 0.3, 1: 0.1, 2: 0.25, 3: 0.4, 4: 0.55, 5: 0.7, 6: 0.8, 7: 0.9}
 _PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior
 _SESSION_SHRINK = 8.0  # pseudo-observations of the runner-wide estimate in a session's estimate
+
+FORGET = 0.9  # weight of a session's older evidence at each new observation (~10 steps of memory)
+SHARED_FORGET = 0.98  # the same for the runner-wide counts (~50 observations of memory)
+PROBE_INTERVAL = 8  # declines of a bucket before its first probe
+PROBE_MAX_INTERVAL = 64
+LONG_MATCH = 6  # prompt lookup's bucket of 8+ matched tokens (see _bucket)
+LONG_MATCH_MAX_INTERVAL = 16
 
 
 def _bucket(proposer: str, bucket: int) -> tuple[str, int]:
@@ -56,8 +81,13 @@ class AcceptanceCounts:
             self.counts[key] = [[0.0, 0.0] for _ in range(MAX_POSITIONS)]
         return self.counts[key]
 
-    def observe(self, key: tuple[str, int], drafted: int, accepted: int) -> None:
+    def observe(self, key: tuple[str, int], drafted: int, accepted: int, forget: float = 1.0) -> None:
+        """Count one verified block; `forget` < 1 first discounts the bucket's older evidence."""
         row = self.row(key)
+        if forget < 1.0:
+            for cell in row:
+                cell[0] *= forget
+                cell[1] *= forget
         for i in range(min(drafted, MAX_POSITIONS)):
             row[i][0] += 1
             if i < accepted:
@@ -76,6 +106,10 @@ class BlockLengthController:
         self.own = AcceptanceCounts()
         self.adaptive = adaptive
         self.draft_cost_per_token: dict[str, float] = {}
+        # per bucket: [declines since the last probe or draft, current probe interval]
+        self._probes: dict[tuple[str, int], list[int]] = {}
+        self._probing: tuple[str, int] | None = None  # the bucket of the probe in flight
+        self.probes = 0  # probes taken (for tests and stats)
 
     def rates(self, proposer: str, bucket: int, k: int) -> list[float]:
         key = _bucket(proposer, bucket)
@@ -158,10 +192,31 @@ class BlockLengthController:
             with_look += w / total * max(drafting, alt_expected / (alt_cost + look))
         return with_look > alt_expected / alt_cost
 
+    def probe(self, proposer: str, bucket: int, available: int) -> int:
+        """An offer of `available` drafts was declined (the plan chose a plain step): whether to
+        draft one token anyway to test its bucket (1) or not (0). See the module docstring."""
+        if not self.adaptive or available <= 0:
+            return 0
+        key = _bucket(proposer, bucket)
+        long_match = proposer == "ngram" and key[1] >= LONG_MATCH
+        state = self._probes.setdefault(key, [0, 1 if long_match else PROBE_INTERVAL])
+        state[0] += 1
+        if state[0] < state[1]:
+            return 0
+        cap = LONG_MATCH_MAX_INTERVAL if long_match else PROBE_MAX_INTERVAL
+        state[0], state[1] = 0, min(cap, state[1] * 2)
+        self._probing = key
+        self.probes += 1
+        return 1
+
     def observe(self, proposer: str, bucket: int, drafted: int, accepted: int) -> None:
         key = _bucket(proposer, bucket)
-        self.own.observe(key, drafted, accepted)
-        self.shared.observe(key, drafted, accepted)
+        self.own.observe(key, drafted, accepted, FORGET)
+        self.shared.observe(key, drafted, accepted, SHARED_FORGET)
+        if self._probing == key:
+            self._probing = None  # a probe's outcome: the interval already grew
+        elif drafted and key in self._probes:
+            del self._probes[key]  # drafting by plan: the bucket pays again; probe afresh if it stops
 
     def observe_draft_cost(self, proposer: str, tokens: int, seconds: float) -> None:
         if tokens <= 0:

@@ -197,12 +197,16 @@ class Generation:
         # (offer, k, expected, cost) of the best choice so far; plain decoding to start with
         best = (None, 0, *ctl.plain(batch_tokens, batch_committed))
 
+        declined_offers = []  # offers whose best block length was 0 (probe candidates)
+
         def consider(offer) -> None:
             nonlocal best
             k, expected, cost = ctl.plan_detail(offer.proposer, offer.bucket, min(room, offer.available),
                                                 batch_tokens, batch_committed)
             if k > 0 and (best[3] <= 0 or expected / cost > best[2] / best[3]):
                 best = (offer, k, expected, cost)
+            elif k <= 0 and not offer.needs_peek:
+                declined_offers.append(offer)
 
         costly_looks = []
         for offer in self.proposer.offers(ids):
@@ -222,6 +226,14 @@ class Generation:
                 if offer.available > 0:
                     consider(offer)
         offer, k = best[0], best[1]
+        if (offer is None or k <= 0) and batch_committed == 0:
+            # Nothing pays by the current estimates. Those only change with evidence, so now and
+            # then test a declined offer with one draft (adaptive.py: probes); not under batching,
+            # where a probe would also slow the other sessions' step.
+            for declined in declined_offers:
+                if ctl.probe(declined.proposer, declined.bucket, min(room, declined.available)):
+                    offer, k = declined, 1
+                    break
         if offer is None or k <= 0:
             return None
         self._block_len = k

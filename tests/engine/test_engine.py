@@ -854,3 +854,74 @@ def test_fixed_block_length_returns_the_limit() -> None:
     assert c.choose("model", 0, 100) == 6
     assert c.choose("model", 0, 4) == 4
     assert c.choose("model", 0, 0) == 0
+
+
+def _simulate(c: BlockLengthController, costs: ForwardCosts, script, *, seed: int = 0) -> list[tuple[int, int, float]]:
+    """Run the controller as the decode loop does, on a scripted text: `script(step)` gives the
+    step's offer (proposer, bucket, available) and the acceptance probability of each of its drafts.
+    Returns per step (k drafted, accepted, cost in plain-step units, from the scripted cost curve)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for step in range(len(script)):
+        proposer, bucket, available, p_accept = script[step]
+        k = c.choose(proposer, bucket, available)
+        if k == 0:
+            k = c.probe(proposer, bucket, available)
+        accepted = 0
+        while accepted < k and rng.random() < p_accept:
+            accepted += 1
+        if k:
+            c.observe(proposer, bucket, k, accepted)
+        out.append((k, accepted, costs.estimate(k + 1) / costs.estimate(1)))
+    return out
+
+
+def test_controller_resumes_drafting_when_the_text_turns_repetitive() -> None:
+    """Half-way through a reply the text starts repeating itself (long prompt-lookup matches that
+    are accepted): the controller, which had stopped drafting on the first half's rejected short
+    matches, drafts again within a few steps and commits several tokens a step."""
+    costs = _costs()
+    c = BlockLengthController(8, costs, AcceptanceCounts())
+    script = [("ngram", 2, 8, 0.0)] * 200 + [("ngram", 20, 8, 0.95)] * 100
+    steps = _simulate(c, costs, script)
+    first_half = steps[:200]
+    assert sum(k for k, _, _ in first_half[50:]) <= 8, "after learning, the useless short matches are only probed"
+    resumed = next(i for i, (k, _, _) in enumerate(steps[200:]) if k > 0)
+    assert resumed <= 2, f"drafting resumed only {resumed} steps after the text turned repetitive"
+    late = steps[210:]
+    assert sum(a + 1 for _, a, _ in late) / len(late) > 4, "long accepted matches commit many tokens per step"
+
+
+def test_controller_keeps_probing_but_stays_near_plain_where_drafting_never_pays() -> None:
+    """A host where every extra token costs as much as the first (forward(n) = n forward(1)):
+    drafting cannot pay, and must cost at most a little. Short and long matches alike, 500 steps."""
+    costs = _costs(per_token=1.0)
+    c = BlockLengthController(8, costs, AcceptanceCounts())
+    script = [("ngram", 2 if i % 3 else 12, 8, 0.3 if i % 3 else 0.6) for i in range(500)]
+    steps = _simulate(c, costs, script, seed=1)
+    committed = sum(a + 1 for _, a, _ in steps)
+    cost = sum(units for _, _, units in steps)
+    assert committed / cost > 0.95, f"tokens per plain-step cost {committed / cost:.3f}: not within noise of plain"
+    assert 0 < c.probes < 40, c.probes  # it keeps testing, rarely
+
+
+def test_probes_back_off_and_reset() -> None:
+    costs = _costs(per_token=1.0)  # nothing pays: every offer is declined, only probes draft
+    c = BlockLengthController(8, costs, AcceptanceCounts())
+    probe_steps = []
+    for step in range(300):
+        if c.probe("ngram", 2, 8):
+            probe_steps.append(step)
+            c.observe("ngram", 2, 1, 0)
+    gaps = [b - a for a, b in zip(probe_steps, probe_steps[1:])]
+    assert probe_steps[0] == 7 and gaps[:3] == [16, 32, 64] and set(gaps[3:]) == {64}
+    # Drafting by plan (an observation that was no probe) resets the bucket's backoff.
+    c.observe("ngram", 2, 4, 4)
+    assert [c.probe("ngram", 2, 8) for _ in range(8)] == [0] * 7 + [1]
+    # A long match is looked at on its first decline, and never less often than every 16th.
+    long_steps = [i for i in range(100) if c.probe("ngram", 16, 8)]
+    assert long_steps[0] == 0 and max(b - a for a, b in zip(long_steps, long_steps[1:])) == 16
+    # Fixed block lengths never probe (they always draft the most).
+    assert BlockLengthController(8, costs, AcceptanceCounts(), adaptive=False).probe("ngram", 2, 8) == 0
