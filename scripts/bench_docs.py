@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tandem.tools.datasets import DEV_SETS, PROMPTS_DIR  # noqa: E402
-from tandem.tools.bench import median_speedup  # noqa: E402
+from tandem.tools.bench import median_speedup, speedup_cell  # noqa: E402
 from tandem.tools.plots import FILES, dataset_label, write_plots  # noqa: E402
 
 DATA = PROMPTS_DIR
@@ -217,7 +217,7 @@ def draft_section(results: list[dict]) -> list[str]:
             s = modes.get(m)
             if not s:
                 return "-"
-            return f"{_x(s['speedup_vs_ar'])} ({_x(s['mean_accepted_len'], '{:.2f}')})"
+            return f"{speedup_cell(s)} ({_x(s['mean_accepted_len'], '{:.2f}')})"
 
         split = (modes.get("hybrid") or {}).get("by_proposer") or {}
 
@@ -317,13 +317,13 @@ def summary_table(results: list[dict]) -> list[str]:
 
 def mode_table(modes: dict, n: int) -> list[str]:
     rows = [
-        "| mode | baseline | tokens | tok/s | speedup | vs hf-ar | accept | tok/step | lossless |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | baseline | tokens | tok/s | speedup | vs hf-ar | drafts/reply | accept | tok/step | lossless |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m, s in modes.items():
         rows.append(
             f"| {m} | {s.get('baseline', 'ar')} | {s['tokens']} | {_x(s['tokens_per_s'], '{:.1f}')} | "
-            f"{_x(s['speedup_vs_ar'])} | {_x(s.get('tokens_per_s_vs_hf_ar'))} | "
+            f"{speedup_cell(s)} | {_x(s.get('tokens_per_s_vs_hf_ar'))} | {_x(s.get('drafted_per_reply'), '{:.1f}')} | "
             f"{_x(s['acceptance_rate'], '{:.1%}')} | {_x(s['mean_accepted_len'], '{:.2f}')} | "
             f"{_count(s['lossless'], n)} |"
         )
@@ -353,7 +353,7 @@ def dataset_section(r: dict) -> list[str]:
             cells = []
             for m in modes:
                 s = summary[m]
-                cell = _x(s["speedup_vs_ar"])
+                cell = speedup_cell(s)
                 if s.get("tokens_per_s_vs_hf_ar") is not None:
                     cell += f" ({_x(s['tokens_per_s_vs_hf_ar'])})"
                 if s.get("acceptance_rate") is not None:

@@ -17,6 +17,8 @@ Speed is reported as ratios, medians over prompts, next to the acceptance figure
                                    baseline is `modes.M.baseline`: ar for ours, hf-ar for the peers
     modes.M.tokens_per_s_vs_hf_ar  the same ratio against hf-ar for every mode (when hf-ar ran): the
                                    like-for-like comparison of ours with the peer
+    modes.M.drafted_per_reply      drafted tokens per reply; under 3 the mode did not speculate
+                                   (`modes.M.speculated` false) and its ratio is noise, not speculation
     modes.M.lossless               fraction of prompts whose output ids equal the baseline's (greedy)
     modes.M.agreement_with_ar      fraction of prompts whose output ids equal our ar's (greedy): for
                                    the peers, whether `transformers`' forward decodes the same text
@@ -457,6 +459,24 @@ def run_bench(
     return result
 
 
+# A speculative mode that drafted fewer tokens than this per reply did not speculate: whatever its
+# ratio to plain decoding says is noise (or prefill and scheduling), never speculation's doing.
+SPECULATED_MIN_DRAFTS_PER_REPLY = 3.0
+DID_NOT_SPECULATE = "did not speculate"
+
+
+def speculated(summary: dict) -> bool | None:
+    """Whether a mode's summary shows speculation (None for modes that never draft: ar, peers)."""
+    per_reply = summary.get("drafted_per_reply")
+    return None if per_reply is None else per_reply >= SPECULATED_MIN_DRAFTS_PER_REPLY
+
+
+def speedup_cell(summary: dict, key: str = "speedup_vs_ar") -> str:
+    """A ratio as the tables print it, marked when the mode drafted (almost) nothing."""
+    cell = _fmt(summary.get(key), "{:.2f}x")
+    return cell + f" ({DID_NOT_SPECULATE})" if speculated(summary) is False else cell
+
+
 def summarize(units: Sequence[dict[str, _Figures]], modes: Sequence[str], greedy: bool) -> dict:
     """Per-mode summary over units (prompts, or one turn of each prompt): totals, median ratios,
     acceptance, the lossless fractions."""
@@ -484,6 +504,10 @@ def summarize(units: Sequence[dict[str, _Figures]], modes: Sequence[str], greedy
         if m not in PEER_MODES:
             st = _add_stats([u[m].stats for u in units])
             s["acceptance_rate"] = st.accepted / st.drafted if st.drafted else None  # None: nothing drafted
+            if m != "ar":
+                s["drafted"] = st.drafted
+                s["drafted_per_reply"] = st.drafted / len(units) if units else 0.0
+                s["speculated"] = speculated(s)
             s["mean_accepted_len"] = (st.accepted + st.steps) / st.steps if st.steps else None
             s["drafted_by_position"] = st.drafted_by_position
             s["accepted_by_position"] = st.accepted_by_position
@@ -573,22 +597,23 @@ def format_table(result: dict) -> Table:
         title=f"{cfg['model']}: {cfg['limit']} prompts, {cfg['max_new_tokens']} new tokens",
         caption=(
             "speedup: median over prompts of the baseline's time per token / the mode's, run side by side "
-            "(baseline: ar for ours, hf-ar for transformers'); accept: drafts accepted; "
-            "tok/step: tokens committed per target forward"
+            "(baseline: ar for ours, hf-ar for transformers'); drafts: drafted tokens per reply "
+            f"(under {SPECULATED_MIN_DRAFTS_PER_REPLY:g}: {DID_NOT_SPECULATE}, the ratio is noise); "
+            "accept: drafts accepted; tok/step: tokens committed per target forward"
         ),
     )
-    cols = ["mode", "tokens", "sec", "tok/s", "speedup", *(["vs hf-ar"] if peers else []), "accept", "tok/step",
+    # Short headers that wrap rather than cut, so the table reads in 80 columns.
+    cols = ["mode", "tok/s", "speedup", *(["vs hf-ar"] if peers else []), "drafts", "accept", "tok/step",
             "lossless"]
     for col in cols:
-        table.add_column(col, justify="left" if col == "mode" else "right")
+        table.add_column(col, justify="left" if col == "mode" else "right", overflow="fold")
     for mode, s in result["modes"].items():
         table.add_row(
             mode,
-            str(s["tokens"]),
-            _fmt(s["seconds"], "{:.2f}"),
             _fmt(s["tokens_per_s"], "{:.1f}"),
-            _fmt(s["speedup_vs_ar"], "{:.2f}x"),
+            speedup_cell(s),
             *([_fmt(s.get("tokens_per_s_vs_hf_ar"), "{:.2f}x")] if peers else []),
+            _fmt(s.get("drafted_per_reply"), "{:.1f}"),
             _fmt(s["acceptance_rate"], "{:.1%}"),
             _fmt(s["mean_accepted_len"], "{:.2f}"),
             # a count, not a rounded percentage: 199 of 200 equal outputs must not print as 100%
@@ -627,7 +652,7 @@ def format_category_table(result: dict) -> Table | None:
         for m in modes:
             s = summary[m]
             acc = s["acceptance_rate"]
-            cells.append(_fmt(s["speedup_vs_ar"], "{:.2f}x") + ("" if acc is None else f" ({acc:.0%})"))
+            cells.append(speedup_cell(s) + ("" if acc is None else f" ({acc:.0%})"))
         table.add_row(cat, str(counts.get(cat, 0)), *cells)
     return table
 

@@ -230,6 +230,7 @@ def bench(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens per generation.", min=1)] = 128,
     modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram, model and hybrid (a draft model: --draft-model, or the target's distilled draft); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs a draft model too).")] = "ar,ngram",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Also print the JSON report on stdout (the tables go to stderr).")] = False,
     model: ModelOpt = "default",
     draft_model: DraftModelOpt = None,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy (lossless is checked token for token); > 0 samples.", min=0.0)] = 0.0,
@@ -290,7 +291,7 @@ def bench(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
         typer.echo(f"wrote {out}", err=True)
-    else:
+    if as_json:
         print(text)
     if plot:
         from tandem.tools.plots import write_plots

@@ -488,3 +488,24 @@ def test_bench_command_with_peers_turns_and_plots(tiny_loaded, tmp_path: Path) -
     assert sorted(p.name for p in plots.iterdir()) == sorted(
         ["speedup.png", "acceptance_by_position.png", "accepted_length.png", "tokens_per_s.png"])
     assert "speedup by category" in res.stderr
+
+
+def test_a_mode_that_drafted_almost_nothing_is_marked_and_tables_fit_80_columns(tiny_loaded) -> None:
+    """A speculative mode that drafted under 3 tokens per reply did not speculate: its ratio to
+    plain decoding is printed with that note (never as a speedup), in 80 columns, headers whole."""
+    from tandem.tools.bench import DID_NOT_SPECULATE, speculated
+
+    records = [PromptRecord(id=str(i), dataset="t", category=None, system=None, turns=[t])
+               for i, t in enumerate(["the of and to a in is it", "one two three four five six"])]
+    engine = Engine(tiny_loaded, spec=SpecConfig(max_draft_tokens=4))
+    result = run_bench(engine, records, ["ar", "ngram"], 8, tokenizer=tiny_loaded.tokenizer, progress=False)
+    s = result["modes"]["ngram"]
+    assert s["drafted"] == s["drafted_per_reply"] * 2 and speculated(s) is (s["drafted_per_reply"] >= 3)
+    assert "drafted_per_reply" not in result["modes"]["ar"]
+    # Force the case: whatever the ratio, a mode with no drafts is labelled.
+    s.update(drafted=0, drafted_per_reply=0.0, speculated=False, speedup_vs_ar=1.15)
+    console = Console(file=io.StringIO(), width=80)
+    console.print(format_table(result))
+    text = console.file.getvalue()
+    assert "1.15x" in text and DID_NOT_SPECULATE.split()[0] in text
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80

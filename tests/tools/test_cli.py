@@ -180,6 +180,7 @@ def test_bench_writes_the_documented_report(tiny_dir, tmp_path) -> None:
         "--modes", "ar,ngram", "--out", str(report), *THREADS,
     )
     assert res.exit_code == 0, res.output
+    assert res.stdout == "", "with --out (and no --json) the report goes only to the file"
     result = json.loads(report.read_text())
     assert set(result) >= {"modes", "prompts", "config"}
     assert set(result["modes"]) == {"ar", "ngram"}
