@@ -169,3 +169,31 @@ def test_loadtest_over_the_chain(chain, tmp_path):
     assert result["results"][0]["acceptance_rate"] is None  # speculation off drafts nothing
     plot_loadtest(result, str(tmp_path / "lt.png"))
     assert (tmp_path / "lt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_compares_like_for_like_over_the_chain(chain):
+    """The README's demo against a real gateway, verifiers and drafter: every pair's speculative
+    text equals plain decoding, both sides found the same prompt KV resident, and the summary line
+    reports a median with its range (or says that nothing was drafted)."""
+    import io
+
+    from rich.console import Console
+
+    from tandem.tools.demo import PAIRS, compare, run_demo
+
+    gw, _ = chain
+    console = Console(file=io.StringIO(), width=200)
+    prompt = "the list is one two three four one two three four one two three"
+    assert run_demo(gw.url, console, strategy="ngram", prompt=prompt, follow_up="and again", max_tokens=16) is True
+    text = console.file.getvalue()
+    assert f"{PAIRS} pairs in alternating order, prompt KV resident for both" in text
+    assert "median (range" in text and "identical to plain decoding in every pair: yes" in text
+    # The summary's arithmetic, on made-up timings: medians and ranges of per-pair ratios.
+    def run(seconds, ttft, n, drafted, text="t", cached=5):
+        return {"seconds": seconds, "ttft": ttft, "text": text, "usage": {
+            "completion_tokens": n, "speculation": {"drafted": drafted}, "prompt_tokens_details": {"cached_tokens": cached}}}
+    c = compare([(run(2.0, 0.5, 31, 20), run(4.0, 1.0, 31, 0)), (run(1.0, 0.5, 31, 20), run(4.0, 0.5, 31, 0)),
+                 (run(3.0, 0.5, 31, 20), run(3.0, 0.5, 31, 0))])
+    assert (c["decode_min"], c["decode_median"], c["decode_max"]) == (1.0, 2.0, 7.0)
+    assert c["identical"] and c["speculated"] and c["cached_equal"]
+    assert not compare([(run(1, 0.1, 9, 2), run(1, 0.1, 9, 0, text="u", cached=0))])["identical"]
