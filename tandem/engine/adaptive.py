@@ -21,8 +21,9 @@ turns repetitive half-way would never find out. Two things keep the controller l
 
 - Evidence fades: each new observation of a bucket discounts the older ones (`FORGET` per session,
   `SHARED_FORGET` runner-wide), so estimates follow the text as it is now, not as it was.
-- Probes: when a bucket's offers keep being declined, its `interval`-th decline drafts one token
-  anyway (`probe`), which both measures acceptance and re-measures the cost of a 2-token forward.
+- Probes: when a bucket's offers keep being declined, its `interval`-th decline drafts a few tokens
+  anyway (`probe`: as many as cost about as little as one), which measures acceptance again and
+  re-measures the cost of the forward.
   Each probe doubles the bucket's interval (up to `PROBE_MAX_INTERVAL`); drafting by plan resets it.
   Long prompt-lookup matches (8+ tokens: text the context continues) are always worth a look: their
   first decline is probed and their interval never exceeds `LONG_MATCH_MAX_INTERVAL`.
@@ -57,6 +58,7 @@ PROBE_INTERVAL = 8  # declines of a bucket before its first probe
 PROBE_MAX_INTERVAL = 64
 LONG_MATCH = 6  # prompt lookup's bucket of 8+ matched tokens (see _bucket)
 LONG_MATCH_MAX_INTERVAL = 16
+PROBE_MAX_DRAFTS = 4  # a probe drafts 1..4 tokens: the most that cost about as little as the fewest
 
 
 def _bucket(proposer: str, bucket: int) -> tuple[str, int]:
@@ -193,8 +195,8 @@ class BlockLengthController:
         return with_look > alt_expected / alt_cost
 
     def probe(self, proposer: str, bucket: int, available: int) -> int:
-        """An offer of `available` drafts was declined (the plan chose a plain step): whether to
-        draft one token anyway to test its bucket (1) or not (0). See the module docstring."""
+        """An offer of `available` drafts was declined (the plan chose a plain step): how many
+        drafts to verify anyway to test its bucket (0: not now). See the module docstring."""
         if not self.adaptive or available <= 0:
             return 0
         key = _bucket(proposer, bucket)
@@ -207,7 +209,18 @@ class BlockLengthController:
         state[0], state[1] = 0, min(cap, state[1] * 2)
         self._probing = key
         self.probes += 1
-        return 1
+        return self._probe_len(available)
+
+    def _probe_len(self, available: int) -> int:
+        """Drafts in a probe: the largest k (up to PROBE_MAX_DRAFTS) whose forward costs within 5% of
+        the cheapest probe, so it tests as many positions as come nearly free. Where small-row GEMMs
+        are slow (2 tokens cost more than 5 on some hosts) that is several drafts, not one."""
+        limit = max(1, min(available, self.max_k, PROBE_MAX_DRAFTS))
+        costs = [self.costs.estimate(k + 1) for k in range(1, limit + 1)]
+        if any(c is None for c in costs):
+            return 1
+        cheapest = min(costs)
+        return max(k for k, c in enumerate(costs, start=1) if c <= 1.05 * cheapest)
 
     def observe(self, proposer: str, bucket: int, drafted: int, accepted: int) -> None:
         key = _bucket(proposer, bucket)

@@ -228,11 +228,12 @@ class Generation:
         offer, k = best[0], best[1]
         if (offer is None or k <= 0) and batch_committed == 0:
             # Nothing pays by the current estimates. Those only change with evidence, so now and
-            # then test a declined offer with one draft (adaptive.py: probes); not under batching,
+            # then test a declined offer with a few drafts (adaptive.py: probes); not under batching,
             # where a probe would also slow the other sessions' step.
             for declined in declined_offers:
-                if ctl.probe(declined.proposer, declined.bucket, min(room, declined.available)):
-                    offer, k = declined, 1
+                probe = ctl.probe(declined.proposer, declined.bucket, min(room, declined.available))
+                if probe:
+                    offer, k = declined, probe
                     break
         if offer is None or k <= 0:
             return None
