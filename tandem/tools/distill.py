@@ -523,8 +523,13 @@ def save_draft(draft: torch.nn.Module, target: LoadedModel, head_vocab: torch.Te
 
 
 def distill(target: LoadedModel, prompt_files: list[Path], out: Path, cfg: DistillConfig, *, holdout: int = 20,
-            resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:
-    """Run every phase (reusing what `out` already holds when resuming); returns the manifest."""
+            resume: bool = False, progress: bool = True, stop_after: int | None = None,
+            keep_work: bool = False) -> dict:
+    """Run every phase (reusing what `out` already holds when resuming); returns the manifest.
+
+    After a complete run the large work files (the generated replies and the training checkpoint,
+    a few hundred MB for the default target) are removed unless `keep_work`; the small ones (the
+    config, the prompts the target wrote) stay in `out/work` for reading."""
     work = out / "work"
     if work.exists() and not resume:
         raise FileExistsError(f"{out} holds an earlier run: pass --resume to continue it, or remove {out}")
@@ -591,5 +596,8 @@ def distill(target: LoadedModel, prompt_files: list[Path], out: Path, cfg: Disti
     }
     if manifest["complete"]:
         save_draft(draft, target, head_vocab, out, manifest)
+        if not keep_work:
+            for name in (TEACHER_FILE, CHECKPOINT_FILE):
+                (work / name).unlink(missing_ok=True)
     return manifest
 

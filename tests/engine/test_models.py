@@ -232,3 +232,20 @@ def test_greedy_speculation_on_smollm2_equals_plain_decoding(smollm, smollm_draf
                 assert res.stats.spec_steps >= res.stats.steps - 1
     # Speculation was active, or this test would pass with it switched off.
     assert accepted["ngram"] > 0 and accepted["model"] > 0, accepted
+
+
+def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) -> None:
+    """The same GGUF file in two virtualenvs (two paths) converts once; another file does not
+    share its cache. The digest is remembered, and recomputed when the file changes."""
+    from tandem.engine import models
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    a, b, c = (tmp_path / d / "m.gguf" for d in ("venv1", "venv2", "venv3"))
+    for path, data in ((a, b"same weights"), (b, b"same weights"), (c, b"other weights")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    assert models._gguf_cache_for(a) == models._gguf_cache_for(b) != models._gguf_cache_for(c)
+    assert models._gguf_cache_for(a).parent == tmp_path / "cache" / "models"
+    before = models._gguf_cache_for(a)
+    a.write_bytes(b"new weights, new size")
+    assert models._gguf_cache_for(a) != before

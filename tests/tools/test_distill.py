@@ -48,7 +48,7 @@ def prompt_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def distilled(tiny_loaded, prompt_file, tmp_path_factory) -> tuple[dict, LoadedModel]:
     out = tmp_path_factory.mktemp("draft") / "tiny-draft"
-    manifest = distill(tiny_loaded, [prompt_file], out, DistillConfig(**TINY_CFG), progress=False)
+    manifest = distill(tiny_loaded, [prompt_file], out, DistillConfig(**TINY_CFG), progress=False, keep_work=True)
     return manifest, load_model(str(out))
 
 
@@ -163,6 +163,16 @@ def test_the_target_writes_prompts_of_its_own(tiny_loaded, distilled, tmp_path) 
     teacher = torch.load(Path(draft.path) / "work" / "teacher.pt", weights_only=False)["seqs"]
     rendered = [apply_chat_template(tiny_loaded.tokenizer, [{"role": "user", "content": t}]) for t in written]
     assert any(s["ids"][: s["start"]] in rendered for s in teacher)
+
+
+def test_a_complete_run_removes_its_large_work_files(tiny_loaded, prompt_file, tmp_path) -> None:
+    from tandem.tools.distill import CHECKPOINT_FILE, TEACHER_FILE
+
+    out = tmp_path / "draft"
+    manifest = distill(tiny_loaded, [prompt_file], out, DistillConfig(**TINY_CFG), progress=False)
+    assert manifest["complete"] and (out / "config.json").exists()
+    assert not (out / "work" / TEACHER_FILE).exists() and not (out / "work" / CHECKPOINT_FILE).exists()
+    assert (out / "work" / "config.json").exists()  # the small files stay for reading
 
 
 def test_training_resumes_to_the_same_result(tiny_loaded, prompt_file, tmp_path) -> None:
