@@ -1,7 +1,7 @@
 # Two commands for a fresh machine (see README.md):
 #   make demo   - install, then run the main job
 #   make test   - install, then run the whole test suite
-#   make draft  - (optional; 13 min on 2 Intel Xeon cores, 76+ min on 2 AMD EPYC cores) distil a draft model for the default target; once it
+#   make draft  - (optional; 13 min on 2 Intel Xeon cores, 18 min on 2 AMD EPYC cores) distil a draft model for the default target; once it
 #                 exists, `make demo` and the modes model / hybrid use it
 # Both create .venv and install what they need. torch is installed first, pinned, from PyTorch's
 # CPU-only index when that index answers (a plain package index on Linux serves the multi-gigabyte

@@ -639,10 +639,10 @@ def format_category_table(result: dict) -> Table | None:
         caption="median speedup over the category's prompts against the mode's baseline (ar, or hf-ar for "
         "transformers' modes); acceptance in parentheses",
     )
-    table.add_column("category")
-    table.add_column("prompts", justify="right")
+    table.add_column("category", overflow="fold")
+    table.add_column("prompts", justify="right", overflow="fold")
     for m in modes:
-        table.add_column(m, justify="right")
+        table.add_column(m, justify="right", overflow="fold")
     counts: dict[str, int] = {}
     for p in result["prompts"]:
         key = NO_CATEGORY if p["category"] is None else p["category"]

@@ -17,6 +17,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from tandem.tools.loadtest import stream_chat_body
+
 PROMPT = (
     "Here is a list of users as CSV:\nname,age,city\nAlice,30,Paris\nBob,25,Rome\nCarol,41,Oslo\n"
     "Convert it to a JSON array of objects with the keys name, age and city."
@@ -27,15 +29,7 @@ FOLLOW_UP = "Now add a field country to each object."
 def _chat(client: httpx.Client, messages: list[dict], *, strategy: str, session: str, on_text=None,
           max_tokens: int = 120) -> dict:
     """One streamed chat completion; returns text, usage, elapsed and time to first token."""
-    body = {
-        "model": "default",
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "speculation": {"strategy": strategy},
-    }
+    body = stream_chat_body(messages, strategy=strategy, max_tokens=max_tokens)
     start = time.perf_counter()
     first = None
     text, usage = [], None

@@ -72,6 +72,19 @@ class Phase:
         }
 
 
+def stream_chat_body(messages: list[dict], *, strategy: str, max_tokens: int) -> dict:
+    """A greedy streamed chat completion that reports usage at the end (the gateway's OpenAI API)."""
+    return {
+        "model": "default",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "speculation": {"strategy": strategy},
+    }
+
+
 def _pct(values: list[float | None], q: float) -> float | None:
     """The q-th percentile in milliseconds (nearest rank); None without values."""
     xs = sorted(v for v in values if v is not None)
@@ -83,15 +96,7 @@ def _pct(values: list[float | None], q: float) -> float | None:
 
 async def _one_request(client: httpx.AsyncClient, session: str, messages: list[dict], *, speculation: bool,
                        max_tokens: int, turn: int) -> tuple[RequestResult, str]:
-    body = {
-        "model": "default",
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "speculation": {"strategy": "ngram" if speculation else "none"},
-    }
+    body = stream_chat_body(messages, strategy="ngram" if speculation else "none", max_tokens=max_tokens)
     start = time.perf_counter()
     first = last = None
     parts: list[str] = []
