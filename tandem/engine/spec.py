@@ -205,7 +205,9 @@ class Generation:
                                                 batch_tokens, batch_committed)
             if k > 0 and (best[3] <= 0 or expected / cost > best[2] / best[3]):
                 best = (offer, k, expected, cost)
-            elif k <= 0 and not offer.needs_peek:
+            elif k <= 0 and offer.proposer == "ngram":
+                # Only prompt lookup is probed: its drafts cost nothing to make, while a draft
+                # model's probe would pay its own steps on top of the larger forward.
                 declined_offers.append(offer)
 
         costly_looks = []
