@@ -27,7 +27,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Protocol, get_args
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -40,7 +40,7 @@ from tandem.serving.metrics import GatewayMetrics, status_of
 from tandem.engine.models import apply_chat_template
 from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
-from tandem.serving.routing import RoutingDecision, RoutingPolicy
+from tandem.serving.routing import RoutingDecision, RoutingPolicy, RoutingReason
 from tandem.services.gateway.errors import (
     InvalidRequest,
     NoVerifierAvailable,
@@ -195,7 +195,9 @@ class GatewayStats:
     """The gateway's counters: /health shows them, the metrics read them at scrape time."""
 
     requests: int = 0
-    routed: Counter = field(default_factory=Counter)  # routing reason -> requests
+    # routing reason -> requests; every reason present from the start, so a metrics scrape from
+    # another thread never copies the mapping while a new key is being added
+    routed: Counter = field(default_factory=lambda: Counter(dict.fromkeys(get_args(RoutingReason), 0)))
     failed: Counter = field(default_factory=Counter)  # error class -> requests
     connect_failures: int = 0  # verifiers found unreachable at connect (then the next one tried)
 
