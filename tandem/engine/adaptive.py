@@ -21,17 +21,19 @@ turns repetitive half-way would never find out. Two things keep the controller l
 
 - Evidence fades: each new observation of a bucket discounts the older ones (`FORGET` per session,
   `SHARED_FORGET` runner-wide), so estimates follow the text as it is now, not as it was.
-- Probes: when a bucket's offers keep being declined, its `interval`-th decline drafts a few tokens
-  anyway (`probe`: as many as cost about as little as one), which measures acceptance again and
-  re-measures the cost of the forward.
-  Each probe doubles the bucket's interval (up to `PROBE_MAX_INTERVAL`); drafting by plan resets it.
+- Probes: when a prompt-lookup bucket's offers keep being declined, its `interval`-th decline
+  drafts a few tokens anyway (`probe`: as many as cost about as little as one), which measures
+  acceptance again and re-measures the cost of the forward. Draft-model offers are not probed (a
+  probe would pay the model's own steps too). Each probe doubles the bucket's interval (up to
+  `PROBE_MAX_INTERVAL`); drafting by plan resets it.
   Long prompt-lookup matches (8+ tokens: text the context continues) are always worth a look: their
   first decline is probed and their interval never exceeds `LONG_MATCH_MAX_INTERVAL`.
 
 Worked example: on a host where a second token costs as much as the first (forward(2) = 2
 forward(1)), drafting never pays and every offer is declined; a short-match bucket is probed at its
-8th, 24th, 56th, 120th ... decline, each probe costing at most one token's forward, so over 500
-steps about 5 probes: within noise of plain decoding. When the text turns repetitive, long matches
+8th, 24th, 56th, 120th, 184th ... decline (then every 64th), each probe costing one extra token's
+forward (on such a host the cheapest probe is a single draft), so over 500 steps about 9 probes of
+one bucket: within noise of plain decoding. When the text turns repetitive, long matches
 appear and are looked at at once; their drafts are accepted, the faded estimate rises within a
 probe or two, and drafting by plan resumes.
 """
@@ -197,10 +199,12 @@ class BlockLengthController:
     def probe(self, proposer: str, bucket: int, available: int) -> int:
         """An offer of `available` drafts was declined (the plan chose a plain step): how many
         drafts to verify anyway to test its bucket (0: not now). See the module docstring."""
-        if not self.adaptive or available <= 0:
+        if not self.adaptive or available <= 0 or proposer != "ngram":
+            # Only prompt lookup is probed: its drafts cost nothing to make, while a draft
+            # model's probe would pay its own steps on top of the larger forward.
             return 0
         key = _bucket(proposer, bucket)
-        long_match = proposer == "ngram" and key[1] >= LONG_MATCH
+        long_match = key[1] >= LONG_MATCH
         state = self._probes.setdefault(key, [0, 1 if long_match else PROBE_INTERVAL])
         state[0] += 1
         if state[0] < state[1]:

@@ -168,7 +168,6 @@ class Generation:
             adaptive=spec.adaptive,
         )
         self.stats = SpecStats()
-        self._block_len = 0  # drafts the controller asked for in the current step
         self.output: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.prompt_len = len(context_ids)
@@ -182,9 +181,10 @@ class Generation:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _draft(self) -> Draft | None:
+    def _draft(self) -> tuple[Draft | None, int]:
+        """This step's drafts (None: a plain step) and the block length the controller asked for."""
         if self.proposer is None:
-            return None
+            return None, 0
         ids = self.seq.ids
         room = min(
             self.sampling.max_new_tokens - len(self.output) - 1,  # drafts past the limit are waste
@@ -205,9 +205,7 @@ class Generation:
                                                 batch_tokens, batch_committed)
             if k > 0 and (best[3] <= 0 or expected / cost > best[2] / best[3]):
                 best = (offer, k, expected, cost)
-            elif k <= 0 and offer.proposer == "ngram":
-                # Only prompt lookup is probed: its drafts cost nothing to make, while a draft
-                # model's probe would pay its own steps on top of the larger forward.
+            elif k <= 0:
                 declined_offers.append(offer)
 
         costly_looks = []
@@ -238,8 +236,7 @@ class Generation:
                     offer, k = declined, probe
                     break
         if offer is None or k <= 0:
-            return None
-        self._block_len = k
+            return None, 0
         draft = self.proposer.propose_from(offer.proposer, ids, k, self.sampling, self.gen)
         self.stats.draft_seconds += draft.seconds
         if self.proposer.costly and not self.replayable:
@@ -248,7 +245,7 @@ class Generation:
             per_token = self.proposer.per_token_seconds()
             if per_token is not None:
                 self.controller.observe_draft_cost(draft.proposer, 1, per_token)
-        return draft if len(draft) else None
+        return (draft if len(draft) else None), k
 
     def _batch_load(self) -> tuple[int, float]:
         """What other sessions add to the next batched forward: (tokens, committed tokens), from the
@@ -264,8 +261,7 @@ class Generation:
         """Run one target forward; return what it committed."""
         if self.finished:
             raise RuntimeError("generation already finished")
-        self._block_len = 0
-        draft = self._draft()
+        draft, block_len = self._draft()
         start = time.perf_counter()
         logits = self.seq.forward_block(draft.tokens if draft else [])  # [k+1, vocab]
         verdict = verify(logits, draft, self.sampling, self.gen)
@@ -276,7 +272,7 @@ class Generation:
         self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None)
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
         out.proposer = draft.proposer if draft is not None else None
-        out.block_len = self._block_len
+        out.block_len = block_len
         if self.proposer is not None:
             if self.finished:
                 self.proposer.close()

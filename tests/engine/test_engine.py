@@ -923,5 +923,7 @@ def test_probes_back_off_and_reset() -> None:
     # A long match is looked at on its first decline, and never less often than every 16th.
     long_steps = [i for i in range(100) if c.probe("ngram", 16, 8)]
     assert long_steps[0] == 0 and max(b - a for a, b in zip(long_steps, long_steps[1:])) == 16
+    # A draft model's offers are never probed: its probe would pay its own draft steps too.
+    assert not any(c.probe("model", 3, 8) for _ in range(200))
     # Fixed block lengths never probe (they always draft the most).
     assert BlockLengthController(8, costs, AcceptanceCounts(), adaptive=False).probe("ngram", 2, 8) == 0
