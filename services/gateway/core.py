@@ -40,7 +40,7 @@ from tandem.serving.metrics import GatewayMetrics, status_of
 from tandem.engine.models import apply_chat_template
 from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
-from tandem.serving.routing import RoutingDecision, RoutingPolicy, RoutingReason
+from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingPolicy, RoutingReason
 from tandem.services.gateway.errors import (
     InvalidRequest,
     NoVerifierAvailable,
@@ -572,7 +572,7 @@ class GatewayCore:
                 "tandem.routing.verifier_id": decision.verifier_id,
                 "tandem.routing.reason": decision.reason,
                 "tandem.routing.matched_tokens": decision.matched_tokens,
-                "tandem.routing.residency": "hit" if decision.reason in ("session", "prefix") else "miss",
+                "tandem.routing.residency": "hit" if decision.reason in RESIDENCY_HITS else "miss",
             })
 
     @staticmethod

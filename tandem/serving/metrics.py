@@ -45,6 +45,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tandem.serving.routing import RESIDENCY_HITS
+
 log = logging.getLogger("tandem.serving.metrics")
 
 disable_created_metrics()  # no `_created` series beside every counter: they only clutter dashboards
@@ -249,7 +251,7 @@ class _RoutingCollector:
         routed = dict(self._routed())
         yield _labelled("tandem_routing_decisions", "Routing decisions by reason: session, prefix, load, "
                         "redis-unavailable.", "reason", routed)
-        hits = sum(n for reason, n in routed.items() if reason in ("session", "prefix"))
+        hits = sum(n for reason, n in routed.items() if reason in RESIDENCY_HITS)
         yield _labelled("tandem_residency_lookups", "Routing decisions by KV residency: hit (session or prefix "
                         "resident on the chosen verifier) or miss (routed by load).", "result",
                         {"hit": hits, "miss": sum(routed.values()) - hits})

@@ -29,6 +29,7 @@ from typing import Literal
 from tandem.serving.residency import ResidencyIndex, ResidencyView, VerifierRecord
 
 RoutingReason = Literal["session", "prefix", "load", "redis-unavailable"]
+RESIDENCY_HITS = frozenset({"session", "prefix"})  # reasons that found the request's KV resident
 
 
 @dataclass(frozen=True)

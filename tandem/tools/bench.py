@@ -472,9 +472,9 @@ def speculated(summary: dict) -> bool | None:
     return None if per_reply is None else per_reply >= SPECULATED_MIN_DRAFTS_PER_REPLY
 
 
-def speedup_cell(summary: dict, key: str = "speedup_vs_ar") -> str:
-    """A ratio as the tables print it, marked when the mode drafted (almost) nothing."""
-    cell = _fmt(summary.get(key), "{:.2f}x")
+def speedup_cell(summary: dict) -> str:
+    """A mode's speedup as the tables print it, marked when the mode drafted (almost) nothing."""
+    cell = _fmt(summary.get("speedup_vs_ar"), "{:.2f}x")
     return cell + f" ({DID_NOT_SPECULATE})" if speculated(summary) is False else cell
 
 

@@ -17,6 +17,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from tandem.tools.bench import DID_NOT_SPECULATE, SPECULATED_MIN_DRAFTS_PER_REPLY
 from tandem.tools.loadtest import stream_chat_body
 
 PROMPT = (
@@ -61,7 +62,6 @@ def _chat(client: httpx.Client, messages: list[dict], *, strategy: str, session:
 
 
 PAIRS = 3  # speculative / plain pairs measured, in alternating order
-SPECULATED_MIN_DRAFTS = 3  # fewer drafted tokens in a reply: it did not speculate (bench's threshold)
 
 
 def decode_rate(r: dict) -> float:
@@ -82,7 +82,7 @@ def compare(pairs: list[tuple[dict, dict]]) -> dict:
         "decode_median": statistics.median(decode), "decode_min": min(decode), "decode_max": max(decode),
         "overall_median": statistics.median(overall),
         "identical": all(s["text"] == p["text"] for s, p in pairs),
-        "speculated": statistics.median(drafted) >= SPECULATED_MIN_DRAFTS,
+        "speculated": statistics.median(drafted) >= SPECULATED_MIN_DRAFTS_PER_REPLY,
         "cached_equal": len({r["usage"].get("prompt_tokens_details", {}).get("cached_tokens") for pair in pairs
                              for r in pair}) == 1,
     }
@@ -143,7 +143,7 @@ def run_demo(http_url: str, console: Console, *, strategy: str = "ngram", prompt
     console.print(table)
     c = compare(pairs)
     terms = "prompt KV resident for both" if c["cached_equal"] else "[yellow]unequal prompt caches[/yellow]"
-    verdict = "" if c["speculated"] else " [yellow](did not speculate: the ratio is noise)[/yellow]"
+    verdict = "" if c["speculated"] else f" [yellow]({DID_NOT_SPECULATE}: the ratio is noise)[/yellow]"
     console.print(
         f"turn 2, speculative ({strategy}) vs plain decoding of the same request, {PAIRS} pairs in alternating order, "
         f"{terms}: decoding after the first token [bold]{c['decode_median']:.2f}x[/bold] median "
