@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.gemm import GemmPlan, TunedLinear, plan_for
+
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
 
@@ -84,27 +86,15 @@ class KVCache:
         self.length = min(self.length, length)
 
 
-class _Weight:
-    """A linear layer's weight `# [out, in]`, applied as x @ W.T `# [n, in] -> [n, out]`.
-
-    On a CPU, MKL's two GEMM layouts win at different block sizes (measured on SmolLM2-135M, 2
-    cores, forward cost relative to one token): with W as stored ("NT"), 2 and 3 tokens cost 1.09
-    and 1.18; with W transposed in memory ("NN"), 1.17 and 1.25, but from 4 tokens on NN is far
-    ahead (1.35 vs 1.56 at 4, 1.92 vs 2.0 at 9). Verification lives at 2-9 tokens, so on a CPU we
-    keep both copies (twice the weight memory, fine for the small targets a CPU serves) and pick
-    by block size. On a GPU one layout serves all sizes.
-    """
-
-    SMALL = 3  # up to this many rows, the stored layout is faster on a CPU
+class _GpuWeight:
+    """A linear layer's weight `# [out, in]` on a GPU, applied as x @ W.T `# [n, in] -> [n, out]`:
+    one path for every row count (cuBLAS has no small-row cliff to route around)."""
 
     def __init__(self, w: torch.Tensor):
         self.w = w.detach().contiguous()  # [out, in]
-        self.w_t = None if w.is_cuda else self.w.t().contiguous()  # [in, out]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w_t is None or x.shape[0] <= self.SMALL:
-            return F.linear(x, self.w)
-        return x @ self.w_t
+        return F.linear(x, self.w)
 
 
 class _Int8Weight:
@@ -144,9 +134,11 @@ class NativeLlama:
 
     LM_HEAD_CHUNK = 1024  # vocabulary rows per LM-head GEMM (see the module docstring)
 
-    def __init__(self, model: torch.nn.Module, *, int8: bool = False):
+    def __init__(self, model: torch.nn.Module, *, int8: bool = False, plan: GemmPlan | None = None):
         """`int8`: weights in int8 (`_Int8Weight`), for a draft model on a CPU; ignored elsewhere
-        or where the kernel is missing (`self.int8` says what was done)."""
+        or where the kernel is missing (`self.int8` says what was done). Float32 weights on a CPU
+        go through the GEMM paths of `plan` (default: `gemm.plan_for` this model's shapes, measured
+        once per machine; see tandem.engine.gemm for the lossless rule)."""
         check_supported(model)
         cfg = model.config
         self.config = cfg
@@ -160,7 +152,24 @@ class NativeLlama:
         self.dtype, self.device = p.dtype, p.device
         base = model.model
         self.int8 = int8 and not p.is_cuda and p.dtype == torch.float32 and _Int8Weight.available()
-        lin = _Int8Weight if self.int8 else _Weight
+        self.gemm_plan: GemmPlan | None = None  # float32 on a CPU only
+        head = model.get_output_embeddings().weight.detach()  # [vocab, hidden]
+        head_parts = [head] if self.int8 or head.is_cuda else list(head.split(self.LM_HEAD_CHUNK))
+        if self.int8:
+            lin = _Int8Weight
+        elif p.is_cuda or p.dtype != torch.float32:
+            lin = _GpuWeight
+        else:
+            shapes = {tuple(t.shape) for t in head_parts}
+            for layer in model.model.layers:
+                att, mlp = layer.self_attn, layer.mlp
+                qkv_out = att.q_proj.weight.shape[0] + att.k_proj.weight.shape[0] + att.v_proj.weight.shape[0]
+                shapes |= {(qkv_out, self.hidden), tuple(att.o_proj.weight.shape),
+                           (2 * mlp.gate_proj.weight.shape[0], self.hidden), tuple(mlp.down_proj.weight.shape)}
+            self.gemm_plan = gemm_plan = plan or plan_for(sorted(shapes))
+
+            def lin(w: torch.Tensor) -> TunedLinear:
+                return TunedLinear(w, gemm_plan)
         with torch.no_grad():
             self.embed = base.embed_tokens.weight.detach()  # [vocab, hidden]
             self.layers = []
@@ -181,14 +190,8 @@ class NativeLlama:
                     "wdown": lin(mlp.down_proj.weight),  # [hidden, I]
                 })
             self.final_norm = base.norm.weight.detach()  # [hidden]
-            head = model.get_output_embeddings().weight.detach()  # [vocab, hidden]
             self.vocab = head.shape[0]
-            if self.int8:  # the float32 GEMM's cliff does not apply
-                self.head_chunks = [_Int8Weight(head)]
-            elif head.is_cuda:  # GPUs have no such cliff: one GEMM
-                self.head_chunks = [_Weight(head)]
-            else:
-                self.head_chunks = [_Weight(c) for c in head.split(self.LM_HEAD_CHUNK)]  # each [<=chunk, hidden]
+            self.head_chunks = [lin(c) for c in head_parts]  # each [<=chunk, hidden]; one on a GPU or in int8
         theta = rope_theta(cfg)
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device) / self.head_dim))
         self.scale = 1.0 / math.sqrt(self.head_dim)

@@ -47,6 +47,7 @@ from rich import box
 from rich.table import Table
 
 from tandem.engine.config import DraftStrategy, SamplingParams
+from tandem.engine.gemm import cpu_model
 from tandem.tools.datasets import PromptRecord, to_chat
 from tandem.engine.models import apply_chat_template
 from tandem.engine.progress import progress_bar
@@ -562,23 +563,11 @@ def _prompt_figures(f: _Figures) -> dict:
     }
 
 
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo names it (platform.processor() is often empty on Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(engine: Engine) -> dict:
     device = next(engine.target.model.parameters()).device
     info = {
         "platform": platform.platform(),
-        "cpu": cpu_name(),
+        "cpu": cpu_model(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
@@ -587,6 +576,9 @@ def machine_info(engine: Engine) -> dict:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    plan = getattr(getattr(engine.runner.backend, "impl", None), "gemm_plan", None)
+    if plan is not None:
+        info["gemm"] = plan.mode  # "auto" (measured on this machine) or the one path forced
     return info
 
 

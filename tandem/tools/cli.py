@@ -30,6 +30,27 @@ app = typer.Typer(
 
 log = logging.getLogger("tandem.tools.cli")
 
+
+@app.callback()
+def _global(
+    gemm: Annotated[
+        str,
+        typer.Option("--gemm", envvar="TANDEM_GEMM", show_default=True,
+                     help="CPU GEMM path of float32 target forwards: 'auto' measures the paths once per machine "
+                          "(cached; `tandem calibrate` shows the choice) and picks the fastest per weight shape and "
+                          "row count; or force one everywhere: mkl_nt, mkl_nn, onednn_b1, onednn_b4, onednn_b16, "
+                          "gemv_rows. Output is lossless with any of them (plain and speculative decoding share "
+                          "the path for each row count)."),
+    ] = "auto",
+) -> None:
+    """Options that apply to every command (set before the command: `tandem --gemm onednn_b4 bench ...`)."""
+    from tandem.engine.gemm import GemmSettings
+
+    try:
+        GemmSettings.configure(gemm)
+    except ValueError as exc:
+        _fail(str(exc))
+
 ModelOpt = Annotated[
     str,
     typer.Option(
@@ -224,6 +245,51 @@ def convert(
 
 
 @app.command()
+def calibrate(
+    model: ModelOpt = "default",
+    contexts: Annotated[str, typer.Option("--contexts", help="Comma-separated context lengths (tokens already in the cache) to measure at.")] = "100,1000,4000",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON record here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON record on stdout (the tables go to stderr).")] = False,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Measure this machine: the target's forward cost at 1-17 new tokens and several contexts, the
+    memory bandwidth and the bound it sets on a one-token step, and the GEMM path chosen per shape.
+
+    The first run on a machine also measures the GEMM paths (a few seconds, cached under the tandem
+    cache's gemm/ folder); `tandem bench` records the same curve beside its results.
+    """
+    _setup(threads)
+    from rich.console import Console
+
+    from tandem.engine.llama import NativeLlama, Unsupported
+    from tandem.tools.calibrate import format_curve, format_plan, measure
+
+    try:
+        ctx = [int(c) for c in contexts.split(",") if c.strip()]
+        if not ctx or min(ctx) < 1:
+            raise ValueError
+    except ValueError:
+        _fail(f"--contexts must be positive integers separated by commas, not {contexts!r}")
+    target, _ = _load(model, None)
+    try:
+        native = NativeLlama(target.model)
+    except Unsupported as exc:
+        _fail(f"calibrate measures the native forward, which {target.model_id} cannot use: {exc}")
+    curve = measure(native, contexts=tuple(ctx))
+    console = Console(stderr=True)
+    if native.gemm_plan is not None:
+        console.print(format_plan(native.gemm_plan))
+    console.print(format_curve(curve))
+    text = json.dumps({"model": target.model_id, **curve.as_dict()}, indent=2)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        typer.echo(f"wrote {out}", err=True)
+    if as_json:
+        print(text)
+
+
+@app.command()
 def bench(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Prompt set: a bundled development set by name (humaneval, mt_bench, gsm8k, bfcl_multiple) or a file: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns and optional category.")],
     limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N prompts.", min=1)] = None,
@@ -242,6 +308,7 @@ def bench(
     hf_lookup_tokens: Annotated[int, typer.Option("--hf-lookup-tokens", help="prompt_lookup_num_tokens of the hf-prompt-lookup mode.", min=1)] = 10,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write PNG plots (speedup, acceptance by position, accepted length, tokens/s) into this directory.", file_okay=False)] = None,
     endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="Benchmark a running stack through its gateway's gRPC address (HOST:PORT) instead of in process.")] = None,
+    curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Measure the machine's cost curve (`tandem calibrate`, 100 and 1,000 tokens of context) before the run and record it in the report (in process only).")] = True,
     threads: ThreadsOpt = None,
 ) -> None:
     """Benchmark modes side by side in one process, interleaved per prompt, against plain decoding.
@@ -276,12 +343,27 @@ def bench(
             needs = any(m in ("model", "hybrid", "hf-assisted") for m in mode_list)
             target, draft_lm = _load(model, draft_model, needs_draft=needs)
             engine = Engine(target, draft_lm, spec)
+            machine_curve = None
+            impl = getattr(engine.runner.backend, "impl", None)
+            if curve and impl is not None:
+                from tandem.tools.calibrate import measure
+
+                # before the run, alone on the machine: the same conditions as the run's figures
+                machine_curve = measure(impl, contexts=(100, 1000))
             result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
                                sampling=sampling, repeats=repeats, turns=turns, hf_lookup_tokens=hf_lookup_tokens)
+            if machine_curve is not None:
+                result["config"]["machine"]["cost_curve"] = machine_curve.as_dict()
     except ValueError as exc:
         _fail(str(exc))
     result["config"]["dataset"] = str(dataset)
     console = Console(stderr=True)
+    if "cost_curve" in result["config"].get("machine", {}):
+        from tandem.tools.calibrate import MachineCurve, format_curve
+
+        data = dict(result["config"]["machine"]["cost_curve"])
+        data.pop("ratios", None)
+        console.print(format_curve(MachineCurve(**data)))
     console.print(format_table(result))
     by_category = format_category_table(result)
     if by_category is not None:

@@ -1,0 +1,293 @@
+"""Which CPU GEMM path computes each linear layer: measured per machine, chosen per shape and rows.
+
+Why: a step of a small model on a CPU is a few dozen GEMMs of 1-17 rows against weights read from
+memory, and how close a GEMM gets to memory speed depends on the library path, the weight layout and
+the CPU. Measured on two hosts of the same cloud type (DESIGN.md, docs/benchmarks.md): on an Intel
+Xeon MKL's `F.linear` is fine; on an AMD EPYC the same call reads the weight at ~11 GB/s for 1 row
+and runs 2-3x slower again for 2-3 rows, while oneDNN with a pre-packed weight stays near ~25 GB/s
+for 1-17 rows. No single path is best everywhere, so we measure.
+
+The lossless rule (see docs/design-notes.md, "GEMM paths"): **the path is a function of (weight
+shape, row count) only**, fixed for the life of a model and shared by every forward of it: plain
+decoding, verification blocks, prefill, batched sessions. So plain decoding and speculative decoding
+compute a row count with the same arithmetic. Mixing paths by row count is allowed because no CPU
+path here is row-count invariant anyway (measured: MKL NT, MKL NN and oneDNN each give different
+bits for the same row at 1 vs 2+ rows; only a per-row GEMV is invariant, at 2-9x the cost), so the
+old fixed choice (NT up to 3 rows, NN above) already mixed paths by row count. What would break
+the guarantee is a path that depends on anything else (timing, load, which session asked), and
+that is what this module rules out: a plan is measured once, cached, and never changes under a
+running model. Tests run greedy generations through every path the tuner can pick.
+
+A plan is cached per machine under `<tandem cache>/gemm/`, keyed by CPU model, torch version,
+thread count and the shapes; `tandem calibrate` prints it with the machine's cost curve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("tandem.engine.gemm")
+
+ROWS = tuple(range(1, 18))  # row counts of decode and verification steps (k <= 16 drafts + 1)
+LARGE = 64  # a prefill-size call, measured once; any call above 17 rows uses its choice
+SLOTS = (*ROWS, LARGE)
+PLAN_VERSION = 1  # bump when candidates or the measurement change: old cached plans are ignored
+COLD_BYTES = 96 << 20  # weights rotated through per measurement: above any L3 here, so read from DRAM
+KEEP_WITHIN = 1.10  # a path already kept serves a row count when within 10% of that count's best
+# (measurements on a shared host jitter by about that much; fewer layouts = less memory)
+
+
+class GemmPath(str, Enum):
+    mkl_nt = "mkl_nt"  # F.linear(x, W), W as stored [out, in]
+    mkl_nn = "mkl_nn"  # x @ W_t with W_t = W.T made contiguous [in, out]
+    onednn_b1 = "onednn_b1"  # oneDNN with a weight packed for 1-row calls
+    onednn_b4 = "onednn_b4"  # ... packed for 4-row calls
+    onednn_b16 = "onednn_b16"  # ... packed for 16-row calls
+    gemv_rows = "gemv_rows"  # one GEMV per row (torch.mv): row-count invariant; for 1-2 rows only
+
+
+GEMV_MAX_ROWS = 2  # gemv_rows re-reads the weight per row: never a candidate above this
+_PACK_HINT = {GemmPath.onednn_b1: 1, GemmPath.onednn_b4: 4, GemmPath.onednn_b16: 16}
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear (private ops: checked, never assumed)."""
+    try:
+        w = torch.ones(8, 16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16), packed, None, "none", [], "")
+        return bool(torch.allclose(out, torch.full((1, 8), 16.0)))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def candidates() -> list[GemmPath]:
+    paths = [GemmPath.mkl_nt, GemmPath.mkl_nn, GemmPath.gemv_rows]
+    if onednn_available():
+        paths += [GemmPath.onednn_b1, GemmPath.onednn_b4, GemmPath.onednn_b16]
+    return paths
+
+
+def prepare(w: torch.Tensor, path: GemmPath) -> torch.Tensor:
+    """The layout `path` reads, made from a weight `# [out, in]`."""
+    if path in (GemmPath.mkl_nt, GemmPath.gemv_rows):
+        return w
+    if path is GemmPath.mkl_nn:
+        return w.t().contiguous()  # [in, out]
+    return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT[path])
+
+
+def apply(path: GemmPath, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
+    """x `# [n, in]` times the weight held in `prepared` (see `prepare`) -> `# [n, out]`."""
+    if path is GemmPath.mkl_nt:
+        return F.linear(x, prepared)
+    if path is GemmPath.mkl_nn:
+        return x @ prepared
+    if path is GemmPath.gemv_rows:
+        return torch.stack([torch.mv(prepared, row) for row in x])
+    return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
+
+
+def slot_of(rows: int) -> int:
+    """Index into `SLOTS` of the choice that serves a call of `rows` rows."""
+    return rows - 1 if rows <= ROWS[-1] else len(ROWS)
+
+
+def cpu_model() -> str:
+    """The CPU's model name as `lscpu` prints it (e.g. 'AMD EPYC', 'Intel(R) Xeon(R) ...')."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def shape_key(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+@dataclass
+class GemmPlan:
+    """The chosen path per weight shape and row slot, with the measurements it was chosen from."""
+
+    cpu: str
+    torch_version: str
+    threads: int
+    mode: str  # "auto" (measured) or the one path forced for every call
+    choice: dict[str, list[str]]  # shape key -> path per slot (SLOTS order)
+    times_us: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)  # shape -> path -> per slot
+    tuned_s: float = 0.0  # how long the measurement took
+
+    def path(self, shape: tuple[int, int], rows: int) -> GemmPath:
+        return GemmPath(self.choice[shape_key(shape)][slot_of(rows)])
+
+    def paths(self, shape: tuple[int, int]) -> list[GemmPath]:
+        """The distinct paths a weight of this shape needs (its layouts to keep)."""
+        return sorted({GemmPath(p) for p in self.choice[shape_key(shape)]}, key=lambda p: p.value)
+
+
+def forced_plan(path: GemmPath, shapes: list[tuple[int, int]]) -> GemmPlan:
+    """One path for every shape and row count (`TANDEM_GEMM=<path>`; tests of each path)."""
+    return GemmPlan(cpu_model(), torch.__version__, torch.get_num_threads(), path.value,
+                    {shape_key(s): [path.value] * len(SLOTS) for s in shapes})
+
+
+def _time_path(path: GemmPath, weights: list[torch.Tensor], rows: int, in_features: int, reps: int) -> float:
+    """Median seconds of one call of `path` at `rows` rows, each call on the next of `weights`
+    (prepared layouts), so every call reads its weight from memory as in a real forward."""
+    x = torch.randn(rows, in_features)
+    for w in weights:  # warm-up pass: first-call allocations, thread pool start
+        apply(path, x, w)
+    passes = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for w in weights:
+            apply(path, x, w)
+        passes.append((time.perf_counter() - start) / len(weights))
+    return statistics.median(passes)
+
+
+def _prune(times: dict[GemmPath, list[float | None]]) -> list[GemmPath]:
+    """Per slot, the path to use: the fastest, except that a path already needed elsewhere serves a
+    slot where it is within KEEP_WITHIN of the best (fewer layouts kept in memory)."""
+    best = [min(t[i] for t in times.values() if t[i] is not None) for i in range(len(SLOTS))]
+    wins: dict[GemmPath, int] = {}
+    for i in range(len(SLOTS)):
+        winner = min((p for p in times if times[p][i] is not None), key=lambda p: times[p][i])
+        wins[winner] = wins.get(winner, 0) + 1
+    kept: list[GemmPath] = []
+    out: list[GemmPath] = []
+    for i in range(len(SLOTS)):
+        ok = [p for p in sorted(wins, key=lambda p: -wins[p]) if times[p][i] is not None and times[p][i] <= best[i] * KEEP_WITHIN]
+        pick = next((p for p in ok if p in kept), ok[0])
+        if pick not in kept:
+            kept.append(pick)
+        out.append(pick)
+    return out
+
+
+def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False) -> GemmPlan:
+    """Measure every candidate path for every shape at every row slot; choose per slot."""
+    from tandem.engine.progress import progress_bar
+
+    paths = candidates()
+    start = time.perf_counter()
+    plan = GemmPlan(cpu_model(), torch.__version__, torch.get_num_threads(), "auto", {})
+    gen = torch.Generator().manual_seed(0)
+    with progress_bar(enabled=progress) as bar:
+        task = bar.add_task("measuring GEMM paths", total=len(shapes) * len(paths))
+        for shape in shapes:
+            copies = max(1, min(64, COLD_BYTES // (shape[0] * shape[1] * 4)))
+            base = [torch.randn(shape, generator=gen) * 0.05 for _ in range(copies)]
+            times: dict[GemmPath, list[float | None]] = {}
+            for path in paths:
+                weights = [prepare(w, path) for w in base]
+                times[path] = [
+                    None if path is GemmPath.gemv_rows and rows > GEMV_MAX_ROWS
+                    else _time_path(path, weights, rows, shape[1], reps)
+                    for rows in SLOTS
+                ]
+                del weights
+                bar.advance(task)
+            key = shape_key(shape)
+            plan.choice[key] = [p.value for p in _prune(times)]
+            plan.times_us[key] = {p.value: [None if t is None else round(t * 1e6, 1) for t in ts] for p, ts in times.items()}
+    plan.tuned_s = round(time.perf_counter() - start, 2)
+    return plan
+
+
+class GemmSettings:
+    """Process-wide GEMM mode: "auto" (measure once per machine, cached) or one forced path.
+
+    Set once at the edge (`tandem --gemm` / TANDEM_GEMM, see tandem.tools.cli); models built later
+    read it. Forcing a path is for comparison and tests, never needed for correctness.
+    """
+
+    mode: str = "auto"
+    cache: Path | None = None  # default: <tandem cache>/gemm
+    progress: bool = True
+
+    @classmethod
+    def configure(cls, mode: str = "auto", *, cache: Path | None = None, progress: bool | None = None) -> None:
+        if mode != "auto" and mode not in GemmPath.__members__:
+            raise ValueError(f"unknown GEMM mode {mode!r}: auto or one of {', '.join(GemmPath.__members__)}")
+        if mode.startswith("onednn") and not onednn_available():
+            raise ValueError(f"GEMM mode {mode!r} needs oneDNN, which this torch build lacks")
+        cls.mode = mode
+        cls.cache = cache
+        if progress is not None:
+            cls.progress = progress
+
+
+_memo: dict[str, GemmPlan] = {}
+
+
+def plan_key(shapes: list[tuple[int, int]]) -> str:
+    raw = json.dumps([PLAN_VERSION, cpu_model(), torch.__version__, torch.get_num_threads(),
+                      sorted(shape_key(s) for s in shapes), [p.value for p in candidates()]])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def plan_for(shapes: list[tuple[int, int]]) -> GemmPlan:
+    """The plan for a model with these weight shapes under the configured mode: forced, or the
+    cached measurement for this machine, or a fresh measurement (a few seconds, saved)."""
+    shapes = sorted(set(shapes))
+    if GemmSettings.mode != "auto":
+        return forced_plan(GemmPath(GemmSettings.mode), shapes)
+    key = plan_key(shapes)
+    if key in _memo:
+        return _memo[key]
+    from tandem.engine.models import cache_dir
+
+    path = (GemmSettings.cache or cache_dir() / "gemm") / f"{key}.json"
+    plan = None
+    if path.exists():
+        try:
+            plan = GemmPlan(**json.loads(path.read_text()))
+            plan.path(shapes[0], 1)  # validates the entries
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            log.warning("ignoring an unreadable GEMM plan %s (%s): measuring again", path, exc)
+            plan = None
+    if plan is None:
+        log.info("measuring GEMM paths for %d weight shapes on %s (%d threads); cached in %s",
+                 len(shapes), cpu_model(), torch.get_num_threads(), path.parent)
+        plan = tune(shapes, progress=GemmSettings.progress)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(asdict(plan), indent=1))
+            tmp.replace(path)  # atomic: two processes tuning at once never see half a file
+        except OSError as exc:
+            log.warning("cannot cache the GEMM plan in %s: %s", path, exc)
+    _memo[key] = plan
+    return plan
+
+
+class TunedLinear:
+    """A linear layer's weight `# [out, in]`, applied as x @ W.T `# [n, in] -> [n, out]` through the
+    plan's path for its shape and the call's row count. Holds only the layouts its plan uses."""
+
+    def __init__(self, w: torch.Tensor, plan: GemmPlan):
+        self.w = w.detach().contiguous()  # [out, in]
+        self.shape = (self.w.shape[0], self.w.shape[1])
+        key = shape_key(self.shape)
+        self.by_slot = [GemmPath(p) for p in plan.choice[key]]
+        self.layouts = {p: prepare(self.w, p) for p in set(self.by_slot)}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        path = self.by_slot[slot_of(x.shape[0])]
+        return apply(path, x, self.layouts[path])

@@ -1,0 +1,155 @@
+"""The GEMM tuner (tandem.engine.gemm): what it chooses, that it is cached, and that whatever it
+chooses keeps speculation lossless.
+
+The lossless rule under test: a weight's path depends on its shape and the call's row count only, so
+plain decoding and verification compute with the same arithmetic at every row count. Each path the
+tuner can pick is forced in turn and long greedy generations are compared with plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from smollm_fixture import smollm  # noqa: F401 - fixture
+from tandem.engine import gemm
+from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.engine.gemm import GemmPath, GemmSettings, SLOTS, TunedLinear, candidates, forced_plan, slot_of
+from tandem.engine.llama import NativeLlama
+from tandem.engine.models import apply_chat_template
+from tandem.engine.spec import Engine
+
+PATHS = [p.value for p in candidates()]
+
+
+@pytest.fixture(autouse=True)
+def _restore_settings():
+    yield
+    GemmSettings.configure("auto", cache=None)
+    gemm._memo.clear()
+
+
+def test_every_path_computes_the_same_product() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=gen)  # [out, in]
+    for path in candidates():
+        lin = TunedLinear(w, forced_plan(path, [(40, 24)]))
+        for rows in (*range(1, 18), 64):
+            x = torch.randn(rows, 24, generator=gen)
+            assert torch.allclose(lin(x), F.linear(x, w), atol=1e-5), (path, rows)
+
+
+def test_row_slots_cover_decode_blocks_and_prefill() -> None:
+    assert [slot_of(n) for n in range(1, 18)] == list(range(17))
+    assert slot_of(18) == slot_of(500) == len(SLOTS) - 1
+
+
+def test_prune_keeps_few_layouts_and_never_a_slow_one() -> None:
+    a, b, c = GemmPath.mkl_nt, GemmPath.onednn_b4, GemmPath.mkl_nn
+    n = len(SLOTS)
+    times = {
+        a: [1.0] * n,
+        b: [1.04] * (n - 1) + [0.5],  # within 10% everywhere, far ahead on the last slot
+        c: [0.99] + [3.0] * (n - 1),  # 1% ahead on one slot only
+    }
+    chosen = gemm._prune(times)
+    # b is needed for the last slot and is within 10% everywhere else: one layout serves all
+    assert set(chosen) == {b} or set(chosen) == {a, b}
+    best = [min(t[i] for t in times.values()) for i in range(n)]
+    assert all(times[p][i] <= best[i] * gemm.KEEP_WITHIN for i, p in enumerate(chosen))
+    assert c not in chosen
+
+
+def test_a_plan_is_measured_once_and_then_read_from_the_cache(tmp_path, monkeypatch) -> None:
+    GemmSettings.configure("auto", cache=tmp_path, progress=False)
+    shapes = [(48, 32), (32, 32)]
+    plan = gemm.plan_for(shapes)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and plan.mode == "auto"
+    record = json.loads(files[0].read_text())
+    assert record["cpu"] == gemm.cpu_model() and record["threads"] == torch.get_num_threads()
+    assert set(record["choice"]) == {"48x32", "32x32"} and all(len(v) == len(SLOTS) for v in record["choice"].values())
+    # a new process (no memo) reads the file instead of measuring
+    gemm._memo.clear()
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("measured again although a cached plan exists")
+
+    monkeypatch.setattr(gemm, "tune", no_tuning)
+    assert gemm.plan_for(shapes).choice == plan.choice
+    # a damaged file is measured again (and replaced), with a warning, not a crash
+    gemm._memo.clear()
+    files[0].write_text("{not json")
+    monkeypatch.undo()
+    again = gemm.plan_for(shapes)
+    assert again.mode == "auto" and json.loads(files[0].read_text())["choice"] == again.choice
+
+
+def test_the_key_separates_machines_and_thread_counts(monkeypatch) -> None:
+    shapes = [(48, 32)]
+    key = gemm.plan_key(shapes)
+    monkeypatch.setattr(gemm, "cpu_model", lambda: "Some Other CPU")
+    assert gemm.plan_key(shapes) != key
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert gemm.plan_key(shapes) != key
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_unknown_mode_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="auto or one of mkl_nt"):
+        GemmSettings.configure("fastest")
+
+
+def test_a_model_holds_only_the_layouts_its_plan_uses(tiny_loaded) -> None:
+    GemmSettings.configure("mkl_nn")
+    nat = NativeLlama(tiny_loaded.model)
+    assert nat.gemm_plan.mode == "mkl_nn"
+    layer = nat.layers[0]["wgu"]
+    assert set(layer.layouts) == {GemmPath.mkl_nn}
+
+
+def _long_greedy_equal(target, ctx, tokens, spec) -> tuple[list[int], object]:
+    engine = Engine(target)
+    plain = engine.generate(ctx, SamplingParams(max_new_tokens=tokens, ignore_eos=True), SpecConfig(strategy="none"))
+    fast = engine.generate(ctx, SamplingParams(max_new_tokens=tokens, ignore_eos=True), spec)
+    assert fast.token_ids == plain.token_ids
+    return plain.token_ids, fast.stats
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_speculation_equals_plain_decoding_with_every_path(path, tiny_loaded, contexts) -> None:
+    GemmSettings.configure(path)
+    spec = SpecConfig(strategy="ngram", adaptive=False, max_draft_tokens=16)  # blocks of 1-17 rows
+    accepted = 0
+    for name in ("code", "json", "chat"):
+        _, stats = _long_greedy_equal(tiny_loaded, contexts[name], 300, spec)
+        accepted += stats.accepted
+    assert accepted > 0  # blocks were really verified, or this compares plain with plain
+
+
+@pytest.fixture(scope="module")
+def contexts(tiny_tokenizer):
+    from test_engine import _contexts
+
+    return _contexts(tiny_tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["auto", *PATHS])
+def test_smollm_greedy_speculation_equals_plain_decoding_with_every_path(path, smollm) -> None:  # noqa: F811
+    """The embedded model, whose logits have real near-ties: a path that computed verification
+    differently from plain decoding would show here first."""
+    GemmSettings.configure(path, progress=False)
+    ctx = apply_chat_template(smollm.tokenizer, [{
+        "role": "user", "content": "Write a Python class for a bank account with deposit, withdraw and balance "
+                                   "methods, then the same class again with type hints."}])
+    spec = SpecConfig(strategy="ngram", adaptive=False, max_draft_tokens=8)
+    _, stats = _long_greedy_equal(smollm, ctx, 96, spec)
+    assert stats.accepted > 0
