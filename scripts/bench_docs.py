@@ -164,6 +164,7 @@ def render(results: list[dict], old: str = "", *, plots_rel: Path | str = "plots
         "(greedy). Times include the prefill. On a shared CPU only ratios measured side by side mean "
         "something (DESIGN.md, Measuring).",
         "",
+        *curve_section(machine),
         "## Summary",
         "",
         *summary_table(results),
@@ -194,6 +195,15 @@ def render(results: list[dict], old: str = "", *, plots_rel: Path | str = "plots
     if keeps:
         lines += ["\n\n".join(keeps), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def curve_section(machine: dict) -> list[str]:
+    """The machine's cost curve, measured by `tandem bench` before the run (`tandem calibrate`)."""
+    if "cost_curve" not in machine:
+        return []
+    from tandem.tools.calibrate import markdown_curve
+
+    return [*markdown_curve(machine["cost_curve"]), ""]
 
 
 def draft_section(results: list[dict]) -> list[str]:

@@ -2,13 +2,16 @@
 
 Why not `transformers`' own forward: speculative verification runs many short blocks (1-17 tokens)
 on top of a long KV cache, and on a CPU three costs of the generic forward dominate there:
-- the LM head as one [n, 576] x [576, 49152] GEMM falls off a cliff for n >= 3 (MKL picks a
-  compute-bound path that is ~6x slower than n = 1); split into vocabulary chunks it stays close to
-  memory speed (measured on this machine: 9 rows 7 ms chunked vs 24-32 ms whole);
+- GEMMs of a few rows: how close they get to memory speed depends on the library path and the CPU
+  (on an AMD EPYC, MKL's `F.linear` reads the LM head at ~11 GB/s for 1 row and 2-3x slower again
+  for 2-3 rows; oneDNN with a packed weight stays near memory speed for 1-17 rows). Every float32
+  weight on a CPU goes through the path measured fastest on this machine for its shape and row
+  count (tandem.engine.gemm, with the rule that keeps this lossless);
 - a KV cache that grows by concatenation copies the whole cache every step;
 - per-module Python overhead (hundreds of small calls per forward).
-So the weights are re-laid out once (fused QKV and gate/up projections, transposed for `x @ W`),
-the cache is preallocated and written in place, and rolling back is just moving a length.
+So the weights are re-laid out once (fused QKV and gate/up projections, each in its GEMM path's
+layout, the LM head in vocabulary chunks), the cache is preallocated and written in place, and
+rolling back is just moving a length.
 
 The same checkpoints load (the weights are taken from the `transformers` model), and tests compare
 logits with `transformers` on identical inputs.

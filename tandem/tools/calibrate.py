@@ -32,9 +32,9 @@ class MachineCurve:
     torch_version: str
     read_gbs: float  # streaming read of a 256 MB buffer (sum), GB/s: the best of before and after
     copy_gbs: float  # bytes copied per second (each byte read once and written once), GB/s
-    read_gbs_range: tuple[float, float] = (0.0, 0.0)  # before and after the curve: shared hosts drift
     weight_mb: float  # bytes of weights one step reads (embedding rows excluded: a step reads a few)
     bound_ms: float  # weight_mb / read bandwidth: the one-token step can be no faster
+    read_gbs_range: tuple[float, float] = (0.0, 0.0)  # before and after the curve: shared hosts drift
     curve_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # context -> rows -> ms
     gemm: dict[str, list[str]] = field(default_factory=dict)  # shape -> chosen path per row slot
 
@@ -89,7 +89,7 @@ def measure(native, *, contexts=CONTEXTS, rows=ROWS, reps: int = 7, progress: bo
     read, copy = bandwidth()
     wbytes = weight_bytes(native)
     curve = MachineCurve(cpu=cpu_model(), threads=torch.get_num_threads(), torch_version=torch.__version__,
-                         read_gbs=0.0, copy_gbs=round(copy, 1), weight_mb=round(wbytes / 1e6, 1), bound_ms=0.0)
+                         read_gbs=0.0, copy_gbs=round(copy, 1), weight_mb=round(wbytes / 1e6, 3), bound_ms=0.0)
     plan: GemmPlan | None = native.gemm_plan
     if plan is not None:
         curve.gemm = {k: v for k, v in plan.choice.items()}
@@ -114,7 +114,7 @@ def measure(native, *, contexts=CONTEXTS, rows=ROWS, reps: int = 7, progress: bo
     best = max(read, read_after)
     curve.read_gbs, curve.read_gbs_range = round(best, 1), (round(read, 1), round(read_after, 1))
     curve.copy_gbs = round(max(copy, copy_after), 1)
-    curve.bound_ms = round(wbytes / best / 1e6, 2)
+    curve.bound_ms = round(wbytes / best / 1e6, 3)
     return curve
 
 
@@ -137,6 +137,25 @@ def format_curve(curve: MachineCurve):
         table.add_row(ctx, *[f"{row[str(n)]:.1f}" if str(n) in row else "" for n in rows],
                       f"{r.get('one_over_bound', '')}x", f"{r.get('nine_over_one', '')}x")
     return table
+
+
+def markdown_curve(curve: dict) -> list[str]:
+    """The curve of a `MachineCurve.as_dict()` record as markdown lines (docs/benchmarks.md)."""
+    rows = sorted({int(n) for r in curve["curve_ms"].values() for n in r})
+    lines = [
+        f"Cost curve ({curve['cpu']}, {curve['threads']} threads, torch {curve['torch_version']}): target forward "
+        f"in ms by new tokens and tokens of context; read bandwidth {curve['read_gbs']} GB/s, weights "
+        f"{curve['weight_mb']} MB, so a one-token step can be no faster than {curve['bound_ms']} ms.",
+        "",
+        "| context | " + " | ".join(f"{n} tok" for n in rows) + " | 1 tok / bound | 9 tok / 1 tok |",
+        "|---:|" + "---:|" * (len(rows) + 2),
+    ]
+    ratios = curve.get("ratios", {})
+    for ctx, row in curve["curve_ms"].items():
+        r = ratios.get(ctx, {})
+        cells = [f"{row[str(n)]:.1f}" if str(n) in row else "" for n in rows]
+        lines.append(f"| {ctx} | " + " | ".join(cells) + f" | {r.get('one_over_bound', '')}x | {r.get('nine_over_one', '')}x |")
+    return lines
 
 
 def format_plan(plan: GemmPlan):
@@ -163,4 +182,4 @@ def format_plan(plan: GemmPlan):
     return table
 
 
-__all__ = ["MachineCurve", "measure", "bandwidth", "format_curve", "format_plan", "shape_key"]
+__all__ = ["MachineCurve", "measure", "bandwidth", "format_curve", "format_plan", "markdown_curve", "shape_key"]

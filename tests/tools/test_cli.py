@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from conftest import make_tiny_tokenizer
 from tandem.tools.cli import app
 from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.engine.gemm import GemmSettings
 from tandem.engine.models import apply_chat_template, load_model
 from tandem.engine.spec import Engine
 
@@ -58,6 +59,7 @@ def keep_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+    GemmSettings.configure("auto")  # `tandem --gemm PATH` sets it process-wide, like the threads
 
 
 # --- help -----------------------------------------------------------------------------------------
@@ -195,6 +197,10 @@ def test_bench_writes_the_documented_report(tiny_dir, tmp_path) -> None:
     cfg = result["config"]
     assert cfg["model"] == "tiny-llama" and cfg["limit"] == 2 and cfg["max_new_tokens"] == 8
     assert cfg["dataset"] == str(dataset) and cfg["machine"]["torch_threads"] == 1
+    # every report names its machine and carries the cost curve measured before the run
+    curve = cfg["machine"]["cost_curve"]
+    assert cfg["machine"]["cpu"] == curve["cpu"] != "" and cfg["machine"]["gemm"] == "auto"
+    assert set(curve["curve_ms"]) == {"100", "1000"} and curve["bound_ms"] > 0
 
 
 def test_bench_refuses_an_unknown_mode(tiny_dir, tmp_path) -> None:
@@ -202,6 +208,41 @@ def test_bench_refuses_an_unknown_mode(tiny_dir, tmp_path) -> None:
     dataset.write_text(json.dumps({"prompt": "hi"}) + "\n")
     res = invoke("bench", "-m", str(tiny_dir), "-d", str(dataset), "--modes", "ar,eagle", *THREADS)
     assert res.exit_code == 2 and "eagle" in res.stderr
+
+
+# --- calibrate ------------------------------------------------------------------------------------
+
+
+def test_calibrate_prints_the_curve_the_bound_and_the_gemm_plan(tiny_dir, tmp_path) -> None:
+    out = tmp_path / "curve.json"
+    res = invoke("calibrate", "-m", str(tiny_dir), "--contexts", "10,40", "--json", "--out", str(out), *THREADS)
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.stdout)
+    assert record == json.loads(out.read_text())
+    assert record["model"] == "tiny-llama" and record["cpu"] and record["threads"] == 1
+    assert list(record["curve_ms"]) == ["10", "40"]
+    for row in record["curve_ms"].values():
+        assert list(row) == ["1", "2", "3", "5", "9", "17"] and all(ms > 0 for ms in row.values())
+    assert record["read_gbs"] > 0 and record["bound_ms"] == pytest.approx(record["weight_mb"] / record["read_gbs"], rel=0.01, abs=1e-3)
+    assert record["ratios"]["10"]["one_over_bound"] == pytest.approx(record["curve_ms"]["10"]["1"] / record["bound_ms"], rel=0.02)
+    assert record["gemm"] and all(len(paths) == 18 for paths in record["gemm"].values())
+    assert "GEMM paths" in res.stderr and "forward ms by new tokens" in res.stderr
+
+
+def test_a_forced_gemm_path_reaches_every_weight(tiny_dir) -> None:
+    res = invoke("--gemm", "mkl_nn", "calibrate", "-m", str(tiny_dir), "--contexts", "8", "--json", *THREADS)
+    assert res.exit_code == 0, res.output
+    assert {p for paths in json.loads(res.stdout)["gemm"].values() for p in paths} == {"mkl_nn"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gemm", "fastest", "calibrate"], "unknown GEMM mode 'fastest'"),
+    (["calibrate", "--contexts", "100,lots"], "--contexts must be positive integers"),
+    (["calibrate", "--contexts", "0"], "--contexts must be positive integers"),
+])
+def test_calibrate_refuses_bad_options(args, message, tiny_dir) -> None:
+    res = invoke(*args, "-m", str(tiny_dir), *THREADS)
+    assert res.exit_code == 2 and message in res.stderr, res.output
 
 
 def test_convert_leaves_a_hf_directory_alone(tiny_dir) -> None:

@@ -141,3 +141,18 @@ def test_a_fresh_page_gets_a_reading_placeholder(bench_docs) -> None:
     text = bench_docs.render([synthetic_result("HumanEval", [None])])
     assert f"<!-- reading -->\n{bench_docs.READING_PLACEHOLDER}\n<!-- /reading -->" in text
     assert "<!-- keep -->" not in text
+
+
+def test_the_page_shows_the_machines_cost_curve(bench_docs) -> None:
+    result = synthetic_result("HumanEval", [None])
+    assert "Cost curve" not in bench_docs.render([result])  # older reports have none: nothing invented
+    result["config"]["machine"]["cost_curve"] = {
+        "cpu": "Test CPU", "threads": 2, "torch_version": "2.13.0", "read_gbs": 30.0, "copy_gbs": 15.0,
+        "weight_mb": 540.0, "bound_ms": 18.0, "read_gbs_range": [30.0, 29.0],
+        "curve_ms": {"100": {"1": 27.0, "2": 30.0, "9": 40.5}}, "gemm": {},
+        "ratios": {"100": {"one_over_bound": 1.5, "nine_over_one": 1.5}},
+    }
+    text = bench_docs.render([result])
+    assert "Cost curve (Test CPU, 2 threads, torch 2.13.0)" in text and "no faster than 18.0 ms" in text
+    assert "| context | 1 tok | 2 tok | 9 tok | 1 tok / bound | 9 tok / 1 tok |" in text
+    assert "| 100 | 27.0 | 30.0 | 40.5 | 1.5x | 1.5x |" in text
