@@ -43,8 +43,11 @@ log = logging.getLogger("tandem.engine.gemm")
 ROWS = tuple(range(1, 18))  # row counts of decode and verification steps (k <= 16 drafts + 1)
 LARGE = 64  # a prefill-size call, measured once; any call above 17 rows uses its choice
 SLOTS = (*ROWS, LARGE)
-PLAN_VERSION = 1  # bump when candidates or the measurement change: old cached plans are ignored
+PLAN_VERSION = 3  # bump when candidates or the measurement change: old cached plans are ignored
 COLD_BYTES = 96 << 20  # weights rotated through per measurement: above any L3 here, so read from DRAM
+PAD_GAIN = 0.85  # pad a call to more rows only when that measured at least 15% faster: smaller
+# gains did not survive the whole forward (3 rows padded to 6 measured 6% faster alone, ~10% slower
+# in the model on the EPYC host), while 2 rows padded to 3-6 (17% alone) was faster there too
 KEEP_WITHIN = 1.10  # a path already kept serves a row count when within 10% of that count's best
 # (measurements on a shared host jitter by about that much; fewer layouts = less memory)
 
@@ -128,16 +131,19 @@ class GemmPlan:
     torch_version: str
     threads: int
     mode: str  # "auto" (measured) or the one path forced for every call
-    choice: dict[str, list[str]]  # shape key -> path per slot (SLOTS order)
+    choice: dict[str, list[str]]  # shape key -> "path" or "path@m" (pad to m rows) per slot (SLOTS order)
     times_us: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)  # shape -> path -> per slot
     tuned_s: float = 0.0  # how long the measurement took
 
-    def path(self, shape: tuple[int, int], rows: int) -> GemmPath:
-        return GemmPath(self.choice[shape_key(shape)][slot_of(rows)])
+    def path(self, shape: tuple[int, int], rows: int) -> tuple[GemmPath, int]:
+        """(path, rows to compute) for a call of `rows` rows: padded with zero rows where a
+        slightly larger call is faster (oneDNN: 1-2 rows cost more than 3-5 on the EPYC host)."""
+        return parse_choice(self.choice[shape_key(shape)][slot_of(rows)], rows)
 
-    def paths(self, shape: tuple[int, int]) -> list[GemmPath]:
-        """The distinct paths a weight of this shape needs (its layouts to keep)."""
-        return sorted({GemmPath(p) for p in self.choice[shape_key(shape)]}, key=lambda p: p.value)
+
+def parse_choice(entry: str, rows: int) -> tuple[GemmPath, int]:
+    path, _, pad = entry.partition("@")
+    return GemmPath(path), max(rows, int(pad)) if pad else rows
 
 
 def forced_plan(path: GemmPath, shapes: list[tuple[int, int]]) -> GemmPlan:
@@ -161,9 +167,25 @@ def _time_path(path: GemmPath, weights: list[torch.Tensor], rows: int, in_featur
     return statistics.median(passes)
 
 
-def _prune(times: dict[GemmPath, list[float | None]]) -> list[GemmPath]:
-    """Per slot, the path to use: the fastest, except that a path already needed elsewhere serves a
-    slot where it is within KEEP_WITHIN of the best (fewer layouts kept in memory)."""
+def _with_padding(times: list[float | None]) -> tuple[list[float | None], list[int]]:
+    """A path's time per slot when a call may be padded to more rows (up to 17), and the row count
+    each slot then computes. Only decode slots pad; the prefill slot runs as it is."""
+    eff, pad_to = list(times), list(SLOTS)
+    for i in range(len(ROWS)):
+        for j in range(i + 1, len(ROWS)):
+            if times[j] is not None and (eff[i] is None or times[j] < eff[i]) and (
+                    times[i] is None or times[j] <= PAD_GAIN * times[i]):
+                eff[i], pad_to[i] = times[j], SLOTS[j]
+    return eff, pad_to
+
+
+def _prune(times: dict[GemmPath, list[float | None]]) -> list[str]:
+    """Per slot, the path to use (with the rows to pad to, "path@m", where padding is faster): the
+    fastest, except that a path already needed elsewhere serves a slot where it is within
+    KEEP_WITHIN of the best (fewer layouts kept in memory)."""
+    padded = {p: _with_padding(t) for p, t in times.items()}
+    pads = {p: padded[p][1] for p in times}
+    times = {p: padded[p][0] for p in times}
     best = [min(t[i] for t in times.values() if t[i] is not None) for i in range(len(SLOTS))]
     wins: dict[GemmPath, int] = {}
     for i in range(len(SLOTS)):
@@ -176,7 +198,8 @@ def _prune(times: dict[GemmPath, list[float | None]]) -> list[GemmPath]:
         pick = next((p for p in ok if p in kept), ok[0])
         if pick not in kept:
             kept.append(pick)
-        out.append(pick)
+        pad = pads[pick][i]
+        out.append(pick.value if pad == SLOTS[i] else f"{pick.value}@{pad}")
     return out
 
 
@@ -204,7 +227,7 @@ def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False
                 del weights
                 bar.advance(task)
             key = shape_key(shape)
-            plan.choice[key] = [p.value for p in _prune(times)]
+            plan.choice[key] = _prune(times)
             plan.times_us[key] = {p.value: [None if t is None else round(t * 1e6, 1) for t in ts] for p, ts in times.items()}
     plan.tuned_s = round(time.perf_counter() - start, 2)
     return plan
@@ -285,9 +308,13 @@ class TunedLinear:
         self.w = w.detach().contiguous()  # [out, in]
         self.shape = (self.w.shape[0], self.w.shape[1])
         key = shape_key(self.shape)
-        self.by_slot = [GemmPath(p) for p in plan.choice[key]]
-        self.layouts = {p: prepare(self.w, p) for p in set(self.by_slot)}
+        # per slot: (path, rows to compute); the prefill slot's pad is ignored (it never pads)
+        self.by_slot = [parse_choice(entry, SLOTS[i]) for i, entry in enumerate(plan.choice[key])]
+        self.layouts = {p: prepare(self.w, p) for p, _ in self.by_slot}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        path = self.by_slot[slot_of(x.shape[0])]
+        n = x.shape[0]
+        path, rows = self.by_slot[slot_of(n)]
+        if rows > n and n <= ROWS[-1]:  # zero rows: each output row depends on its own input row only
+            return apply(path, torch.cat([x, x.new_zeros(rows - n, x.shape[1])]), self.layouts[path])[:n]
         return apply(path, x, self.layouts[path])
