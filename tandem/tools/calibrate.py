@@ -124,8 +124,8 @@ def format_curve(curve: MachineCurve):
 
     rows = sorted({int(n) for r in curve.curve_ms.values() for n in r})
     table = Table(title=f"{curve.cpu}, {curve.threads} threads, torch {curve.torch_version}: forward ms by new tokens",
-                  caption=(f"read {curve.read_gbs} GB/s (before/after: {curve.read_gbs_range[0]}/{curve.read_gbs_range[1]}), copy {curve.copy_gbs} GB/s; weights {curve.weight_mb} MB "
-                           f"-> one-token bound {curve.bound_ms} ms"))
+                  caption=(f"read {curve.read_gbs} GB/s (before/after: {curve.read_gbs_range[0]}/{curve.read_gbs_range[1]}), copy {curve.copy_gbs} GB/s; weights {curve.weight_mb:.1f} MB "
+                           f"-> one-token bound {curve.bound_ms:.2f} ms"))
     table.add_column("context", justify="right")
     for n in rows:
         table.add_column(f"{n} tok", justify="right")
@@ -145,7 +145,7 @@ def markdown_curve(curve: dict) -> list[str]:
     lines = [
         f"Cost curve ({curve['cpu']}, {curve['threads']} threads, torch {curve['torch_version']}): target forward "
         f"in ms by new tokens and tokens of context; read bandwidth {curve['read_gbs']} GB/s, weights "
-        f"{curve['weight_mb']} MB, so a one-token step can be no faster than {curve['bound_ms']} ms.",
+        f"{curve['weight_mb']:.1f} MB, so a one-token step can be no faster than {curve['bound_ms']:.2f} ms.",
         "",
         "| context | " + " | ".join(f"{n} tok" for n in rows) + " | 1 tok / bound | 9 tok / 1 tok |",
         "|---:|" + "---:|" * (len(rows) + 2),

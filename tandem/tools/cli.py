@@ -123,6 +123,17 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _report(record: dict, out: Path | None, as_json: bool) -> None:
+    """A command's JSON record: to `out` (saying so on stderr) and/or stdout."""
+    text = json.dumps(record, indent=2)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        typer.echo(f"wrote {out}", err=True)
+    if as_json:
+        print(text)
+
+
 def _load(model: str, draft_model: str | None, *, needs_draft: bool = False):
     """Target and draft. A command that needs a draft and got none takes the target's distilled
     draft from the cache (`tandem distill` writes it there), saying so."""
@@ -280,13 +291,7 @@ def calibrate(
     if native.gemm_plan is not None:
         console.print(format_plan(native.gemm_plan))
     console.print(format_curve(curve))
-    text = json.dumps({"model": target.model_id, **curve.as_dict()}, indent=2)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        typer.echo(f"wrote {out}", err=True)
-    if as_json:
-        print(text)
+    _report({"model": target.model_id, **curve.as_dict()}, out, as_json)
 
 
 @app.command()
@@ -368,13 +373,7 @@ def bench(
     by_category = format_category_table(result)
     if by_category is not None:
         console.print(by_category)
-    text = json.dumps(result, indent=2)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        typer.echo(f"wrote {out}", err=True)
-    if as_json:
-        print(text)
+    _report(result, out, as_json)
     if plot:
         from tandem.tools.plots import write_plots
 

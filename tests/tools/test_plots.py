@@ -153,6 +153,6 @@ def test_the_page_shows_the_machines_cost_curve(bench_docs) -> None:
         "ratios": {"100": {"one_over_bound": 1.5, "nine_over_one": 1.5}},
     }
     text = bench_docs.render([result])
-    assert "Cost curve (Test CPU, 2 threads, torch 2.13.0)" in text and "no faster than 18.0 ms" in text
+    assert "Cost curve (Test CPU, 2 threads, torch 2.13.0)" in text and "no faster than 18.00 ms" in text
     assert "| context | 1 tok | 2 tok | 9 tok | 1 tok / bound | 9 tok / 1 tok |" in text
     assert "| 100 | 27.0 | 30.0 | 40.5 | 1.5x | 1.5x |" in text
