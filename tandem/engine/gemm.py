@@ -30,6 +30,7 @@ import logging
 import os
 import platform
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -257,6 +258,7 @@ class GemmSettings:
 
 
 _memo: dict[str, GemmPlan] = {}
+_memo_lock = threading.Lock()  # models built in two threads at once measure once, not twice
 
 
 def plan_key(shapes: list[tuple[int, int]]) -> str:
@@ -271,6 +273,11 @@ def plan_for(shapes: list[tuple[int, int]]) -> GemmPlan:
     shapes = sorted(set(shapes))
     if GemmSettings.mode != "auto":
         return forced_plan(GemmPath(GemmSettings.mode), shapes)
+    with _memo_lock:
+        return _plan_for(shapes)
+
+
+def _plan_for(shapes: list[tuple[int, int]]) -> GemmPlan:
     key = plan_key(shapes)
     if key in _memo:
         return _memo[key]
@@ -291,7 +298,7 @@ def plan_for(shapes: list[tuple[int, int]]) -> GemmPlan:
         plan = tune(shapes, progress=GemmSettings.progress)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
             tmp.write_text(json.dumps(asdict(plan), indent=1))
             tmp.replace(path)  # atomic: two processes tuning at once never see half a file
         except OSError as exc:
