@@ -44,7 +44,7 @@ log = logging.getLogger("tandem.engine.gemm")
 ROWS = tuple(range(1, 18))  # row counts of decode and verification steps (k <= 16 drafts + 1)
 LARGE = 64  # a prefill-size call, measured once; any call above 17 rows uses its choice
 SLOTS = (*ROWS, LARGE)
-PLAN_VERSION = 3  # bump when candidates or the measurement change: old cached plans are ignored
+PLAN_VERSION = 4  # bump when candidates or the measurement change: old cached plans are ignored
 COLD_BYTES = 96 << 20  # weights rotated through per measurement: above any L3 here, so read from DRAM
 PAD_GAIN = 0.85  # pad a call to more rows only when that measured at least 15% faster: smaller
 # gains did not survive the whole forward (3 rows padded to 6 measured 6% faster alone, ~10% slower
@@ -60,9 +60,11 @@ class GemmPath(str, Enum):
     onednn_b4 = "onednn_b4"  # ... packed for 4-row calls
     onednn_b16 = "onednn_b16"  # ... packed for 16-row calls
     gemv_rows = "gemv_rows"  # one GEMV per row (torch.mv): row-count invariant; for 1-2 rows only
+    tandem_gemv = "tandem_gemv"  # our streaming few-row kernel (gemv.c, built at first use); up to 8 rows
 
 
 GEMV_MAX_ROWS = 2  # gemv_rows re-reads the weight per row: never a candidate above this
+STREAM_MAX_ROWS = 8  # tandem_gemv turns compute-bound beyond a few rows (measured: 1/3 of oneDNN at 9)
 _PACK_HINT = {GemmPath.onednn_b1: 1, GemmPath.onednn_b4: 4, GemmPath.onednn_b16: 16}
 
 
@@ -78,15 +80,24 @@ def onednn_available() -> bool:
 
 
 def candidates() -> list[GemmPath]:
+    from tandem.engine import gemv
+
     paths = [GemmPath.mkl_nt, GemmPath.mkl_nn, GemmPath.gemv_rows]
     if onednn_available():
         paths += [GemmPath.onednn_b1, GemmPath.onednn_b4, GemmPath.onednn_b16]
+    if gemv.library() is not None:
+        paths.append(GemmPath.tandem_gemv)
     return paths
+
+
+def max_rows(path: GemmPath) -> int | None:
+    """The most rows a path is measured (and used) for; None: any."""
+    return {GemmPath.gemv_rows: GEMV_MAX_ROWS, GemmPath.tandem_gemv: STREAM_MAX_ROWS}.get(path)
 
 
 def prepare(w: torch.Tensor, path: GemmPath) -> torch.Tensor:
     """The layout `path` reads, made from a weight `# [out, in]`."""
-    if path in (GemmPath.mkl_nt, GemmPath.gemv_rows):
+    if path in (GemmPath.mkl_nt, GemmPath.gemv_rows, GemmPath.tandem_gemv):
         return w
     if path is GemmPath.mkl_nn:
         return w.t().contiguous()  # [in, out]
@@ -101,6 +112,13 @@ def apply(path: GemmPath, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tens
         return x @ prepared
     if path is GemmPath.gemv_rows:
         return torch.stack([torch.mv(prepared, row) for row in x])
+    if path is GemmPath.tandem_gemv:
+        from tandem.engine.gemv import MAX_ROWS, gemv_rows
+
+        if x.shape[0] <= MAX_ROWS:
+            return gemv_rows(x, prepared)
+        # a forced plan's prefill: in pieces (each row's result is the same in any piece)
+        return torch.cat([gemv_rows(part, prepared) for part in x.split(MAX_ROWS)])
     return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
 
 
@@ -221,7 +239,7 @@ def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False
             for path in paths:
                 weights = [prepare(w, path) for w in base]
                 times[path] = [
-                    None if path is GemmPath.gemv_rows and rows > GEMV_MAX_ROWS
+                    None if max_rows(path) is not None and rows > max_rows(path)
                     else _time_path(path, weights, rows, shape[1], reps)
                     for rows in SLOTS
                 ]
@@ -251,6 +269,9 @@ class GemmSettings:
             raise ValueError(f"unknown GEMM mode {mode!r}: auto or one of {', '.join(GemmPath.__members__)}")
         if mode.startswith("onednn") and not onednn_available():
             raise ValueError(f"GEMM mode {mode!r} needs oneDNN, which this torch build lacks")
+        if mode == GemmPath.tandem_gemv.value and GemmPath.tandem_gemv not in candidates():
+            raise ValueError("GEMM mode 'tandem_gemv' needs its kernel built with a C compiler (cc), which failed "
+                             "or is missing here (see the log)")
         cls.mode = mode
         cls.cache = cache
         if progress is not None:

@@ -1,0 +1,90 @@
+"""Loads gemv.c (a few-row GEMM that streams each weight once), compiling it at first use.
+
+The shared library is built with the host's C compiler for this CPU (`-march=native`) into the tandem
+cache, keyed by the source, the flags and the CPU model, so a different machine builds its own. No
+compiler, a failed build or a library that does not load simply means the path is not offered: the
+GEMM tuner then chooses among the library paths (tandem.engine.gemm).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tandem.engine.gemv")
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+MAX_ROWS = 32  # the kernel keeps the activation rows in cache; beyond this a library GEMM wins
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
+
+
+def _build() -> ctypes.CDLL | bool:
+    from tandem.engine.gemm import cpu_model
+    from tandem.engine.models import cache_dir
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("no C compiler: the streaming GEMV path is not offered")
+        return False
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS, cpu_model()]).encode()).hexdigest()[:16]
+    out = cache_dir() / "gemv" / f"gemv-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}.so")
+        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            log.warning("building the streaming GEMV kernel failed, the path is not offered: %s", res.stderr.strip()[:500])
+            return False
+        tmp.replace(out)
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError as exc:
+        log.warning("cannot load %s, the streaming GEMV path is not offered: %s", out, exc)
+        return False
+    fn = lib.tandem_gemv_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
+    fn.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot be built here."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            try:
+                _lib = _build()
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("the streaming GEMV kernel is not available: %s", exc)
+                _lib = False
+    return _lib or None
+
+
+def gemv_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x `# [n, in]` float32 times w `# [out, in]` float32 (contiguous, CPU) -> `# [n, out]`, n <= MAX_ROWS.
+
+    Threads: torch's intra-op count, in torch's own OpenMP pool (the library binds to the
+    libgomp.so.1 torch already loaded; a second pool would spin against torch's on a small host).
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the streaming GEMV kernel is not available on this host")
+    n, k = x.shape
+    m = w.shape[0]
+    if n > MAX_ROWS or w.shape[1] != k or x.dtype != torch.float32 or w.dtype != torch.float32:
+        raise ValueError(f"gemv_rows takes float32 [n <= {MAX_ROWS}, in] x [out, in], got {tuple(x.shape)} x {tuple(w.shape)}")
+    x = x.contiguous()
+    y = torch.empty(n, m, dtype=torch.float32)
+    lib.tandem_gemv_rows(x.data_ptr(), w.data_ptr(), y.data_ptr(), n, m, k, torch.get_num_threads())
+    return y
