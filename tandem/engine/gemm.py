@@ -283,8 +283,11 @@ _memo_lock = threading.Lock()  # models built in two threads at once measure onc
 
 
 def plan_key(shapes: list[tuple[int, int]]) -> str:
+    from tandem.engine import gemv
+
     raw = json.dumps([PLAN_VERSION, cpu_model(), torch.__version__, torch.get_num_threads(),
-                      sorted(shape_key(s) for s in shapes), [p.value for p in candidates()]])
+                      sorted(shape_key(s) for s in shapes), [p.value for p in candidates()],
+                      gemv.source_key()])  # a changed kernel is measured again
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

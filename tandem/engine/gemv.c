@@ -18,10 +18,12 @@
 /* The dot products of `rows` (1..BLOCK) activation rows with one weight row. Every row is summed
  * in the same order (LANES strided partial sums, then a fixed pairwise reduction), whatever `rows`
  * is and wherever the row sits in the call: a row's result never depends on the other rows. Built
- * with ISO C semantics (-std=c11: no contraction into FMA), so the blocked and single-row code
- * round identically. */
-static inline void dots(const float *restrict x, size_t ldx, const float *restrict w, int k,
-                        int rows, float *restrict out, size_t ldo) {
+ * with ISO C semantics (-std=c11: no contraction into FMA), so every specialization rounds the same
+ * way. Always inlined with a constant `rows`, so the compiler keeps rows x LANES accumulators in
+ * registers and loads each weight vector once for all rows. */
+static inline __attribute__((always_inline)) void dots(const float *restrict x, size_t ldx,
+                                                       const float *restrict w, int k, const int rows,
+                                                       float *restrict out, size_t ldo) {
     float acc[BLOCK][LANES] = {{0}};
     int i = 0;
     for (; i + LANES <= k; i += LANES) {
@@ -47,8 +49,14 @@ void tandem_gemv_rows(const float *restrict x, const float *restrict w, float *r
     for (int o = 0; o < m; o++) {
         const float *wr = w + (size_t)o * k;
         for (int r = 0; r < n; r += BLOCK) {
-            int rows = n - r < BLOCK ? n - r : BLOCK;
-            dots(x + (size_t)r * k, (size_t)k, wr, k, rows, y + (size_t)r * m + o, (size_t)m);
+            const float *xr = x + (size_t)r * k;
+            float *yr = y + (size_t)r * m + o;
+            switch (n - r < BLOCK ? n - r : BLOCK) { /* a constant row count per call of dots */
+            case 1: dots(xr, (size_t)k, wr, k, 1, yr, (size_t)m); break;
+            case 2: dots(xr, (size_t)k, wr, k, 2, yr, (size_t)m); break;
+            case 3: dots(xr, (size_t)k, wr, k, 3, yr, (size_t)m); break;
+            default: dots(xr, (size_t)k, wr, k, 4, yr, (size_t)m); break;
+            }
         }
     }
 }

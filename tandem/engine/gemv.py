@@ -29,6 +29,11 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 
 
+def source_key() -> str:
+    """What identifies a build of the kernel: its source and flags (the GEMM plan is keyed by it)."""
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
 def _build() -> ctypes.CDLL | bool:
     from tandem.engine.gemm import cpu_model
     from tandem.engine.models import cache_dir
