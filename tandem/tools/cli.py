@@ -39,7 +39,7 @@ def _global(
                      help="CPU GEMM path of float32 target forwards: 'auto' measures the paths once per machine "
                           "(cached; `tandem calibrate` shows the choice) and picks the fastest per weight shape and "
                           "row count; or force one everywhere: mkl_nt, mkl_nn, onednn_b1, onednn_b4, onednn_b16, "
-                          "gemv_rows. Output is lossless with any of them (plain and speculative decoding share "
+                          "gemv_rows, tandem_gemv (our streaming kernel, built with the host's C compiler). Output is lossless with any of them (plain and speculative decoding share "
                           "the path for each row count)."),
     ] = "auto",
 ) -> None:
