@@ -5,21 +5,22 @@ memory, and how close a GEMM gets to memory speed depends on the library path, t
 the CPU. Measured on two hosts of the same cloud type (DESIGN.md, docs/benchmarks.md): on an Intel
 Xeon MKL's `F.linear` is fine; on an AMD EPYC the same call reads the weight at ~11 GB/s for 1 row
 and runs 2-3x slower again for 2-3 rows, while oneDNN with a pre-packed weight stays near ~25 GB/s
-for 1-17 rows. No single path is best everywhere, so we measure.
+for 1-17 rows and our own streaming kernel (gemv.c) reads ~30 GB/s, the host's streaming rate, for
+1-3 rows. No single path is best everywhere, so we measure.
 
 The lossless rule (see docs/design-notes.md, "GEMM paths"): **the path is a function of (weight
 shape, row count) only**, fixed for the life of a model and shared by every forward of it: plain
 decoding, verification blocks, prefill, batched sessions. So plain decoding and speculative decoding
-compute a row count with the same arithmetic. Mixing paths by row count is allowed because no CPU
-path here is row-count invariant anyway (measured: MKL NT, MKL NN and oneDNN each give different
-bits for the same row at 1 vs 2+ rows; only a per-row GEMV is invariant, at 2-9x the cost), so the
-old fixed choice (NT up to 3 rows, NN above) already mixed paths by row count. What would break
+compute a row count with the same arithmetic. Mixing paths by row count is allowed because no fast
+library path here is row-count invariant anyway (measured: MKL NT, MKL NN and oneDNN each give
+different bits for the same row at 1 vs 2+ rows; a per-row GEMV is invariant at 2-9x the cost, and
+our kernel is invariant but fast only up to 3 rows), so the old fixed choice (NT up to 3 rows, NN above) already mixed paths by row count. What would break
 the guarantee is a path that depends on anything else (timing, load, which session asked), and
 that is what this module rules out: a plan is measured once, cached, and never changes under a
 running model. Tests run greedy generations through every path the tuner can pick.
 
 A plan is cached per machine under `<tandem cache>/gemm/`, keyed by CPU model, torch version,
-thread count and the shapes; `tandem calibrate` prints it with the machine's cost curve.
+thread count, the shapes, the candidates and our kernel's source; `tandem calibrate` prints it with the machine's cost curve.
 """
 
 from __future__ import annotations
