@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tandem.engine import gemv
+
 log = logging.getLogger("tandem.engine.gemm")
 
 ROWS = tuple(range(1, 18))  # row counts of decode and verification steps (k <= 16 drafts + 1)
@@ -81,8 +83,6 @@ def onednn_available() -> bool:
 
 
 def candidates() -> list[GemmPath]:
-    from tandem.engine import gemv
-
     paths = [GemmPath.mkl_nt, GemmPath.mkl_nn, GemmPath.gemv_rows]
     if onednn_available():
         paths += [GemmPath.onednn_b1, GemmPath.onednn_b4, GemmPath.onednn_b16]
@@ -114,12 +114,10 @@ def apply(path: GemmPath, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tens
     if path is GemmPath.gemv_rows:
         return torch.stack([torch.mv(prepared, row) for row in x])
     if path is GemmPath.tandem_gemv:
-        from tandem.engine.gemv import MAX_ROWS, gemv_rows
-
-        if x.shape[0] <= MAX_ROWS:
-            return gemv_rows(x, prepared)
+        if x.shape[0] <= gemv.MAX_ROWS:
+            return gemv.gemv_rows(x, prepared)
         # a forced plan's prefill: in pieces (each row's result is the same in any piece)
-        return torch.cat([gemv_rows(part, prepared) for part in x.split(MAX_ROWS)])
+        return torch.cat([gemv.gemv_rows(part, prepared) for part in x.split(gemv.MAX_ROWS)])
     return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
 
 
@@ -212,7 +210,7 @@ def _prune(times: dict[GemmPath, list[float | None]]) -> list[str]:
         winner = min((p for p in times if times[p][i] is not None), key=lambda p: times[p][i])
         wins[winner] = wins.get(winner, 0) + 1
     kept: list[GemmPath] = []
-    out: list[GemmPath] = []
+    out: list[str] = []
     for i in range(len(SLOTS)):
         ok = [p for p in sorted(wins, key=lambda p: -wins[p]) if times[p][i] is not None and times[p][i] <= best[i] * KEEP_WITHIN]
         pick = next((p for p in ok if p in kept), ok[0])
@@ -284,8 +282,6 @@ _memo_lock = threading.Lock()  # models built in two threads at once measure onc
 
 
 def plan_key(shapes: list[tuple[int, int]]) -> str:
-    from tandem.engine import gemv
-
     raw = json.dumps([PLAN_VERSION, cpu_model(), torch.__version__, torch.get_num_threads(),
                       sorted(shape_key(s) for s in shapes), [p.value for p in candidates()],
                       gemv.source_key()])  # a changed kernel is measured again

@@ -42,7 +42,7 @@ def _build() -> ctypes.CDLL | bool:
     if cc is None:
         log.info("no C compiler: the streaming GEMV path is not offered")
         return False
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS, cpu_model()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(" ".join([source_key(), cc, cpu_model()]).encode()).hexdigest()[:16]
     out = cache_dir() / "gemv" / f"gemv-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -66,6 +66,8 @@ def _build() -> ctypes.CDLL | bool:
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it cannot be built here."""
     global _lib
+    if _lib is not None:  # decided: every GEMM call of the path asks, so no lock once it is known
+        return _lib or None
     with _lock:
         if _lib is None:
             try:
@@ -87,8 +89,11 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the streaming GEMV kernel is not available on this host")
     n, k = x.shape
     m = w.shape[0]
-    if n > MAX_ROWS or w.shape[1] != k or x.dtype != torch.float32 or w.dtype != torch.float32:
-        raise ValueError(f"gemv_rows takes float32 [n <= {MAX_ROWS}, in] x [out, in], got {tuple(x.shape)} x {tuple(w.shape)}")
+    if (n > MAX_ROWS or w.shape[1] != k or x.dtype != torch.float32 or w.dtype != torch.float32
+            or not w.is_contiguous() or x.device.type != "cpu" or w.device.type != "cpu"):
+        # the kernel reads raw pointers: anything else would read the wrong memory
+        raise ValueError(f"gemv_rows takes float32 CPU [n <= {MAX_ROWS}, in] x contiguous [out, in], got "
+                         f"{tuple(x.shape)} x {tuple(w.shape)}")
     x = x.contiguous()
     y = torch.empty(n, m, dtype=torch.float32)
     lib.tandem_gemv_rows(x.data_ptr(), w.data_ptr(), y.data_ptr(), n, m, k, torch.get_num_threads())

@@ -89,9 +89,10 @@ class KVCache:
         self.length = min(self.length, length)
 
 
-class _GpuWeight:
-    """A linear layer's weight `# [out, in]` on a GPU, applied as x @ W.T `# [n, in] -> [n, out]`:
-    one path for every row count (cuBLAS has no small-row cliff to route around)."""
+class _PlainWeight:
+    """A linear layer's weight `# [out, in]` on a GPU or in a dtype other than float32 (the GEMM
+    tuner measures float32 CPU paths only), applied as x @ W.T `# [n, in] -> [n, out]`: one path for
+    every row count (cuBLAS has no small-row cliff to route around)."""
 
     def __init__(self, w: torch.Tensor):
         self.w = w.detach().contiguous()  # [out, in]
@@ -140,6 +141,7 @@ class NativeLlama:
     # 8,192-row chunks are 1-3 ms faster a step than 1,024 on the EPYC host (fewer calls), and any
     # path that falls off a cliff at that shape loses the measurement.
     LM_HEAD_CHUNK = 8192
+    _LINEAR = ("wqkv", "wo", "wgu", "wdown")  # the weights of a layer that are matrix products
 
     def __init__(self, model: torch.nn.Module, *, int8: bool = False, plan: GemmPlan | None = None):
         """`int8`: weights in int8 (`_Int8Weight`), for a draft model on a CPU; ignored elsewhere
@@ -162,21 +164,6 @@ class NativeLlama:
         self.gemm_plan: GemmPlan | None = None  # float32 on a CPU only
         head = model.get_output_embeddings().weight.detach()  # [vocab, hidden]
         head_parts = [head] if self.int8 or head.is_cuda else list(head.split(self.LM_HEAD_CHUNK))
-        if self.int8:
-            lin = _Int8Weight
-        elif p.is_cuda or p.dtype != torch.float32:
-            lin = _GpuWeight
-        else:
-            shapes = {tuple(t.shape) for t in head_parts}
-            for layer in model.model.layers:
-                att, mlp = layer.self_attn, layer.mlp
-                qkv_out = att.q_proj.weight.shape[0] + att.k_proj.weight.shape[0] + att.v_proj.weight.shape[0]
-                shapes |= {(qkv_out, self.hidden), tuple(att.o_proj.weight.shape),
-                           (2 * mlp.gate_proj.weight.shape[0], self.hidden), tuple(mlp.down_proj.weight.shape)}
-            self.gemm_plan = gemm_plan = plan or plan_for(sorted(shapes))
-
-            def lin(w: torch.Tensor) -> TunedLinear:
-                return TunedLinear(w, gemm_plan)
         with torch.no_grad():
             self.embed = base.embed_tokens.weight.detach()  # [vocab, hidden]
             self.layers = []
@@ -186,18 +173,32 @@ class NativeLlama:
                 bqkv = None
                 if att.q_proj.bias is not None:
                     bqkv = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias], 0).detach()
-                self.layers.append({
+                self.layers.append({  # the linear weights as tensors here; wrapped below (_LINEAR)
                     "in_norm": layer.input_layernorm.weight.detach(),  # [hidden]
                     "post_norm": layer.post_attention_layernorm.weight.detach(),  # [hidden]
-                    "wqkv": lin(wqkv),  # [(H+2KV)D, hidden]
+                    "wqkv": wqkv,  # [(H+2KV)D, hidden]
                     "bqkv": bqkv,
-                    "wo": lin(att.o_proj.weight),  # [hidden, H D]
+                    "wo": att.o_proj.weight,  # [hidden, H D]
                     "bo": att.o_proj.bias.detach() if att.o_proj.bias is not None else None,
-                    "wgu": lin(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)),  # [2I, hidden]
-                    "wdown": lin(mlp.down_proj.weight),  # [hidden, I]
+                    "wgu": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0),  # [2I, hidden]
+                    "wdown": mlp.down_proj.weight,  # [hidden, I]
                 })
             self.final_norm = base.norm.weight.detach()  # [hidden]
             self.vocab = head.shape[0]
+            if self.int8:
+                lin = _Int8Weight
+            elif p.is_cuda or p.dtype != torch.float32:
+                lin = _PlainWeight
+            else:  # the plan covers exactly the shapes this forward multiplies by
+                shapes = {tuple(w[k].shape) for w in self.layers for k in self._LINEAR}
+                shapes |= {tuple(c.shape) for c in head_parts}
+                self.gemm_plan = gemm_plan = plan or plan_for(sorted(shapes))
+
+                def lin(w: torch.Tensor) -> TunedLinear:
+                    return TunedLinear(w, gemm_plan)
+            for w in self.layers:
+                for k in self._LINEAR:
+                    w[k] = lin(w[k])
             self.head_chunks = [lin(c) for c in head_parts]  # each [<=chunk, hidden]; one on a GPU or in int8
         theta = rope_theta(cfg)
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device) / self.head_dim))

@@ -54,6 +54,8 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds() -> None:
         gemv.gemv_rows(torch.randn(2, 16, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="float32"):
         gemv.gemv_rows(torch.randn(gemv.MAX_ROWS + 1, 16), w)
+    with pytest.raises(ValueError, match="contiguous"):  # a transposed view: its pointer is not [out, in]
+        gemv.gemv_rows(torch.randn(2, 8), torch.randn(8, 16).t())
 
 
 @needs_kernel
