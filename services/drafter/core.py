@@ -158,6 +158,7 @@ class DrafterCore:
         self._stats = DrafterStats()
         model = settings.draft_model
         self._draft_vocab = int(model.model.get_input_embeddings().weight.shape[0]) if model else 0
+        self._draft_context = model.max_context if model else 0  # positions the draft model reads
 
     # -- session lifecycle ----------------------------------------------------------------------
 
@@ -442,16 +443,20 @@ class DrafterCore:
     def _propose(self, session: _Session, ids: list[int], k: int) -> Draft | None:
         if k <= 0 or not ids:
             return None
-        if session.strategy == DraftStrategy.hybrid and session.max_id >= self._draft_vocab:
-            # the draft model cannot embed an id the target committed: prompt lookup alone
+        if session.strategy not in (DraftStrategy.model, DraftStrategy.hybrid):
+            draft = session.proposer.propose(ids, k, session.sampling, session.gen)
+        elif session.max_id >= self._draft_vocab or len(ids) >= self._draft_context:
+            # The draft model can read neither an id it has no embedding for (the target committed
+            # one) nor positions past its context window: there its drafts would be noise, and its
+            # attention over a context whose length the caller chooses would cost time and memory
+            # quadratic in it. Hybrid drafts by prompt lookup alone; model has nothing to offer.
+            if session.strategy == DraftStrategy.model:
+                return None
             draft = session.proposer.ngram.propose(ids, k, session.sampling, session.gen)
-        elif session.strategy in (DraftStrategy.model, DraftStrategy.hybrid):
-            if session.max_id >= self._draft_vocab:
-                return None  # the target committed an id the draft model has no embedding for
+        else:
+            k = min(k, self._draft_context - len(ids))  # every drafted position inside the window
             with self._model_lock:
                 draft = session.proposer.propose(ids, k, session.sampling, session.gen)
-        else:
-            draft = session.proposer.propose(ids, k, session.sampling, session.gen)
         return draft if len(draft) else None
 
     def _block(self, session: _Session, base_len: int, draft: Draft, *, speculative: bool) -> DraftBlock | None:

@@ -2,7 +2,8 @@
 
 Error policy of the Draft stream. A bidi stream ends with one status, but it multiplexes sessions,
 so an error about one session must not end the others:
-- An Open, Commit or Close that fails (InvalidRequest -> INVALID_ARGUMENT, UnknownSession ->
+- An Open, Commit or Close that fails (InvalidRequest -> INVALID_ARGUMENT, fields the conversion
+  cannot read included, e.g. an unknown strategy number or a NaN temperature; UnknownSession ->
   NOT_FOUND, Overloaded -> RESOURCE_EXHAUSTED, anything unexpected -> INTERNAL) drops that session:
   its draft state is freed, nothing is sent for it, the reason is logged with the session id and
   counted in `DrafterCore.stats()["session_errors"]` under the status name. The stream goes on.
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health
-from pydantic import ValidationError
 
 from tandem.engine.config import DraftStrategy, SamplingParams
 from tandem.serving.logs import session_context
@@ -41,10 +41,10 @@ from tandem.services.drafter.core import (
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.serving.grpc_server import build_server as build_grpc_server
 from tandem.serving.protoconv import (
-    STRATEGY_FROM_PB,
     draft_block_to_proto,
     drafter_info_to_proto,
     sampling_from_proto,
+    strategy_from_proto,
     strategy_name,
 )
 from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -166,7 +166,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 def _strategy_from_pb(session_id: str, strategy: int) -> DraftStrategy:
-    drafted = STRATEGY_FROM_PB.get(strategy)
+    try:
+        drafted = strategy_from_proto(strategy)
+    except ValueError as exc:  # a number this build does not know
+        raise InvalidRequest(f"session {session_id}: {exc}") from None
     if drafted in (None, DraftStrategy.none):
         raise InvalidRequest(
             f"session {session_id}: strategy {strategy_name(strategy)} cannot be drafted "
@@ -178,13 +181,12 @@ def _strategy_from_pb(session_id: str, strategy: int) -> DraftStrategy:
 def _sampling_from_pb(session_id: str, msg: common_pb2.SamplingParams) -> SamplingParams:
     try:
         return sampling_from_proto(msg)
-    except ValidationError as exc:
-        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise InvalidRequest(f"session {session_id}: invalid sampling parameters: {errors}") from None
+    except ValueError as exc:
+        raise InvalidRequest(f"session {session_id}: {exc}") from None
 
 
 def _build(
-    core: DrafterCore, address: str, max_workers: int
+    core: DrafterCore, address: str, max_workers: int, health_address: str | None = None
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     # Each open Draft stream holds one worker thread for its lifetime, and today's verifier opens
     # one stream per drafted session: max_workers bounds the drafted sessions of all verifiers
@@ -192,7 +194,7 @@ def _build(
     servicer = DrafterServicer(core)
     return build_grpc_server(
         lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),
-        [SERVICE_NAME], address, max_workers=max_workers,
+        [SERVICE_NAME], address, max_workers=max_workers, tls=core.settings.tls, health_address=health_address,
     )
 
 
@@ -221,7 +223,9 @@ def serve(
     metrics = DrafterMetrics(core.stats)
     if settings.metrics_port is not None:
         metrics.serve(settings.metrics_port, address.rpartition(":")[0].strip("[]") or "0.0.0.0")
-    server, port, health_servicer = _build(core, address, max_workers)
+    host = address.rpartition(":")[0]
+    health = None if settings.health_port is None else f"{host}:{settings.health_port}"
+    server, port, health_servicer = _build(core, address, max_workers, health)
     stop = stop or threading.Event()
     previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():

@@ -8,6 +8,7 @@ import socket
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
 
 from tandem.engine.models import LoadedModel
+from tandem.serving.tlsconfig import TlsConfig
 
 
 def default_drafter_id() -> str:
@@ -36,6 +37,10 @@ class DrafterSettings(BaseModel):
     # token, so an unbounded next_block_len would hold the draft model for arbitrarily long.
     max_block_len: int = Field(64, ge=1, le=1024)
     metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics (0 = any free port)
+    # Mutual TLS on the service port: only callers with a certificate from tls.ca (the verifiers)
+    # may open draft streams. None: plaintext (a trusted network only).
+    tls: TlsConfig | None = None
+    health_port: int | None = Field(None, ge=0, le=65535)  # plaintext gRPC health only (probes, with tls)
 
     @model_validator(mode="after")
     def _ngram_range(self) -> "DrafterSettings":

@@ -20,6 +20,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from tandem.serving.tls import DRAFTER_NAME, VERIFIER_NAME, TlsConfig, channel_credentials, channel_options
 from tandem.services.gateway.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -91,12 +92,17 @@ class VerifierStream:
 
     def _translate(self, exc: grpc.aio.AioRpcError) -> Exception:
         code, details = exc.code(), exc.details() or ""
-        where = f"verifier at {self.address}"
+        where = f"verifier at {self.address}"  # for the gateway's own log and retry logic only
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED) \
+                or self.received:
+            log.warning("%s failed after %d messages: %s: %s", where, self.received, code.name, details)
+        # What reaches the client names no internal address and no upstream detail beyond the
+        # status, except the verifier's own account of a request it refused as invalid.
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return DeadlineExceeded(f"the request's deadline passed while the {where} was generating")
+            return DeadlineExceeded("the request's deadline passed while the verifier was generating")
         if self.received:
             return UpstreamFailed(
-                f"the {where} stream broke after {self.received} messages ({code.name}: {details}); "
+                f"the verifier's stream broke after {self.received} messages ({code.name}); "
                 "the completion is incomplete"
             )
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
@@ -105,20 +111,28 @@ class VerifierStream:
             return VerifierBusy(f"{where}: {details}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidRequest(f"the verifier rejected the request: {details}")
-        return UpstreamFailed(f"the {where} failed before streaming ({code.name}: {details})")
+        return UpstreamFailed(f"the verifier failed before streaming ({code.name})")
 
 
 class RpcClients:
-    """Channels and stubs to verifiers and drafters, one channel per address (grpc.aio: create and
-    use in one event loop)."""
+    """Channels and stubs to verifiers and drafters, one channel per (address, role) (grpc.aio:
+    create and use in one event loop). With `tls`, every channel is mutual TLS and the peer must
+    present its role's certificate (tandem.serving.tls): a process registered in Redis with an
+    address of its choosing cannot receive prompts without a verifier certificate from our CA."""
 
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    def __init__(self, tls: TlsConfig | None = None) -> None:
+        self._tls = tls
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
+    def _channel(self, address: str, role: str = VERIFIER_NAME) -> grpc.aio.Channel:
+        channel = self._channels.get((address, role))
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            if self._tls is None:
+                channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.secure_channel(address, channel_credentials(self._tls),
+                                                  options=_CHANNEL_OPTIONS + channel_options(role))
+            self._channels[(address, role)] = channel
         return channel
 
     async def verifier_info(self, address: str, timeout_s: float) -> VerifierRecord | None:
@@ -131,7 +145,7 @@ class RpcClients:
             return None
 
     async def drafter_info(self, address: str, timeout_s: float) -> DrafterInfo | None:
-        stub = drafter_pb2_grpc.DrafterStub(self._channel(address))
+        stub = drafter_pb2_grpc.DrafterStub(self._channel(address, DRAFTER_NAME))
         try:
             return drafter_info_from_proto(await stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s))
         except grpc.aio.AioRpcError as exc:

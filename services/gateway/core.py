@@ -27,6 +27,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, get_args
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -41,10 +42,13 @@ from tandem.engine.models import apply_chat_template
 from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
 from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingPolicy, RoutingReason
+from tandem.services.gateway.auth import OPEN, Keyring, Tenant, TenantLimiter, bearer_key
 from tandem.services.gateway.errors import (
     InvalidRequest,
     NoVerifierAvailable,
     Overloaded,
+    SessionConflict,
+    Unauthenticated,
     UnknownSession,
     UpstreamFailed,
     VerifierBusy,
@@ -106,6 +110,7 @@ class GenerationRequest:
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
     timeout_s: float | None = None  # the client's deadline, if shorter than the gateway's
+    tenant: Tenant = OPEN  # who asked (GatewayCore.authenticate): owns the session and its caches
 
 
 @dataclass(frozen=True)
@@ -204,18 +209,32 @@ class GatewayStats:
 
 @dataclass(frozen=True)
 class _Prepared:
-    session_id: str | None
+    session_id: str | None  # the client's name for it
+    key: str | None  # the session's id inside the system: scoped by tenant (session_key)
+    tenant: Tenant
     context_ids: list[int]
     sampling: SamplingParams
     spec: SpecConfig
     timeout_s: float
 
 
+def session_key(tenant: Tenant, session_id: str) -> str:
+    """The id a session has in the gateway's store, on verifiers and in Redis. Tenant names cannot
+    contain "/", so two tenants' keys never collide; an open gateway keeps the client's id."""
+    return f"{tenant.name}/{session_id}" if tenant.name else session_id
+
+
+def clip(value: object, limit: int = 80) -> str:
+    """repr of a client's value for an error message, cut: errors never echo a whole input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
 def _describe(exc: ValidationError, prefix: str = "") -> str:
     parts = []
     for err in exc.errors():
         loc = prefix + ".".join(str(p) for p in err["loc"])
-        parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+        parts.append(f"{loc}: {err['msg']} (got {clip(err.get('input'))})")
     return "; ".join(parts)
 
 
@@ -241,12 +260,19 @@ class GatewayCore:
             index = ResidencyIndex(
                 ResidencyConfig(
                     url=settings.redis_url, block_size=settings.prefix_block_size,
-                    socket_timeout_s=settings.redis_timeout_s,
+                    socket_timeout_s=settings.redis_timeout_s, ca_file=settings.redis_ca,
+                    cert_file=settings.redis_cert, key_file=settings.redis_key,
                 )
             )
         self._index = index
         self._policy = RoutingPolicy(index)
         self.sessions = SessionStore(settings.max_sessions, settings.session_idle_s)
+        self.keyring = Keyring.load(settings.api_keys_file) if settings.api_keys_file else None
+        self.limiter = TenantLimiter()
+        self._busy: set[str] = set()  # session keys with a request in flight
+        # Chat templates and tokenization run here, off the event loop: a huge prompt must not
+        # delay other requests or /health. A few threads, so one slow prompt does not queue others.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
         self.stats = GatewayStats()
         self.metrics = GatewayMetrics(lambda: self.stats.routed, lambda: self.stats.connect_failures)
         self.metrics.read("tandem_requests_in_flight", "Requests this gateway is serving now.", lambda: self._active)
@@ -286,6 +312,7 @@ class GatewayCore:
             except asyncio.CancelledError:
                 pass
         await self._clients.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if self._index is not None:
             self._index.close()
 
@@ -343,15 +370,34 @@ class GatewayCore:
             "connect_failures": self.stats.connect_failures,
         }
 
-    def session(self, session_id: str) -> SessionInfo:
-        item = self.sessions.get(session_id)
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of an `Authorization` header value (HTTP) or metadata entry (gRPC); an open
+        gateway answers the anonymous tenant whatever is sent."""
+        if self.keyring is None:
+            return OPEN
+        key = bearer_key(authorization)
+        tenant = self.keyring.authenticate(key) if key else None
+        if tenant is None:
+            self.stats.failed["Unauthenticated"] += 1
+            raise Unauthenticated(
+                "a valid API key is required: send the header 'Authorization: Bearer KEY'"
+                if key is None else "the API key is not valid"
+            )
+        return tenant
+
+    def session(self, session_id: str, tenant: Tenant = OPEN) -> SessionInfo:
+        # Another tenant's session and no session answer alike: nothing tells them apart.
+        item = self.sessions.get(session_key(tenant, session_id))
         if item is None:
-            raise UnknownSession(f"no session {session_id!r} on this gateway (never seen, or expired)")
+            raise UnknownSession(f"no session {clip(session_id)} on this gateway (never seen, or expired)")
         return SessionInfo(session_id, len(item.token_ids), item.verifier_id, time.monotonic() - item.last_used)
 
-    def forget_session(self, session_id: str) -> None:
-        if self.sessions.pop(session_id) is None:
-            raise UnknownSession(f"no session {session_id!r} on this gateway (never seen, or expired)")
+    def forget_session(self, session_id: str, tenant: Tenant = OPEN) -> None:
+        key = session_key(tenant, session_id)
+        if key in self._busy:
+            raise SessionConflict(f"session {clip(session_id)} has a request in flight; delete it after that ends")
+        if self.sessions.pop(key) is None:
+            raise UnknownSession(f"no session {clip(session_id)} on this gateway (never seen, or expired)")
 
     # -- generation -------------------------------------------------------------------------
 
@@ -365,19 +411,30 @@ class GatewayCore:
         try:
             if log_prompts_enabled():
                 log.info("prompt: %r", req.messages if req.messages is not None else req.prompt)
-            prep = self._prepare(req)
+            prep = await self._prepare(req)
+            if prep.key is not None and prep.key in self._busy:
+                raise SessionConflict(
+                    f"session {clip(prep.session_id)} already has a request in flight: the turns of a "
+                    "session are sequential (each continues the history the last one left); send the "
+                    "next turn when this one has finished"
+                )
             if self._active >= self.settings.max_concurrent_requests:
                 raise Overloaded(
                     f"the gateway has {self._active} requests in flight (limit "
                     f"{self.settings.max_concurrent_requests}); retry later"
                 )
+            self.limiter.admit(prep.tenant, len(prep.context_ids))
             self._active += 1
+            if prep.key is not None:
+                self._busy.add(prep.key)
+            generated = 0
             try:
                 # aclosing: a consumer that stops early (client gone) ends the verifier call now,
                 # not whenever the abandoned generator is collected.
                 async with aclosing(self._generate(prep)) as chunks:
                     last = None
                     async for chunk in chunks:
+                        generated += len(chunk.token_ids)
                         if chunk.token_ids:
                             now = time.perf_counter()
                             if last is None:
@@ -389,6 +446,8 @@ class GatewayCore:
                 status = "ok"
             finally:
                 self._active -= 1
+                self._busy.discard(prep.key)
+                self.limiter.release(prep.tenant, generated)
         except Exception as exc:
             self.stats.failed[type(exc).__name__] += 1
             status = status_of(exc)
@@ -397,12 +456,26 @@ class GatewayCore:
         finally:
             self.metrics.request(status)
 
-    def _prepare(self, req: GenerationRequest) -> _Prepared:
+    async def _prepare(self, req: GenerationRequest) -> _Prepared:
         # "default" names whatever this deployment serves, so scripts need not know the model id.
         if req.model and req.model not in (self.model_name, self.model_id, "default"):
-            raise InvalidRequest(f"model {req.model!r} is not served here; available: {self.model_name!r}")
+            raise InvalidRequest(f"model {clip(req.model)} is not served here; available: {self.model_name!r}")
         sid = req.session_id or None
-        context = self._context_ids(req, sid)
+        tenant = req.tenant
+        key = session_key(tenant, sid) if sid else None
+        if req.prompt is not None or req.messages is not None:
+            loop = asyncio.get_running_loop()
+            context = await loop.run_in_executor(self._tokenize_pool, self._context_ids, req)
+        else:
+            context = self._continued(sid, key)
+        if not context:
+            raise InvalidRequest("the prompt renders to zero tokens")
+        input_cap = min(n for n in (tenant.max_input_tokens, self.settings.max_input_tokens, 1 << 62) if n)
+        if len(context) > input_cap:
+            raise InvalidRequest(
+                f"the prompt is {len(context)} tokens (the session's whole history counts), above this "
+                f"API key's limit of {input_cap} input tokens per request"
+            )
         window = self.context_window()
         if len(context) >= window:
             raise InvalidRequest(
@@ -410,7 +483,7 @@ class GatewayCore:
                 "(prompt and completion together); shorten the prompt"
             )
         room = window - len(context)
-        cap = self.settings.max_tokens_cap
+        cap = min(self.settings.max_tokens_cap, tenant.max_output_tokens or self.settings.max_tokens_cap)
         if req.max_tokens is None:
             max_new = min(self.settings.default_max_tokens, room)
         elif req.max_tokens < 1:
@@ -451,9 +524,19 @@ class GatewayCore:
         timeout = self.settings.request_timeout_s
         if req.timeout_s is not None:
             timeout = min(timeout, req.timeout_s)
-        return _Prepared(sid, context, sampling, spec, timeout)
+        return _Prepared(sid, key, tenant, context, sampling, spec, timeout)
 
-    def _context_ids(self, req: GenerationRequest, sid: str | None) -> list[int]:
+    def _continued(self, sid: str | None, key: str | None) -> list[int]:
+        """Neither prompt nor messages: continue the session from its history."""
+        if key is None:
+            raise InvalidRequest("no input: give a prompt or messages (or a session_id to continue)")
+        session = self.sessions.get(key)
+        if session is None:
+            raise UnknownSession(f"no session {clip(sid)} to continue (never seen, or expired)")
+        return list(session.token_ids)
+
+    def _context_ids(self, req: GenerationRequest) -> list[int]:
+        """The token ids of a request's prompt or messages. Runs on the tokenizer pool."""
         if req.prompt is not None and req.messages is not None:
             raise InvalidRequest("give either prompt or messages, not both")
         if req.messages is not None:
@@ -477,15 +560,6 @@ class GatewayCore:
             bad = [t for t in context if not 0 <= t < self._vocab]
             if bad:
                 raise InvalidRequest(f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self._vocab})")
-        elif sid is not None:
-            session = self.sessions.get(sid)
-            if session is None:
-                raise UnknownSession(f"no session {sid!r} to continue (never seen, or expired)")
-            context = list(session.token_ids)
-        else:
-            raise InvalidRequest("no input: give a prompt or messages (or a session_id to continue)")
-        if not context:
-            raise InvalidRequest("the prompt renders to zero tokens")
         return context
 
     async def _route(self, prep: _Prepared, exclude: set[str]) -> RoutingDecision | None:
@@ -495,13 +569,14 @@ class GatewayCore:
         inflight = dict(self._inflight)
         # Where this gateway last sent the session: it stands in for a session key Redis lacks (a
         # verifier publishes a turn only as it ends; Redis may be down or disabled).
-        session = self.sessions.get(prep.session_id) if prep.session_id else None
+        session = self.sessions.get(prep.key) if prep.key else None
         affinity = None
         if session is not None and session.verifier_id is not None:
             affinity = (session.verifier_id, common_prefix_len(session.token_ids, prep.context_ids))
         route = functools.partial(
-            self._policy.route, prep.session_id, prep.context_ids, candidates,
+            self._policy.route, prep.key, prep.context_ids, candidates,
             model_id=self.model_id, exclude=exclude, inflight=inflight, affinity=affinity,
+            salt=prep.tenant.name,
         )
         # Reading Redis blocks: off the event loop. Without Redis the policy is pure and instant.
         return route() if self._index is None else await asyncio.to_thread(route)
@@ -548,12 +623,13 @@ class GatewayCore:
                     "verifier_unreachable", {"tandem.verifier_id": decision.verifier_id, "tandem.error": str(exc)})
                 self._down[decision.verifier_id] = time.monotonic() + self.settings.down_backoff_s
                 log.warning("verifier %s unreachable, trying the next one: %s", decision.verifier_id, exc)
-                failures.append(str(exc))
+                # Clients learn which verifier failed, not its address or the transport's detail.
+                failures.append(f"verifier {decision.verifier_id} unreachable")
             except VerifierBusy as exc:
                 busy += 1
                 trace.get_current_span().add_event(
                     "verifier_busy", {"tandem.verifier_id": decision.verifier_id, "tandem.error": str(exc)})
-                failures.append(str(exc))
+                failures.append(f"verifier {decision.verifier_id}: KV cache full")
             tried.add(decision.verifier_id)
 
     def _trace_route(self, span, prep: _Prepared, decision: RoutingDecision | None, tried: set[str]) -> None:
@@ -590,10 +666,10 @@ class GatewayCore:
             log.warning("verifier %s sent a message after its final one; ignored", vid)
 
     async def _generate(self, prep: _Prepared) -> AsyncIterator[Chunk]:
-        sid, context, sampling = prep.session_id, prep.context_ids, prep.sampling
+        sid, context, sampling = prep.key, prep.context_ids, prep.sampling
         session = self.sessions.get(sid) if sid else None
         drafter = self._drafter_for(session, prep.spec.strategy)
-        request = VerifierRequest(sid or "", context, sampling, prep.spec, drafter)
+        request = VerifierRequest(sid or "", context, sampling, prep.spec, drafter, cache_salt=prep.tenant.name)
         decision, stream, msg = await self._connect(prep, request, time.monotonic() + prep.timeout_s)
         vid = decision.verifier_id
         self.stats.routed[decision.reason] += 1

@@ -20,8 +20,32 @@ class NoVerifierAvailable(GatewayError):
     """No live verifier serves the model, or none could be reached. (UNAVAILABLE, 503)"""
 
 
+class Unauthenticated(GatewayError):
+    """No API key, or one this gateway does not know. (UNAUTHENTICATED, 401)"""
+
+
+class SessionConflict(GatewayError):
+    """The session already has a request in flight; turns of one session are sequential, since each
+    extends the history the previous one left. (ABORTED, 409)"""
+
+
+class PayloadTooLarge(GatewayError):
+    """The request body exceeds the gateway's limit. (413; gRPC's own message limit answers
+    RESOURCE_EXHAUSTED before the servicer runs)"""
+
+
+class UnsupportedMediaType(GatewayError):
+    """A body that is not `application/json`. (415) Web pages can send form and text bodies to
+    another origin without a CORS preflight; JSON bodies need one, so this closes that path."""
+
+
 class Overloaded(GatewayError):
-    """Too many requests in flight, or every verifier's KV cache is full. (RESOURCE_EXHAUSTED, 429)"""
+    """Too many requests in flight (the gateway's, or the tenant's), the tenant's token rate spent,
+    or every verifier's KV cache full. (RESOURCE_EXHAUSTED, 429 with Retry-After)"""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(GatewayError):

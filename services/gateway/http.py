@@ -6,7 +6,13 @@
     GET    /v1/sessions/{id}      a session's history length and verifier; DELETE forgets it
     GET    /health                readiness: 200 while a verifier of the model is live, else 503
     GET    /healthz               liveness: 200 while the process serves HTTP
-    GET    /metrics               Prometheus metrics of this gateway (tandem.serving.metrics)
+    GET    /metrics               Prometheus metrics of this gateway (tandem.serving.metrics); not
+                                  here when the gateway serves them on their own port (metrics_port)
+
+Who may call: with an API key file (services/gateway/auth.py) every /v1 route needs
+`Authorization: Bearer KEY` (401 otherwise); the key's tenant owns the sessions it creates and
+its caches (docs/security.md). /health, /healthz and /metrics answer without a key: they carry no
+prompt or output. Bodies must be `application/json` (415) of at most `max_body_bytes` (413).
 
 Tandem's extensions and choices (everything else as in OpenAI's API reference):
 
@@ -29,9 +35,11 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   `stream_options.include_usage` is true, as OpenAI does.
 - Responses (and the last chunk of a stream) carry `tandem`: {verifier_id, routing ("session" |
   "prefix" | "load" | "redis-unavailable"), matched_tokens, session_id}.
-- Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad request, 404
-  unknown session or path, 429 overloaded, 502 a verifier failed mid-generation, 503 no verifier,
-  504 deadline. Once a stream has started, a failure arrives as a last event
+- Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad request, 401
+  no or a wrong API key, 404 unknown session or path, 409 the session already has a request in
+  flight, 413 body too large, 415 not JSON, 429 overloaded or the tenant's limits (with
+  Retry-After), 502 a verifier failed mid-generation, 503 no verifier, 504 deadline. Messages quote
+  at most a short cut of the input and never an internal address. Once a stream has started, a failure arrives as a last event
   `data: {"error": {...}}` and the stream ends without `data: [DONE]`: a completion is never
   silently cut short.
 - A client that disconnects cancels the upstream verifier call (streaming or not).
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -54,7 +63,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.serving.logs import session_id_var
 from tandem.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
+from tandem.services.gateway.auth import Tenant
+from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest, clip
 from tandem.services.gateway import errors
 from tandem.serving.telemetry import instrument_http_app
 
@@ -62,6 +72,10 @@ SESSION_HEADER = "X-Session-Id"
 
 _HTTP: dict[type[errors.GatewayError], tuple[int, str]] = {
     errors.InvalidRequest: (400, "invalid_request_error"),
+    errors.Unauthenticated: (401, "authentication_error"),
+    errors.SessionConflict: (409, "conflict_error"),
+    errors.PayloadTooLarge: (413, "invalid_request_error"),
+    errors.UnsupportedMediaType: (415, "invalid_request_error"),
     errors.UnknownSession: (404, "not_found_error"),
     errors.Overloaded: (429, "overloaded_error"),
     errors.UpstreamFailed: (502, "upstream_error"),
@@ -84,11 +98,16 @@ def _error_body(message: str, kind: str, status: int) -> dict:
 
 
 RETRY_AFTER_S = 1  # a full verifier frees KV within seconds: sessions finish, idle ones are evicted
+MAX_JSON_DEPTH = 32  # a chat request nests 5 deep; deeper is a parser attack, not a request
 
 
 def error_response(exc: errors.GatewayError) -> JSONResponse:
     status, kind = http_status(exc)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    headers = None
+    if status in (429, 503):
+        headers = {"Retry-After": str(max(1, math.ceil(getattr(exc, "retry_after_s", RETRY_AFTER_S))))}
+    elif status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(_error_body(str(exc), kind, status), status_code=status, headers=headers)
 
 
@@ -179,16 +198,56 @@ def _describe(exc: ValidationError) -> str:
         if err["type"] == "extra_forbidden":
             parts.append(f"'{loc}' is not supported by this server")
         else:
-            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+            parts.append(f"{loc}: {err['msg']} (got {clip(err.get('input'))})")
     return "; ".join(parts)
 
 
-async def _parse(request: Request, model: type[T]) -> T:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed `limit`: from Content-Length before
+    reading anything, else while it streams in, so a huge body is never held whole."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise errors.InvalidRequest("the Content-Length header is not a number")
+        if int(length) > limit:
+            raise errors.PayloadTooLarge(f"the request body is {int(length)} bytes; this gateway accepts at most {limit}")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise errors.PayloadTooLarge(f"the request body exceeds this gateway's limit of {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _too_deep(value: object, limit: int) -> bool:
+    """Whether JSON `value` nests deeper than `limit` (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+async def _parse(request: Request, model: type[T], max_bytes: int) -> T:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise errors.UnsupportedMediaType(
+            f"the request body must be application/json (Content-Type: {clip(media or 'none', 60)})"
+        )
+    raw = await _read_body(request, max_bytes)
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise errors.InvalidRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise errors.InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        # The decoder's message names a position, not the input.
+        raise errors.InvalidRequest(f"the request body is not valid JSON: {clip(str(exc), 120)}") from None
+    if _too_deep(data, MAX_JSON_DEPTH):
+        raise errors.InvalidRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(data, dict):
         raise errors.InvalidRequest("the request body must be a JSON object")
     try:
@@ -209,7 +268,7 @@ def _session_id(request: Request, body: _CommonBody) -> str | None:
     return sid
 
 
-def _domain_request(request: Request, body: _CommonBody, **input_fields) -> GenerationRequest:
+def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, **input_fields) -> GenerationRequest:
     max_tokens = body.max_tokens
     extra_max = getattr(body, "max_completion_tokens", None)
     if extra_max is not None:
@@ -230,6 +289,7 @@ def _domain_request(request: Request, body: _CommonBody, **input_fields) -> Gene
         strategy=spec.strategy,
         max_draft_tokens=spec.max_draft_tokens,
         adaptive=spec.adaptive,
+        tenant=tenant,
         **input_fields,
     )
 
@@ -391,17 +451,24 @@ def create_app(core: GatewayCore) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(_error_body(str(exc.detail), kind, exc.status_code), status_code=exc.status_code)
 
+    max_bytes = core.settings.max_body_bytes
+
+    def tenant_of(request: Request) -> Tenant:
+        return core.authenticate(request.headers.get("authorization"))
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionBody)
+        tenant = tenant_of(request)  # before the body is read: an anonymous caller costs nothing
+        body = await _parse(request, ChatCompletionBody, max_bytes)
         if body.logprobs:
             raise errors.InvalidRequest("logprobs is not supported")
         messages = [m.as_template_dict() for m in body.messages]
-        return await _respond(request, core, _domain_request(request, body, messages=messages), body, chat=True)
+        return await _respond(request, core, _domain_request(request, body, tenant, messages=messages), body, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionBody)
+        tenant = tenant_of(request)
+        body = await _parse(request, CompletionBody, max_bytes)
         if body.logprobs:
             raise errors.InvalidRequest("logprobs is not supported")
         prompt = body.prompt
@@ -409,10 +476,11 @@ def create_app(core: GatewayCore) -> FastAPI:
             if len(prompt) != 1:
                 raise errors.InvalidRequest("one prompt per request: batch prompts are not supported")
             prompt = prompt[0]
-        return await _respond(request, core, _domain_request(request, body, prompt=prompt), body, chat=False)
+        return await _respond(request, core, _domain_request(request, body, tenant, prompt=prompt), body, chat=False)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        tenant_of(request)
         return {
             "object": "list",
             "data": [
@@ -430,13 +498,13 @@ def create_app(core: GatewayCore) -> FastAPI:
         }
 
     @app.get("/v1/sessions/{session_id}")
-    async def get_session(session_id: str) -> dict:
-        info = core.session(session_id)
+    async def get_session(session_id: str, request: Request) -> dict:
+        info = core.session(session_id, tenant_of(request))
         return {"id": info.session_id, "tokens": info.tokens, "verifier_id": info.verifier_id, "idle_s": round(info.idle_s, 3)}
 
     @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(session_id: str) -> dict:
-        core.forget_session(session_id)
+    async def delete_session(session_id: str, request: Request) -> dict:
+        core.forget_session(session_id, tenant_of(request))
         return {"id": session_id, "deleted": True}
 
     @app.get("/health")
@@ -448,9 +516,11 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(core.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+    if core.settings.metrics_port is None:  # else only on its own port, which need not be public
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(core.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     instrument_http_app(app)
     return app

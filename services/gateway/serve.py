@@ -17,6 +17,7 @@ from tandem.services.gateway.core import GatewayCore
 from tandem.services.gateway.http import create_app
 from tandem.services.gateway.server import build_grpc_server
 from tandem.services.gateway.settings import GatewaySettings
+from tandem.serving.tls import http_ssl_kwargs
 
 log = logging.getLogger("tandem.gateway")
 
@@ -49,6 +50,7 @@ async def run_gateway(
             config = uvicorn.Config(
                 create_app(core), lifespan="off", log_config=None, access_log=False,
                 timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
+                **http_ssl_kwargs(settings.public_tls),
             )
             http = uvicorn.Server(config)
             await grpc_server.start()
@@ -82,7 +84,7 @@ def serve(settings: GatewaySettings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        core = GatewayCore.from_settings(settings, RpcClients())
+        core = GatewayCore.from_settings(settings, RpcClients(settings.tls))
         await run_gateway(core, settings, stop)
 
     asyncio.run(main())

@@ -1,6 +1,8 @@
 """The gateway's gRPC face: a thin `Gateway` servicer (unpack, call GatewayCore, pack) plus the
-standard health and reflection services. Domain errors become status codes in `_STATUS`, the one
-place that decides them."""
+standard health service, and reflection only when asked (`grpc_reflection`: on a public port it
+lists the whole API to anyone). Domain errors become status codes in `_STATUS`, the one place that
+decides them. With API keys, Generate and ListModels need the metadata entry
+`authorization: Bearer KEY`; health answers without one."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.serving.tls import server_credentials
+from tandem.services.gateway.auth import OPEN, Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
 from tandem.services.gateway import errors
 from tandem.serving.protoconv import FINISH_TO_PB, STRATEGY_FROM_PB, STRATEGY_TO_PB, stats_to_proto
@@ -15,6 +19,10 @@ from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 _STATUS: dict[type[errors.GatewayError], grpc.StatusCode] = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    # Another turn of the session is in flight: a concurrency conflict, which ABORTED means.
+    errors.SessionConflict: grpc.StatusCode.ABORTED,
+    errors.PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.UnknownSession: grpc.StatusCode.NOT_FOUND,
     errors.NoVerifierAvailable: grpc.StatusCode.UNAVAILABLE,
     errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -34,12 +42,14 @@ def status_code(exc: errors.GatewayError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:
+def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | None,
+                   tenant: Tenant = OPEN) -> GenerationRequest:
     which = msg.WhichOneof("input")
     fields: dict = {
         "session_id": msg.session_id or None,
         "model": msg.model or None,
         "timeout_s": time_remaining,
+        "tenant": tenant,
     }
     if which == "prompt":
         fields["prompt"] = msg.prompt
@@ -58,6 +68,10 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
         )
     if msg.HasField("speculation"):
         p = msg.speculation
+        if p.strategy and p.strategy not in STRATEGY_FROM_PB:
+            # An enum number this build does not know (a newer client, or garbage): refuse rather
+            # than guess.
+            raise errors.InvalidRequest(f"speculation.strategy {p.strategy} is not a known DraftStrategy")
         fields.update(
             strategy=STRATEGY_FROM_PB[p.strategy].value if p.strategy in STRATEGY_FROM_PB else None,  # UNSPECIFIED = default
             max_draft_tokens=p.max_draft_tokens or None,
@@ -91,14 +105,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, core: GatewayCore):
         self._core = core
 
+    def _tenant(self, context) -> Tenant:
+        auth = [v for k, v in (context.invocation_metadata() or ()) if k == "authorization"]
+        return self._core.authenticate(auth[0] if len(auth) == 1 else None)
+
     async def Generate(self, request, context):
         try:
-            async for chunk in self._core.generate(unpack_request(request, context.time_remaining())):
+            tenant = self._tenant(context)
+            async for chunk in self._core.generate(unpack_request(request, context.time_remaining(), tenant)):
                 yield pack_chunk(chunk)
         except errors.GatewayError as exc:
             await context.abort(status_code(exc), str(exc))
 
     async def ListModels(self, request, context):
+        try:
+            self._tenant(context)
+        except errors.GatewayError as exc:
+            await context.abort(status_code(exc), str(exc))
         return gateway_pb2.ListModelsResponse(
             models=[
                 gateway_pb2.ModelInfo(
@@ -131,18 +154,25 @@ class _Health(health.aio.HealthServicer):
 
 
 def build_grpc_server(core: GatewayCore, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server with Gateway, health and reflection, bound to `address` (port 0 = a free
-    one) but not started: `await server.start()`, later `await server.stop(grace)`."""
-    server = grpc.aio.server()
+    """A grpc.aio server with Gateway and health (and reflection if the settings ask), bound to
+    `address` (port 0 = a free one) but not started: `await server.start()`, later
+    `await server.stop(grace)`. Messages above `max_body_bytes` are refused by gRPC itself
+    (RESOURCE_EXHAUSTED) before they reach the servicer."""
+    limit = core.settings.max_body_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(core), server)
-    names = (
-        _GATEWAY_SERVICE,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    if core.settings.grpc_reflection:
+        names = (
+            _GATEWAY_SERVICE,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, server)
+    if core.settings.public_tls is not None:
+        port = server.add_secure_port(address, server_credentials(core.settings.public_tls, require_client_cert=False))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the gateway's gRPC server to {address}")
     return server, port

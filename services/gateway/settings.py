@@ -3,9 +3,13 @@ flags, or a test) and passed down; nothing below re-reads the environment."""
 
 from __future__ import annotations
 
+import ipaddress
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.engine.config import DraftStrategy, SpecConfig
+from tandem.serving.tlsconfig import TlsConfig
 
 
 def _check_address(value: str) -> str:
@@ -15,12 +19,23 @@ def _check_address(value: str) -> str:
     return value
 
 
-class GatewaySettings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a DNS name: it may resolve to anything
 
-    http_host: str = "0.0.0.0"
+
+class GatewaySettings(BaseModel):
+    # Errors never echo inputs: a Redis URL carries a password.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
+    # Loopback by default: listening on other interfaces is a decision (see api_keys_file).
+    http_host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)  # 0 = any free port (tests)
-    grpc_host: str = "0.0.0.0"
+    grpc_host: str = "127.0.0.1"
     grpc_port: int = Field(50051, ge=0, le=65535)
 
     # Verifiers the gateway polls itself (GetInfo) and routes to even when Redis is down; with Redis,
@@ -29,7 +44,10 @@ class GatewaySettings(BaseModel):
     # Drafters the gateway hands to verifiers, one per session, round-robin among those offering the
     # session's strategy (from their GetInfo). None offering it: the verifier decodes plainly.
     drafters: tuple[str, ...] = ()  # host:port
-    redis_url: str | None = None  # None: no residency, routing by load alone
+    redis_url: str | None = Field(None, repr=False)  # None: no residency, routing by load alone
+    redis_ca: str | None = None  # rediss:// only: CA bundle, client certificate and key files
+    redis_cert: str | None = None
+    redis_key: str | None = None
     prefix_block_size: int = Field(32, ge=1, le=4096)  # must equal the verifiers' block size
     redis_timeout_s: float = Field(0.2, gt=0)
 
@@ -51,12 +69,40 @@ class GatewaySettings(BaseModel):
     max_sessions: int = Field(100_000, ge=1)  # session histories kept (least recently used dropped)
     session_idle_s: float = Field(3600.0, gt=0)  # a history unused this long is dropped
     shutdown_grace_s: float = Field(5.0, ge=0)  # in-flight calls get this long at SIGTERM
-    metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics on its own port too
+    # Prometheus /metrics on its own port; when set, the public HTTP port does not serve it.
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+
+    # -- trust (docs/security.md) ---------------------------------------------------------------
+    # API keys -> tenants and their limits (services/gateway/auth.py). None: open, every caller is
+    # one anonymous tenant; refused on a non-loopback interface unless allow_unauthenticated.
+    api_keys_file: Path | None = None
+    allow_unauthenticated: bool = False
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger HTTP bodies / gRPC messages: 413
+    max_input_tokens: int | None = Field(None, ge=1)  # per request, every tenant (a tenant may set less)
+    grpc_reflection: bool = False  # reflection on the public gRPC port reveals the whole API surface
+    # mTLS toward verifiers and drafters: the gateway presents tls.cert and accepts only peers whose
+    # certificate chains to tls.ca and names their role (tandem-verifier / tandem-drafter). None:
+    # plaintext inside (a trusted network only).
+    tls: TlsConfig | None = None
+    # HTTPS and gRPC over TLS on the public ports (server certificate only: clients use API keys).
+    public_tls: TlsConfig | None = None
 
     @field_validator("verifiers", "drafters")
     @classmethod
     def _addresses(cls, values: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(_check_address(v) for v in values)
+
+    @model_validator(mode="after")
+    def _open_only_on_loopback(self) -> "GatewaySettings":
+        if self.api_keys_file is None and not self.allow_unauthenticated:
+            public = sorted({h for h in (self.http_host, self.grpc_host) if not is_loopback(h)})
+            if public:
+                raise ValueError(
+                    f"the gateway would listen on {', '.join(public)} without API keys, so anyone who "
+                    "can reach it could use it; give an API key file (--api-keys FILE) or say that "
+                    "this is intended (--allow-unauthenticated)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _limits(self) -> "GatewaySettings":

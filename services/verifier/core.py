@@ -31,9 +31,12 @@ from tandem.engine.spec import Engine, FinishReason, GenerationResult, StepOutpu
 from tandem.serving.telemetry import tracer
 
 from .drafting import DrafterConnector, RemoteProposer
-from .settings import VerifierSettings
+from .settings import VerifierSettings, drafter_address as canonical_drafter
 
 log = logging.getLogger("tandem.verifier")
+
+
+MAX_SALT_BYTES = 64  # a tenant name; longer is a client bug or an attack on memory
 
 
 class InvalidRequest(ValueError):
@@ -55,6 +58,7 @@ class Overloaded(RuntimeError):
 @dataclass
 class _Session:
     seq: Sequence
+    salt: str = ""  # cache_salt: KV is shared only with sessions of the same salt (tenant)
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
@@ -115,7 +119,7 @@ class VerifierCore:
             with self._lock:
                 sessions = list(self._sessions.items())
             for sid, sess in sessions:
-                self.publisher.evict_session(sid, sess.seq.ids)
+                self.publisher.evict_session(sid, sess.seq.ids, sess.salt)
             self.publisher.deregister(self.settings.verifier_id)
         if self.connector is not None:
             self.connector.close()
@@ -163,15 +167,41 @@ class VerifierCore:
                 f"{self.target.max_context} tokens of {self.target.model_id}"
             )
 
-    def _checkout(self, session_id: str, context_len: int) -> _Session:
+    def allowed_drafter(self, requested: str) -> str:
+        """The allowlist's entry (settings.drafters) for the drafter a request names, '' for none.
+
+        A request names a drafter; it never decides where we connect: we dial the configured entry,
+        not the caller's string, and refuse anything not on the list before any connection is made
+        (a caller must not make the verifier probe hosts, ports or local sockets)."""
+        if not requested.strip():
+            return ""
+        try:
+            address = canonical_drafter(requested)
+        except ValueError:
+            address = None  # not even host:port (unix:/path, dns:///...): on no allowlist
+        if address in self.settings.drafters:
+            return address
+        shown = requested[:100]  # the caller's string: bounded in the message
+        if not self.settings.drafters:
+            raise InvalidRequest(
+                f"drafter {shown!r} is not on this verifier's allowlist: it allows no drafter; start the "
+                f"verifier with --drafter HOST:PORT (or TANDEM_DRAFTERS) to allow one")
+        raise InvalidRequest(f"drafter {shown!r} is not on this verifier's allowlist (its --drafter options)")
+
+    def _checkout(self, session_id: str, context_len: int, salt: str = "") -> _Session:
         """The session's resident state (created if new), marked busy; evicts idle sessions LRU to
-        make room."""
+        make room. A resident session of another salt is not this caller's: it is dropped and the
+        request starts fresh (its KV is never read across salts)."""
         with self._lock:
             sess = self._sessions.get(session_id) if session_id else None
             if sess is not None and sess.busy:
                 raise SessionBusy(f"session {session_id!r} is already generating on this verifier")
+            if sess is not None and sess.salt != salt:
+                del self._sessions[session_id]
+                self._evicted(session_id, sess.seq.ids, sess.salt)
+                sess = None
             if sess is None:
-                sess = _Session(seq=self.engine.runner.new_sequence())
+                sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt)
                 if session_id:
                     self._make_room(context_len, exclude=None)
                     self._sessions[session_id] = sess
@@ -197,7 +227,7 @@ class VerifierCore:
         with self._lock:
             best, donor = own, None
             for other in self._sessions.values():
-                if other is sess or other.busy:
+                if other is sess or other.busy or other.salt != sess.salt:
                     continue
                 n = common_prefix_len(other.seq.ids[: other.seq.cached_len], context_ids)
                 if n > best:
@@ -209,7 +239,7 @@ class VerifierCore:
         self.metrics.shared(best)
         return best
 
-    def _make_room(self, new_tokens: int, exclude: str | None) -> list[tuple[str, list[int]]]:
+    def _make_room(self, new_tokens: int, exclude: str | None) -> list[tuple[str, list[int], str]]:
         """Evict idle sessions, least recently used first, until the budget holds `new_tokens`
         more. Caller holds self._lock."""
         evicted = []
@@ -226,24 +256,24 @@ class VerifierCore:
             if sid == exclude or sess.busy:
                 continue
             del self._sessions[sid]
-            evicted.append((sid, sess.seq.ids))
+            evicted.append((sid, sess.seq.ids, sess.salt))
             self.metrics.eviction()
             log.info("evicted idle session %s (%d tokens) to make room", sid, len(sess.seq))
         if over():
-            for sid, ids in evicted:  # keep what we evicted evicted: it is gone from memory already
-                self._evicted(sid, ids)
+            for sid, ids, salt in evicted:  # keep what we evicted evicted: it is gone from memory already
+                self._evicted(sid, ids, salt)
             raise Overloaded(
                 f"verifier {self.settings.verifier_id} is full: KV budget "
                 f"{self.settings.kv_capacity_tokens} tokens / {self.settings.max_sessions} sessions "
                 f"in use by active sessions"
             )
-        for sid, ids in evicted:
-            self._evicted(sid, ids)
+        for sid, ids, salt in evicted:
+            self._evicted(sid, ids, salt)
         return evicted
 
-    def _evicted(self, sid: str, ids: list[int]) -> None:
+    def _evicted(self, sid: str, ids: list[int], salt: str) -> None:
         if self.publisher is not None:
-            self.publisher.evict_session(sid, ids)
+            self.publisher.evict_session(sid, ids, salt)
 
     def _release(self, session_id: str, sess: _Session, keep: bool) -> None:
         with self._lock:
@@ -251,9 +281,9 @@ class VerifierCore:
             sess.last_used = time.monotonic()
             if session_id and not keep and self._sessions.get(session_id) is sess:
                 del self._sessions[session_id]
-                self._evicted(session_id, sess.seq.ids)
+                self._evicted(session_id, sess.seq.ids, sess.salt)
         if session_id and keep and self.publisher is not None:
-            self.publisher.publish_session(session_id, self.settings.verifier_id, sess.seq.ids)
+            self.publisher.publish_session(session_id, self.settings.verifier_id, sess.seq.ids, sess.salt)
 
     def generate(
         self,
@@ -265,11 +295,15 @@ class VerifierCore:
         *,
         is_active: Callable[[], bool] = lambda: True,
         headers: tuple = (),
+        cache_salt: str = "",
     ) -> Iterator[StepOutput | GenerationResult]:
-        """Run one request: yields a StepOutput per target step, then the GenerationResult."""
+        """Run one request: yields a StepOutput per target step, then the GenerationResult.
+        `cache_salt`: the isolation domain of the session's KV (SessionGenerateRequest.cache_salt)."""
         status = "cancelled"  # unless it finishes or fails: the consumer stopped early
+        if len(cache_salt.encode()) > MAX_SALT_BYTES:
+            raise InvalidRequest(f"cache_salt is longer than {MAX_SALT_BYTES} bytes")
         steps = self._generate(session_id, context_ids, sampling, spec, drafter_address,
-                               is_active=is_active, headers=headers)
+                               is_active=is_active, headers=headers, cache_salt=cache_salt)
         with session_context(session_id), contextlib.closing(steps):
             try:
                 for item in steps:
@@ -293,9 +327,11 @@ class VerifierCore:
         *,
         is_active: Callable[[], bool],
         headers: tuple,
+        cache_salt: str,
     ) -> Iterator[StepOutput | GenerationResult]:
         self.validate(context_ids, sampling)
-        sess = self._checkout(session_id, len(context_ids))
+        drafter_address = self.allowed_drafter(drafter_address)  # before any state changes or connections
+        sess = self._checkout(session_id, len(context_ids), cache_salt)
         proposer = None
         keep = True
         try:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import grpc
 
+from tandem.serving.tls import DRAFTER_NAME, TlsConfig, channel_credentials, channel_options
 from tandem.serving.protoconv import draft_block_from_proto, draft_open_to_proto
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -81,17 +83,38 @@ class _GrpcDraftLink:
 
 
 class GrpcDrafterConnector:
-    """`DrafterConnector` over gRPC; one channel per drafter address, shared by every session."""
+    """`DrafterConnector` over gRPC; one channel per drafter address, shared by every session.
 
-    def __init__(self) -> None:
+    The pool holds at most `max_channels` channels; beyond that the least recently used one is
+    closed (its streams end; their sessions reconnect, with fallback steps meanwhile). The verifier's
+    allowlist already bounds the addresses; this bound holds whoever calls `open`.
+    """
+
+    def __init__(self, max_channels: int = 64, tls: TlsConfig | None = None) -> None:
+        """`tls`: mutual TLS to the drafters: present tls.cert, accept only a peer whose certificate
+        chains to tls.ca and names the drafter role (tandem.serving.tls.DRAFTER_NAME)."""
+        if max_channels < 1:
+            raise ValueError(f"max_channels must be >= 1, got {max_channels}")
+        self.max_channels = max_channels
+        self._tls = tls
         self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()  # least recently used first
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address)
+                ch = self._channels[address] = (
+                    grpc.insecure_channel(address) if self._tls is None else
+                    grpc.secure_channel(address, channel_credentials(self._tls), options=channel_options(DRAFTER_NAME))
+                )
+                while len(self._channels) > self.max_channels:
+                    old_address, old = self._channels.popitem(last=False)
+                    log.warning("closing the channel to drafter %s: more than %d drafters in use",
+                                old_address, self.max_channels)
+                    old.close()
+            else:
+                self._channels.move_to_end(address)
             return ch
 
     def open(self, address: str, request: DraftSessionOpen, *, on_block: Callable[[DraftBlock], None],

@@ -41,6 +41,9 @@ def status_mapping(context: grpc.ServicerContext):
     except Overloaded as exc:
         context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    except Exception:  # a bug, not the caller's doing: the whole story goes to our log, not to them
+        log.exception("request failed")
+        context.abort(grpc.StatusCode.INTERNAL, "internal error in the verifier (logged there)")
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -57,7 +60,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             # The trace context travels on to the drafter (the request's span is current here).
             steps = self.core.generate(
                 request.session_id, list(request.context_ids), sampling, spec, request.drafter_address,
-                is_active=context.is_active, headers=inject_metadata(),
+                is_active=context.is_active, headers=inject_metadata(), cache_salt=request.cache_salt,
             )
             try:
                 for item in steps:
@@ -73,12 +76,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_info_to_proto(VerifierRecord.coerce(info), info["vocab_size"], info["eos_token_ids"])
 
 
-def build_server(core: VerifierCore, address: str = "127.0.0.1:0", max_workers: int = 32):
-    """(server, port, health) for `core`; the caller starts it (tests use port 0)."""
+def build_server(core: VerifierCore, address: str = "127.0.0.1:0", max_workers: int = 32, *,
+                 tls=None, health_address: str | None = None):
+    """(server, port, health) for `core`; the caller starts it (tests use port 0). `tls`: mutual
+    TLS (only clients with a certificate from tls.ca); `health_address`: plaintext health only."""
     servicer = VerifierServicer(core)
     return _build(
         lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), [SERVICE], address,
-        max_workers=max_workers,
+        max_workers=max_workers, tls=tls, health_address=health_address,
     )
 
 
@@ -91,15 +96,17 @@ def serve(settings) -> None:
     torch.set_num_threads(settings.threads or torch.get_num_threads())
     target = load_model(settings.model, device=resolve_device(settings.device))
     publisher = None
-    if settings.redis_url:
+    residency = settings.residency_config()
+    if residency is not None:
         from tandem.serving.residency import ResidencyPublisher
 
-        publisher = ResidencyPublisher(settings.redis_url, heartbeat_ttl_s=settings.heartbeat_s * 5,
-                                       session_ttl_s=settings.session_ttl_s)
-    core = VerifierCore(settings, target, publisher=publisher, connector=GrpcDrafterConnector())
+        publisher = ResidencyPublisher(residency)
+    core = VerifierCore(settings, target, publisher=publisher, connector=GrpcDrafterConnector(tls=settings.tls))
     if settings.metrics_port is not None:
         core.metrics.serve(settings.metrics_port, settings.host)
-    server, port, health_servicer = build_server(core, f"{settings.host}:{settings.port}")
+    health = None if settings.health_port is None else f"{settings.host}:{settings.health_port}"
+    server, port, health_servicer = build_server(core, f"{settings.host}:{settings.port}", tls=settings.tls,
+                                                 health_address=health)
     server.start()
     core.start(settings.advertise_address or f"{settings.host}:{port}")
     log.info("verifier %s serving %s on %s:%d", settings.verifier_id, target.model_id, settings.host, port)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.engine.config import DraftStrategy
+from tandem.serving.residency import ResidencyConfig
+from tandem.serving.tlsconfig import TlsConfig
 
 
 def default_id(role: str) -> str:
@@ -15,24 +18,81 @@ def default_id(role: str) -> str:
     return os.environ.get("POD_NAME") or f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
+# A DNS name or IPv4 address (lower-case ASCII), or a bracketed IPv6 address; then a port.
+_HOST = re.compile(r"\[[0-9a-f:.]+\]|[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*")
+_PORT = re.compile(r"[0-9]{1,10}")  # leading zeros allowed; the range is checked as a number
+
+
+def drafter_address(address: str) -> str:
+    """The canonical form of a drafter's `host:port`: stripped, host lower-cased, port without
+    leading zeros. Raises ValueError for anything else (unix:/path, dns:///..., no port, ...).
+
+    Names are compared, never resolved: "LOCALHOST:050052 " and "localhost:50052" are one address,
+    "127.0.0.1:50052" is another. Example: drafter_address(" Drafter-0.NS:50052") == "drafter-0.ns:50052".
+    """
+    text = address.strip()
+    host, _, port = text.rpartition(":")
+    host = host.lower()
+    if not (text.isascii() and _HOST.fullmatch(host) and _PORT.fullmatch(port) and 0 < int(port) < 65536):
+        raise ValueError(f"drafter address {address[:100]!r} is not HOST:PORT (a DNS name, an IPv4 address or a "
+                         f"bracketed IPv6 address, and a port 1-65535)")
+    return f"{host}:{int(port)}"
+
+
 class VerifierSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs hold redis_url's password
 
     verifier_id: str = Field(default_factory=lambda: default_id("verifier"))
     host: str = "127.0.0.1"  # interface to bind
     port: int = Field(50061, ge=0, le=65535)  # 0 = any free port (tests)
     advertise_address: str | None = None  # host:port others reach us at (default host:bound port)
     model: str = "default"
-    redis_url: str | None = None
+    redis_url: str | None = Field(None, repr=False)  # may carry a password: kept out of reprs
+    redis_ca: str | None = None  # CA bundle that verifies a rediss:// server (default: the system's)
+    redis_cert: str | None = None  # client certificate (PEM) for a rediss:// server that asks for one
+    redis_key: str | None = None  # its private key, when not in redis_cert's file
     heartbeat_s: float = Field(2.0, gt=0)  # registration refresh period; its TTL is 5x this
     session_ttl_s: float = Field(600.0, gt=0)  # residency TTL of an idle session
     kv_capacity_tokens: int = Field(65536, ge=1)  # KV budget over all resident sessions
     max_sessions: int = Field(64, ge=1)
     draft_wait_ms: float = Field(10.0, ge=0)  # longest wait for a draft block before a plain step
     drafter_retry_s: float = Field(1.0, gt=0)  # after a drafter stream fails, reconnect this often
+    # The only drafters this verifier connects to (canonical host:port). A request naming any other
+    # is refused: callers choose among drafters the operator allowed, never where we connect.
+    # Empty: no drafter at all (sessions draft with the verifier's own prompt lookup or decode plainly).
+    drafters: tuple[str, ...] = ()
     max_draft_tokens: int = Field(8, ge=1, le=64)
     batch_wait_ms: float = Field(2.0, ge=0)  # longest wait for busy sessions to join a batched forward
     default_strategy: DraftStrategy = DraftStrategy.ngram
     threads: int | None = Field(None, ge=1)  # torch CPU threads (default: all cores)
     device: str = "auto"  # where the target runs: auto (cuda when available), cpu, cuda, cuda:N
     metrics_port: int | None = Field(None, ge=0, le=65535)
+    # Mutual TLS: the service port accepts only clients with a certificate from tls.ca (gateways),
+    # and drafter streams present tls.cert and require a drafter certificate. None: plaintext.
+    tls: TlsConfig | None = None
+    health_port: int | None = Field(None, ge=0, le=65535)  # plaintext gRPC health only (probes, with tls)
+
+    @field_validator("drafters", mode="before")
+    @classmethod
+    def _canonical_drafters(cls, value):
+        if isinstance(value, str):
+            value = [value]
+        return tuple(dict.fromkeys(drafter_address(a) for a in value))  # canonical, deduplicated, in order
+
+    @model_validator(mode="after")
+    def _redis_options_agree(self) -> "VerifierSettings":
+        # TLS files without a Redis, or without rediss://, or a key without its certificate: fail at
+        # the edge, not at the first Redis call.
+        if not self.redis_url and (self.redis_ca or self.redis_cert or self.redis_key):
+            raise ValueError("redis_ca / redis_cert / redis_key need a redis_url (rediss://...)")
+        self.residency_config()
+        return self
+
+    def residency_config(self) -> ResidencyConfig | None:
+        """The ResidencyConfig of this verifier's publisher (None without Redis): its URL, TLS files
+        and TTLs (registration: 5 heartbeats)."""
+        if not self.redis_url:
+            return None
+        return ResidencyConfig(url=self.redis_url, ca_file=self.redis_ca, cert_file=self.redis_cert,
+                               key_file=self.redis_key, heartbeat_ttl_s=self.heartbeat_s * 5,
+                               session_ttl_s=self.session_ttl_s)

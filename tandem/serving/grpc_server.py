@@ -11,7 +11,31 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.serving.tlsconfig import TlsConfig
+
 log = logging.getLogger("tandem.grpc")
+
+
+class _WithHealthPort:
+    """A service's gRPC server plus a plaintext server carrying only grpc.health.v1 (the same
+    HealthServicer), started and stopped together. With mTLS on the service port, this is what
+    orchestrator probes reach: a Kubernetes gRPC probe cannot present a client certificate, and
+    health answers reveal nothing but SERVING / NOT_SERVING."""
+
+    def __init__(self, server: grpc.Server, health_server: grpc.Server):
+        self._server, self._health = server, health_server
+
+    def start(self) -> None:
+        self._health.start()
+        self._server.start()
+
+    def stop(self, grace):
+        done = self._server.stop(grace)
+        self._health.stop(grace)
+        return done
+
+    def __getattr__(self, name):  # wait_for_termination, add_generic_rpc_handlers, ...
+        return getattr(self._server, name)
 
 
 def build_server(
@@ -20,8 +44,14 @@ def build_server(
     address: str,
     *,
     max_workers: int = 32,
+    tls: TlsConfig | None = None,
+    health_address: str | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A started-ready (not yet started) server bound to `address` ("host:0" = any free port)."""
+    """A started-ready (not yet started) server bound to `address` ("host:0" = any free port).
+
+    `tls`: mutual TLS on `address`: the server presents tls.cert and accepts only clients whose
+    certificate chains to tls.ca (tandem.serving.tls; rotated files are picked up by new
+    connections). `health_address`: also serve health checks, and only those, in plaintext there."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         options=[("grpc.so_reuseport", 0)],
@@ -35,9 +65,20 @@ def build_server(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        from tandem.serving.tls import server_credentials
+
+        port = server.add_secure_port(address, server_credentials(tls, require_client_cert=True))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
+    if health_address:
+        probe = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe)
+        if probe.add_insecure_port(health_address) == 0:
+            raise OSError(f"cannot bind the health server to {health_address}")
+        server = _WithHealthPort(server, probe)
     return server, port, health_servicer
 
 

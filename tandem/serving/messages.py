@@ -24,6 +24,7 @@ class VerifierRequest:
     sampling: SamplingParams
     spec: SpecConfig
     drafter_address: str = ""  # "" = no drafter: plain decoding
+    cache_salt: str = ""  # KV and prefix residency are shared only among requests of equal salt
 
 
 @dataclass(frozen=True)

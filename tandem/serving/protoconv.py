@@ -3,12 +3,16 @@
 Servicers and gRPC clients call these functions; the domain cores never see a message. Each pair
 is exact both ways for what the contract carries (a proto3 zero means "not set" where the proto
 comment says so: `top_p` 0 = off, `max_new_tokens` 0 = server default, strategy UNSPECIFIED =
-server default).
+server default). Where a message comes from a peer, a value this build cannot honour (out of
+range, an enum number it does not know) raises ValueError with a message for the caller: the
+servicers turn it into INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
 import time
+
+from pydantic import ValidationError
 
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.spec import FinishReason, GenerationResult, SpecStats, StepOutput
@@ -47,6 +51,31 @@ def strategy_name(pb: int) -> str:
     return common_pb2.DraftStrategy.Name(pb) if pb in common_pb2.DraftStrategy.values() else str(pb)
 
 
+def strategy_from_proto(pb: int) -> DraftStrategy | None:
+    """A requested strategy: None for UNSPECIFIED (the server's default). proto3 enums are open, so
+    a peer may send any int32; a number this build does not know raises ValueError rather than
+    falling back to some other strategy the client did not ask for."""
+    if pb == common_pb2.DRAFT_STRATEGY_UNSPECIFIED:
+        return None
+    if pb not in STRATEGY_FROM_PB:
+        known = ", ".join(f"{common_pb2.DraftStrategy.Name(v)} ({v})" for v in sorted(STRATEGY_FROM_PB))
+        raise ValueError(f"unknown strategy {pb}: expected one of {known}, or UNSPECIFIED (0) for the server default")
+    return STRATEGY_FROM_PB[pb]
+
+
+def _invalid(what: str, exc: ValidationError) -> ValueError:
+    """A pydantic error as one line naming each bad field and the value received, e.g.
+    "invalid sampling parameters: temperature = nan: Input should be less than or equal to 100"."""
+
+    def one(e) -> str:
+        if not e["loc"]:  # a model-level check (e.g. ngram_min <= ngram_max): its message says it all
+            return e["msg"]
+        got = repr(e["input"])
+        return f"{'.'.join(map(str, e['loc']))} = {got if len(got) <= 40 else got[:37] + '...'}: {e['msg']}"
+
+    return ValueError(f"invalid {what}: {'; '.join(map(one, exc.errors()))}")
+
+
 # -- sampling and speculation -------------------------------------------------------------------
 
 
@@ -61,16 +90,19 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: int = 128) -> SamplingParams:
-    """Raises ValueError (pydantic's ValidationError) for out-of-range values."""
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_p=msg.top_p if msg.top_p != 0 else 1.0,  # proto: 0 = off
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_new_tokens=msg.max_new_tokens or default_max_new_tokens,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-    )
+    """Raises ValueError naming the field for out-of-range values (NaN and inf included)."""
+    try:
+        return SamplingParams(
+            temperature=msg.temperature,
+            top_p=msg.top_p if msg.top_p != 0 else 1.0,  # proto: 0 = off
+            top_k=msg.top_k,
+            seed=msg.seed if msg.HasField("seed") else None,
+            max_new_tokens=msg.max_new_tokens or default_max_new_tokens,
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+        )
+    except ValidationError as exc:
+        raise _invalid("sampling parameters", exc) from None
 
 
 def spec_to_proto(spec: SpecConfig) -> common_pb2.SpeculationParams:
@@ -80,15 +112,20 @@ def spec_to_proto(spec: SpecConfig) -> common_pb2.SpeculationParams:
 
 
 def spec_from_proto(msg: common_pb2.SpeculationParams, default: SpecConfig) -> SpecConfig:
-    """`default` filled in by what the message sets. Raises ValueError for out-of-range values."""
+    """`default` filled in by what the message sets. Raises ValueError for an unknown strategy
+    number and for out-of-range values."""
     update: dict = {}
-    if msg.strategy != common_pb2.DRAFT_STRATEGY_UNSPECIFIED:
-        update["strategy"] = STRATEGY_FROM_PB[msg.strategy]
+    strategy = strategy_from_proto(msg.strategy)
+    if strategy is not None:
+        update["strategy"] = strategy
     if msg.max_draft_tokens:
         update["max_draft_tokens"] = msg.max_draft_tokens
     if msg.HasField("adaptive"):
         update["adaptive"] = msg.adaptive
-    return SpecConfig.model_validate({**default.model_dump(), **update})
+    try:
+        return SpecConfig.model_validate({**default.model_dump(), **update})
+    except ValidationError as exc:
+        raise _invalid("speculation parameters", exc) from None
 
 
 def stats_to_proto(s: SpecStats) -> common_pb2.SpeculationStats:
@@ -119,7 +156,7 @@ def stats_from_proto(msg: common_pb2.SpeculationStats) -> SpecStats:
 def verifier_request_to_proto(req: VerifierRequest) -> verifier_pb2.SessionGenerateRequest:
     return verifier_pb2.SessionGenerateRequest(
         session_id=req.session_id, context_ids=req.context_ids, sampling=sampling_to_proto(req.sampling),
-        speculation=spec_to_proto(req.spec), drafter_address=req.drafter_address,
+        speculation=spec_to_proto(req.spec), drafter_address=req.drafter_address, cache_salt=req.cache_salt,
     )
 
 

@@ -49,9 +49,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -77,13 +78,14 @@ def prefix_key(block_hash: str) -> str:
     return f"{KEY_PREFIX}prefix:{block_hash}"
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int = 32) -> list[str]:
+def prefix_hashes(token_ids: Sequence[int], block_size: int = 32, salt: str = "") -> list[str]:
     """Chained hashes of the full blocks of `token_ids`: element i names the prefix of
     (i + 1) * block_size tokens. Equal prefixes give equal hashes; the first differing block and
-    every block after it give different ones."""
+    every block after it give different ones. `salt` (the tenant: SessionGenerateRequest.cache_salt)
+    starts the chain, so equal prompts of different tenants share no hash and no routing hint."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    digest = _HASH_SEED
+    digest = hashlib.sha256(_HASH_SEED + salt.encode()).digest() if salt else _HASH_SEED
     out: list[str] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = struct.pack(f"<{block_size}i", *token_ids[start : start + block_size])
@@ -95,14 +97,30 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int = 32) -> list[str]:
 class ResidencyConfig(BaseModel):
     """Where Redis is and how residency keys live. Publishers and readers must agree on block_size."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)  # inputs hold the URL
 
-    url: str  # redis://host:port/db, rediss://..., unix:///path.sock
+    # redis://[user:password@]host:port/db, rediss://... (TLS), unix:///path.sock. The password
+    # (an ACL user's or requirepass's) makes this a secret: kept out of reprs; log redact_url(url).
+    url: str = Field(repr=False)
+    # TLS of a rediss:// URL; the server's certificate and host name are always verified.
+    ca_file: str | None = None  # CA bundle (PEM) that signed the server's certificate (default: the system's)
+    cert_file: str | None = None  # client certificate (PEM), for a server that requires one
+    key_file: str | None = None  # its private key, when cert_file does not hold it
     block_size: int = Field(32, ge=1, le=4096)  # tokens per prefix block
     heartbeat_ttl_s: float = Field(10.0, gt=0)  # a verifier silent this long is dead
     session_ttl_s: float = Field(600.0, gt=0)  # idle sessions' residency (and KV) lifetime
     socket_timeout_s: float = Field(0.2, gt=0)  # connect and read timeout of every Redis call
     retry_after_s: float = Field(1.0, ge=0)  # during an outage, skip Redis this long after a failure
+
+    @model_validator(mode="after")
+    def _tls_needs_rediss(self) -> "ResidencyConfig":
+        # Over plain redis:// these files would be ignored (or fail at the first call): say so now.
+        tls = [name for name in ("ca_file", "cert_file", "key_file") if getattr(self, name)]
+        if tls and urlsplit(self.url).scheme.lower() != "rediss":
+            raise ValueError(f"TLS options ({', '.join(tls)}) need a rediss:// URL, not {redact_url(self.url)}")
+        if self.key_file and not self.cert_file:
+            raise ValueError("key_file needs cert_file, the certificate it is the key of")
+        return self
 
 
 @dataclass(frozen=True)
@@ -209,15 +227,42 @@ def _config(config: ResidencyConfig | str, overrides: dict) -> ResidencyConfig:
     return config.model_copy(update=overrides) if overrides else config
 
 
+def redact_url(url: str) -> str:
+    """`url` fit for logs: its password (in the user info or a `password=` query argument) becomes
+    ***. Example: redact_url("redis://tandem:s3cret@cache:6379/0") == "redis://tandem:***@cache:6379/0"."""
+    if "://" not in url:  # not a URL redis-py accepts: nothing in it is safe to show
+        return "***"
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unbalanced IPv6 bracket: show nothing after the scheme
+        return url.partition("://")[0] + "://***"
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, hostport = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:***@{hostport}"
+    query = "&".join(
+        f"{key}=***" if key.lower() == "password" else arg
+        for arg in parts.query.split("&") if arg
+        for key in [arg.partition("=")[0]]
+    )
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else ""))
+
+
 def _connect(config: ResidencyConfig) -> redis.Redis:
+    # Credentials come with the URL (redis-py sends AUTH [user] password on every new connection);
+    # rediss:// verifies the server by redis-py's defaults (certificate required, host name checked).
     # One retry covers a pooled connection that went stale when Redis restarted; no backoff, since
     # a caller on a request path must not wait.
+    tls = {arg: path for arg, path in (("ssl_ca_certs", config.ca_file), ("ssl_certfile", config.cert_file),
+                                       ("ssl_keyfile", config.key_file)) if path}
     return redis.Redis.from_url(
         config.url,
         socket_timeout=config.socket_timeout_s,
         socket_connect_timeout=config.socket_timeout_s,
         retry=Retry(NoBackoff(), 1),
         decode_responses=True,
+        **tls,
     )
 
 
@@ -234,7 +279,7 @@ class _RedisClient:
         """`config`: a ResidencyConfig, or a Redis URL with ResidencyConfig fields as keywords."""
         self.config = config = _config(config, overrides)
         self._redis = client or _connect(config)
-        self._health = _RedisHealth(self.ROLE, config.url, config.retry_after_s)
+        self._health = _RedisHealth(self.ROLE, redact_url(config.url), config.retry_after_s)
 
     @property
     def redis_ok(self) -> bool:
@@ -290,11 +335,11 @@ class ResidencyPublisher(_RedisClient):
 
         return self._health.call(write, None)[1]
 
-    def publish_session(self, session_id: str, verifier_id: str, token_ids: Sequence[int]) -> bool:
+    def publish_session(self, session_id: str, verifier_id: str, token_ids: Sequence[int], salt: str = "") -> bool:
         """Record that `verifier_id` holds the KV of `token_ids` (the session's whole history) and
         renew the session's and its blocks' TTLs. Blocks the session no longer holds (its history
-        diverged) are released."""
-        hashes = prefix_hashes(token_ids, self.config.block_size)
+        diverged) are released. `salt`: the session's cache salt (see prefix_hashes)."""
+        hashes = prefix_hashes(token_ids, self.config.block_size, salt)
         with self._lock:
             released = self._track(session_id, verifier_id, hashes)
         ttl = _ms(self.config.session_ttl_s)
@@ -316,14 +361,14 @@ class ResidencyPublisher(_RedisClient):
 
         return self._health.call(write, None)[1]
 
-    def evict_session(self, session_id: str, token_ids: Sequence[int] | None = None) -> bool:
+    def evict_session(self, session_id: str, token_ids: Sequence[int] | None = None, salt: str = "") -> bool:
         """The verifier dropped the session's KV: delete its key and release its blocks.
         `token_ids` is needed only for a session this publisher did not publish itself."""
         with self._lock:
             tracked = self._sessions.get(session_id)
             if tracked is None and token_ids is not None and self._verifier_id is not None:
                 # Not ours to refcount: release the blocks outright.
-                released = [(self._verifier_id, h) for h in prefix_hashes(token_ids, self.config.block_size)]
+                released = [(self._verifier_id, h) for h in prefix_hashes(token_ids, self.config.block_size, salt)]
             else:
                 released = self._track(session_id, None, [])
 
@@ -394,18 +439,19 @@ class ResidencyIndex(_RedisClient):
     def session_verifier(self, session_id: str) -> str | None:
         return self._health.call(lambda: self._redis.hget(session_key(session_id), "verifier_id"), None)[0]
 
-    def longest_prefix(self, token_ids: Sequence[int]) -> dict[str, int]:
+    def longest_prefix(self, token_ids: Sequence[int], salt: str = "") -> dict[str, int]:
         """verifier id -> tokens of `token_ids` whose KV it holds (full blocks of the prefix)."""
-        return self._health.call(lambda: self._longest_prefix(token_ids), {})[0]
+        return self._health.call(lambda: self._longest_prefix(token_ids, salt), {})[0]
 
-    def view(self, session_id: str | None, token_ids: Sequence[int]) -> ResidencyView | None:
-        """Everything routing reads for one request; None when Redis does not answer."""
+    def view(self, session_id: str | None, token_ids: Sequence[int], salt: str = "") -> ResidencyView | None:
+        """Everything routing reads for one request; None when Redis does not answer. `salt`: the
+        request's cache salt (its tenant): only that tenant's prefixes can match."""
 
         def read() -> ResidencyView:
             owner, resident = (None, None)
             if session_id:
                 owner, resident = self._redis.hmget(session_key(session_id), ["verifier_id", "resident_tokens"])
-            return ResidencyView(self._verifiers(), owner, int(resident or 0), self._longest_prefix(token_ids))
+            return ResidencyView(self._verifiers(), owner, int(resident or 0), self._longest_prefix(token_ids, salt))
 
         view, ok = self._health.call(read, None)
         return view if ok else None
@@ -422,8 +468,8 @@ class ResidencyIndex(_RedisClient):
             pipe.hgetall(verifier_key(vid))
         return [VerifierRecord.from_hash(vid, h) for vid, h in zip(ids, pipe.execute()) if h]
 
-    def _longest_prefix(self, token_ids: Sequence[int]) -> dict[str, int]:
-        hashes = prefix_hashes(token_ids, self.config.block_size)
+    def _longest_prefix(self, token_ids: Sequence[int], salt: str = "") -> dict[str, int]:
+        hashes = prefix_hashes(token_ids, self.config.block_size, salt)
         if not hashes:
             return {}
         pipe = self._redis.pipeline(transaction=False)

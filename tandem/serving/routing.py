@@ -70,17 +70,19 @@ class RoutingPolicy:
         exclude: Collection[str] = (),
         inflight: Mapping[str, int] | None = None,
         affinity: tuple[str, int] | None = None,
+        salt: str = "",
     ) -> RoutingDecision | None:
         """The verifier for a request, or None when no candidate is left.
 
         `candidates`: verifiers the caller knows without Redis (its static configuration); the
         registered ones are added. `affinity` = (verifier id, tokens of this context it holds):
-        where the caller last sent this session. May block on Redis (call it off the event loop)."""
+        where the caller last sent this session. `salt`: the request's cache salt (its tenant);
+        prefix residency of other salts never matches. May block on Redis (call it off the event loop)."""
 
         def usable(rec: VerifierRecord) -> bool:
             return rec.verifier_id not in exclude and (model_id is None or rec.model_id == model_id)
 
-        view = None if self.index is None else self.index.view(session_id, token_ids)
+        view = None if self.index is None else self.index.view(session_id, token_ids, salt)
         live = {c.verifier_id: c for c in candidates if usable(c)}
         if view is not None:
             live.update((r.verifier_id, r) for r in view.registered if usable(r))

@@ -491,15 +491,137 @@ def loadtest(
         print(text)
 
 
+@app.command()
+def certs(
+    directory: Annotated[Path, typer.Argument(help="Directory to write the PEM files into (created if missing).", file_okay=False)],
+    hosts: Annotated[Optional[list[str]], typer.Option("--host", help="Also make every certificate valid for this DNS name or IP address (repeatable): the address clients dial when it is not localhost, e.g. the gateway's public name.")] = None,
+    days: Annotated[int, typer.Option("--days", help="Validity of the CA and the certificates, in days.", min=1)] = 365,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing CA in DIRECTORY (every certificate the old one signed stops being trusted).")] = False,
+) -> None:
+    """Write a development CA and a certificate per service for mutual TLS between the services.
+
+    Files: ca.pem and ca-key.pem (the CA; its key only signs, no service needs it), and
+    gateway, verifier, drafter and client certificates (ROLE.pem, ROLE-key.pem; keys mode 0600),
+    each valid for the name tandem-ROLE, localhost, 127.0.0.1, ::1 and every --host. A service
+    takes its own with --tls-cert, --tls-key and --tls-ca; callers check that a peer holds the
+    role they expect (tandem-verifier, tandem-drafter), not its address.
+
+    For development and tests. In production use your own CA or cert-manager, with the same
+    names in the certificates; services re-read rotated files without a restart.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from tandem.serving.tls import write_dev_certs
+
+    try:
+        configs = write_dev_certs(directory, hosts=tuple(hosts or ()), days=days, overwrite=overwrite)
+    except (FileExistsError, ValueError) as exc:
+        _fail(str(exc))
+    ca = directory / "ca.pem"
+    table = Table(title=f"certificates in {escape(str(directory))}, valid {days} days")
+    table.add_column("who")
+    table.add_column("files")
+    table.add_column("use")
+    table.add_row("CA", f"{escape(str(ca))}\n{escape(str(directory / 'ca-key.pem'))}",
+                  "ca.pem: every service's --tls-ca and every client's trust; ca-key.pem: keep private, signs only")
+    uses = {"gateway": "tandem gateway (--tls-*; also --public-cert/--public-key for its HTTPS)", "verifier": "tandem verifier", "drafter": "tandem drafter",
+            "client": "tools and tests calling the services (grpcurl, tandem bench --endpoint)"}
+    for role, tls in configs.items():
+        table.add_row(role, f"{escape(str(tls.cert))}\n{escape(str(tls.key))}",
+                      f"{uses.get(role, role)}:\n--tls-cert {escape(str(tls.cert))} --tls-key {escape(str(tls.key))} "
+                      f"--tls-ca {escape(str(ca))}")
+    console = Console()
+    console.print(table)
+    console.print(
+        "An OpenAI client trusts the gateway's HTTPS through the CA:\n"
+        f"  openai.OpenAI(base_url=\"https://localhost:8000/v1\", api_key=\"-\", "
+        f"http_client=httpx.Client(verify=ssl.create_default_context(cafile=\"{escape(str(ca))}\")))",
+        soft_wrap=True,
+    )
+
+
 # -- services ----------------------------------------------------------------------------------
 
 HostOpt = Annotated[str, typer.Option("--host", help="Interface to bind (0.0.0.0 for all).")]
 RedisOpt = Annotated[
     Optional[str],
     typer.Option("--redis-url", envvar="TANDEM_REDIS_URL",
-                 help="Redis URL for registration and KV residency metadata (redis://host:port/0); "
-                      "without it the service runs standalone."),
+                 help="Redis URL for registration and KV residency metadata (redis://[USER:PASSWORD@]HOST:PORT/0, "
+                      "rediss://... for TLS); without it the service runs standalone. Prefer the environment "
+                      "variable for a URL with a password: command lines are visible to every local user."),
 ]
+def _split_list(values: list[str] | None) -> tuple[str, ...]:
+    """A repeatable option's values, each also split at commas: `--drafter a --drafter b,c` and
+    TANDEM_DRAFTERS="a,b c" (an environment variable's values split at whitespace) both work."""
+    return tuple(item.strip() for value in values or () for item in value.split(",") if item.strip())
+
+
+def _path_str(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+RedisCaOpt = Annotated[
+    Optional[Path],
+    typer.Option("--redis-ca", envvar="TANDEM_REDIS_CA", exists=True, dir_okay=False,
+                 help="CA bundle (PEM) that verifies a rediss:// server's certificate (default: the system's CAs)."),
+]
+RedisCertOpt = Annotated[
+    Optional[Path],
+    typer.Option("--redis-cert", envvar="TANDEM_REDIS_CERT", exists=True, dir_okay=False,
+                 help="Client certificate (PEM) for a rediss:// server that requires one."),
+]
+RedisKeyOpt = Annotated[
+    Optional[Path],
+    typer.Option("--redis-key", envvar="TANDEM_REDIS_KEY", exists=True, dir_okay=False,
+                 help="Private key of --redis-cert, when that file does not hold it."),
+]
+
+
+TlsCertOpt = Annotated[
+    Optional[Path],
+    typer.Option("--tls-cert", envvar="TANDEM_TLS_CERT", exists=True, dir_okay=False,
+                 help="This service's certificate (PEM) for mutual TLS between the services (`tandem certs` makes "
+                      "development ones). Needs --tls-key and --tls-ca; rotated files are picked up by new connections."),
+]
+TlsKeyOpt = Annotated[
+    Optional[Path],
+    typer.Option("--tls-key", envvar="TANDEM_TLS_KEY", exists=True, dir_okay=False, help="Private key of --tls-cert."),
+]
+TlsCaOpt = Annotated[
+    Optional[Path],
+    typer.Option("--tls-ca", envvar="TANDEM_TLS_CA", exists=True, dir_okay=False,
+                 help="CA certificate(s) that peers' certificates must chain to."),
+]
+HealthPortOpt = Annotated[
+    Optional[int],
+    typer.Option("--health-port", min=0, max=65535,
+                 help="Also serve gRPC health checks (only those) in plaintext on this port: probes cannot present "
+                      "a client certificate to the mTLS port."),
+]
+
+
+def _tls(cert: Path | None, key: Path | None, ca: Path | None, *, what: str = "--tls-cert, --tls-key and --tls-ca"):
+    """A TlsConfig from the three options, None when none is given; a partial set is an error."""
+    given = [p for p in (cert, key, ca) if p is not None]
+    if not given:
+        return None
+    if len(given) != 3:
+        _fail(f"mutual TLS needs all of {what}")
+    from tandem.serving.tlsconfig import TlsConfig
+
+    return TlsConfig(cert=cert, key=key, ca=ca)
+
+
+def _public_tls(cert: Path | None, key: Path | None):
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        _fail("HTTPS needs both --public-cert and --public-key")
+    from tandem.serving.tlsconfig import TlsConfig
+
+    return TlsConfig(cert=cert, key=key)
 
 
 @app.command()
@@ -508,6 +630,13 @@ def verifier(
     port: Annotated[int, typer.Option("--port", help="gRPC port (0 = any free port).", min=0, max=65535)] = 50061,
     model: ModelOpt = "default",
     redis_url: RedisOpt = None,
+    redis_ca: RedisCaOpt = None,
+    redis_cert: RedisCertOpt = None,
+    redis_key: RedisKeyOpt = None,
+    drafters: Annotated[Optional[list[str]], typer.Option(
+        "--drafter", envvar="TANDEM_DRAFTERS",
+        help="A drafter HOST:PORT this verifier may connect to (repeatable, or comma-separated). Requests naming "
+             "any other drafter are refused with INVALID_ARGUMENT; without any, no drafter is used.")] = None,
     verifier_id: Annotated[Optional[str], typer.Option("--id", envvar="TANDEM_VERIFIER_ID", help="Stable verifier id (default: POD_NAME or host-pid).")] = None,
     advertise_address: Annotated[Optional[str], typer.Option("--advertise-address", envvar="TANDEM_ADVERTISE_ADDRESS", help="host:port that gateways reach this verifier at (default: --host:--port).")] = None,
     kv_capacity_tokens: Annotated[int, typer.Option("--kv-capacity-tokens", help="KV cache budget over all resident sessions, in tokens.", min=1)] = 65536,
@@ -520,20 +649,34 @@ def verifier(
     log_level: LogLevelOpt = "info",
     log_json: LogJsonOpt = False,
     metrics_port: MetricsPortOpt = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+    health_port: HealthPortOpt = None,
 ) -> None:
     """Run a verifier: owns the target model and the KV caches of its sessions, verifies draft
-    blocks in one forward each, streams committed tokens. Publishes residency to Redis."""
+    blocks in one forward each, streams committed tokens. Publishes residency to Redis. With
+    --tls-*, only callers holding a certificate from the CA are served, and drafters must present a
+    drafter certificate."""
     _setup(threads, log_level, service="verifier", log_json=log_json)
+    from pydantic import ValidationError
+
     from tandem.services.verifier.server import serve
     from tandem.services.verifier.settings import VerifierSettings
 
     fields = dict(host=host, port=port, model=model, device=device, redis_url=redis_url, advertise_address=advertise_address,
                   kv_capacity_tokens=kv_capacity_tokens, max_sessions=max_sessions, draft_wait_ms=draft_wait_ms,
                   max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=threads,
-                  metrics_port=metrics_port)
+                  metrics_port=metrics_port, drafters=_split_list(drafters),
+                  redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),
+                  tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port)
     if verifier_id:
         fields["verifier_id"] = verifier_id
-    serve(VerifierSettings(**fields))
+    try:
+        settings = VerifierSettings(**fields)
+    except ValidationError as exc:
+        _fail(f"bad verifier configuration: {exc}")
+    serve(settings)
 
 
 @app.command()
@@ -551,9 +694,14 @@ def drafter(
     log_level: LogLevelOpt = "info",
     log_json: LogJsonOpt = False,
     metrics_port: MetricsPortOpt = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+    health_port: HealthPortOpt = None,
 ) -> None:
     """Run a drafter: hosts the proposers (prompt lookup, a draft model), keeps per-session draft
-    state and drafts ahead while the verifier checks the previous block."""
+    state and drafts ahead while the verifier checks the previous block. With --tls-*, only
+    callers holding a certificate from the CA may open draft streams."""
     _setup(threads, log_level, service="drafter", log_json=log_json)
     from tandem.services.drafter.server import serve
     from tandem.services.drafter.settings import DrafterSettings
@@ -567,7 +715,8 @@ def drafter(
         except ModelError as exc:
             _fail(str(exc))
     fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
-                  lookahead=lookahead, max_sessions=max_sessions, metrics_port=metrics_port)
+                  lookahead=lookahead, max_sessions=max_sessions, metrics_port=metrics_port,
+                  tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port)
     if drafter_id:
         fields["drafter_id"] = drafter_id
     try:
@@ -580,7 +729,7 @@ def drafter(
 
 @app.command()
 def gateway(
-    host: HostOpt = "0.0.0.0",
+    host: Annotated[str, typer.Option("--host", help="Interface to bind. Anything but loopback needs --api-keys (or --allow-unauthenticated).")] = "127.0.0.1",
     http_port: Annotated[int, typer.Option("--http-port", help="OpenAI-compatible HTTP port (0 = any free port).", min=0, max=65535)] = 8000,
     grpc_port: Annotated[int, typer.Option("--grpc-port", help="gRPC port of tandem.v1.Gateway (0 = any free port).", min=0, max=65535)] = 50051,
     model: Annotated[str, typer.Option("--model", "-m", help="Model whose tokenizer and chat template the gateway applies: HF directory, .gguf, or 'default'.")] = "default",
@@ -588,14 +737,28 @@ def gateway(
     verifiers: Annotated[Optional[list[str]], typer.Option("--verifier", help="Verifier host:port (repeatable); with Redis, registered verifiers are used too.")] = None,
     drafters: Annotated[Optional[list[str]], typer.Option("--drafter", help="Drafter host:port (repeatable).")] = None,
     redis_url: RedisOpt = None,
+    redis_ca: RedisCaOpt = None,
+    redis_cert: RedisCertOpt = None,
+    redis_key: RedisKeyOpt = None,
     max_tokens_cap: Annotated[int, typer.Option("--max-tokens-cap", help="Largest max_tokens a request may ask for.", min=1)] = 4096,
     max_concurrent_requests: Annotated[int, typer.Option("--max-concurrent-requests", help="More requests in flight are refused with 429 / RESOURCE_EXHAUSTED.", min=1)] = 256,
     log_level: LogLevelOpt = "info",
     log_json: LogJsonOpt = False,
-    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", min=0, max=65535, help="Also serve Prometheus metrics on this port (they are always at GET /metrics on the HTTP port; 0 = any free port).")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", min=0, max=65535, help="Serve Prometheus metrics on this port instead of GET /metrics on the public HTTP port (0 = any free port).")] = None,
+    api_keys: Annotated[Optional[Path], typer.Option("--api-keys", envvar="TANDEM_API_KEYS_FILE", help="JSON file mapping tenants to API keys and limits (docs/security.md); every /v1 route and gRPC Generate then needs 'Authorization: Bearer KEY'.")] = None,
+    allow_unauthenticated: Annotated[bool, typer.Option("--allow-unauthenticated", help="Serve without API keys on a non-loopback interface (anyone who reaches it can use it).")] = False,
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED).", min=1024)] = 4 * 1024 * 1024,
+    max_input_tokens: Annotated[Optional[int], typer.Option("--max-input-tokens", help="Largest prompt (whole session history) per request, every tenant.", min=1)] = None,
+    grpc_reflection: Annotated[bool, typer.Option("--grpc-reflection/--no-grpc-reflection", help="gRPC server reflection on the public port (off: it lists the whole API to anyone).")] = False,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+    public_cert: Annotated[Optional[Path], typer.Option("--public-cert", envvar="TANDEM_PUBLIC_CERT", exists=True, dir_okay=False, help="Certificate (PEM) for HTTPS and gRPC over TLS on the public ports; with --public-key.")] = None,
+    public_key: Annotated[Optional[Path], typer.Option("--public-key", envvar="TANDEM_PUBLIC_KEY", exists=True, dir_okay=False, help="Private key of --public-cert.")] = None,
 ) -> None:
     """Run the gateway: OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models,
-    SSE streaming) and gRPC Generate; routes each session to the verifier holding its KV cache."""
+    SSE streaming) and gRPC Generate; routes each session to the verifier holding its KV cache.
+    With --api-keys, each key's tenant owns its sessions and caches (docs/security.md)."""
     _setup(1, log_level, service="gateway", log_json=log_json)
     from pydantic import ValidationError
 
@@ -607,10 +770,20 @@ def gateway(
             http_host=host, grpc_host=host, http_port=http_port, grpc_port=grpc_port, model=model,
             served_model_name=served_model_name, verifiers=tuple(verifiers or ()), drafters=tuple(drafters or ()),
             redis_url=redis_url, max_tokens_cap=max_tokens_cap, max_concurrent_requests=max_concurrent_requests,
-            metrics_port=metrics_port,
+            metrics_port=metrics_port, api_keys_file=api_keys, allow_unauthenticated=allow_unauthenticated,
+            max_body_bytes=max_body_bytes, max_input_tokens=max_input_tokens, grpc_reflection=grpc_reflection,
+            redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),
+            tls=_tls(tls_cert, tls_key, tls_ca), public_tls=_public_tls(public_cert, public_key),
         )
     except ValidationError as exc:
         _fail(f"bad gateway configuration: {exc}")
+    from tandem.services.gateway.auth import Keyring, KeyFileError
+
+    if api_keys is not None:
+        try:
+            Keyring.load(api_keys)  # a bad key file is a startup error, said plainly
+        except KeyFileError as exc:
+            _fail(str(exc))
     serve(settings)
 
 
@@ -655,6 +828,7 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
     _setup(None, "info")
     from rich.console import Console
 
+    from tandem.serving.residency import redact_url
     from tandem.tools.stack import Stack
 
     console = Console(stderr=True)
@@ -683,7 +857,7 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
             f"  gRPC        {stack.grpc_address}   (tandem.v1.Gateway/Generate; reflection on)\n"
             f"  verifiers   {', '.join(stack.verifier_addresses)}\n"
             f"  drafter     {stack.drafter_address}\n"
-            f"  redis       {stack.redis_url}"
+            f"  redis       {redact_url(stack.redis_url)}"
             + "".join(f"\n  metrics     {url}   ({name})" for name, url in stack.metrics_urls.items())
         )
         if demo_request:

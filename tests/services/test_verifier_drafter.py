@@ -59,7 +59,7 @@ def test_remote_drafting_is_lossless(tiny_loaded, tiny_draft_loaded, strategy):
     draft = tiny_loaded if strategy in (DraftStrategy.model, DraftStrategy.hybrid) else None
     dcore, server, address = _drafter(draft, int8=False)
     try:
-        core = _verifier(tiny_loaded)
+        core = _verifier(tiny_loaded, drafters=(address,))
         result = _run(core, address, strategy)
         assert result.token_ids == _reference(tiny_loaded)
         assert result.stats.drafted > 0 and result.stats.accepted > 0, "speculation must actually happen"
@@ -80,7 +80,7 @@ def test_sampled_remote_drafts_are_verified(tiny_loaded, tiny_draft_loaded):
     # their statistics are checked in tests/test_engine.py, here the wire path.
     dcore, server, address = _drafter(tiny_draft_loaded)
     try:
-        core = _verifier(tiny_loaded)
+        core = _verifier(tiny_loaded, drafters=(address,))
         sampling = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
         result = _run(core, address, DraftStrategy.model, sampling=sampling, session="a")
         assert len(result.token_ids) == 16
@@ -92,7 +92,7 @@ def test_sampled_remote_drafts_are_verified(tiny_loaded, tiny_draft_loaded):
 def test_drafter_killed_mid_generation_then_back(tiny_loaded):
     dcore, server, address = _drafter()
     port = int(address.rsplit(":", 1)[1])
-    core = _verifier(tiny_loaded)
+    core = _verifier(tiny_loaded, drafters=(address,))
     core.settings.drafter_retry_s = 0.05
     sampling = SamplingParams(max_new_tokens=60)
     steps = core.generate("s", CONTEXT, sampling, SpecConfig(strategy=DraftStrategy.ngram, adaptive=False), address)
@@ -155,7 +155,7 @@ def test_garbage_drafter_changes_nothing(tiny_loaded):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        core = _verifier(tiny_loaded)
+        core = _verifier(tiny_loaded, drafters=(f"127.0.0.1:{port}",))
         for sampling in (SamplingParams(max_new_tokens=24),):
             result = _run(core, f"127.0.0.1:{port}", DraftStrategy.ngram, max_new=24, sampling=sampling)
             assert result.token_ids == _reference(tiny_loaded, 24)
@@ -165,7 +165,7 @@ def test_garbage_drafter_changes_nothing(tiny_loaded):
 
 
 def test_unreachable_drafter_falls_back_to_local_prompt_lookup(tiny_loaded):
-    core = _verifier(tiny_loaded, draft_wait_ms=5)
+    core = _verifier(tiny_loaded, draft_wait_ms=5, drafters=("127.0.0.1:1",))
     result = _run(core, "127.0.0.1:1", DraftStrategy.ngram)
     assert result.token_ids == _reference(tiny_loaded)
     assert result.stats.fallback_steps > 0

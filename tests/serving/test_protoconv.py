@@ -3,6 +3,10 @@ and what the proto comments promise about StepInfo and SpeculationStats is what 
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.spec import Engine, FinishReason, GenerationResult, SpecStats, StepOutput
 from tandem.serving import protoconv as pc
@@ -32,6 +36,40 @@ def test_sampling_and_speculation_roundtrip() -> None:
     # Unset fields take the server's defaults.
     default = SpecConfig(strategy=DraftStrategy.ngram, max_draft_tokens=3)
     assert pc.spec_from_proto(common_pb2.SpeculationParams(), default) == default
+
+
+def test_unknown_strategy_numbers_are_refused_unspecified_is_the_default() -> None:
+    """proto3 enums are open: a peer may send any int32. A number this build does not know is a
+    clear ValueError (the servicers' INVALID_ARGUMENT), never a silent fallback or a KeyError."""
+    default = SpecConfig(strategy=DraftStrategy.model, max_draft_tokens=3)
+    assert pc.strategy_from_proto(common_pb2.DRAFT_STRATEGY_UNSPECIFIED) is None
+    assert pc.spec_from_proto(wire(common_pb2.SpeculationParams(strategy=0)), default) == default
+    assert pc.strategy_from_proto(common_pb2.DRAFT_STRATEGY_NONE) is DraftStrategy.none
+    for number in (5, 57, -1, 2**31 - 1, -(2**31)):
+        with pytest.raises(ValueError, match=f"unknown strategy {number}: expected one of .*DRAFT_STRATEGY_NGRAM"):
+            pc.spec_from_proto(wire(common_pb2.SpeculationParams(strategy=number)), default)
+        with pytest.raises(ValueError, match=f"unknown strategy {number}"):
+            pc.strategy_from_proto(number)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(temperature=float("nan")), "invalid sampling parameters: temperature = nan: "),
+    (dict(temperature=float("inf")), "temperature = inf: "),
+    (dict(top_p=float("nan")), "top_p = nan: "),
+    (dict(top_p=-0.5), "top_p = -0.5: Input should be greater than 0"),
+    (dict(top_k=-1), "top_k = -1: "),
+    (dict(max_new_tokens=2**32 - 1), "max_new_tokens = 4294967295: Input should be less than or equal to 1000000"),
+    (dict(seed=2**64 - 1), "seed = 18446744073709551615: "),
+])
+def test_out_of_range_sampling_values_name_their_field(fields, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        pc.sampling_from_proto(wire(common_pb2.SamplingParams(**fields)))
+    assert "\n" not in str(err.value)  # one line: it travels as a gRPC status message
+
+
+def test_out_of_range_speculation_values_name_their_field() -> None:
+    with pytest.raises(ValueError, match="invalid speculation parameters: max_draft_tokens = 65: "):
+        pc.spec_from_proto(common_pb2.SpeculationParams(max_draft_tokens=65), SpecConfig())
 
 
 def test_verifier_request_and_committed_tokens_roundtrip() -> None:

@@ -1,0 +1,208 @@
+"""Who is calling: API keys, the tenants they belong to, and each tenant's limits.
+
+The key file (a JSON document; in Kubernetes a Secret mounted as a file) maps tenants to keys:
+
+    {"tenants": {
+        "acme":   {"keys": ["sk-acme-1", "sha256:9f86d0..."],
+                   "max_input_tokens": 8192, "max_output_tokens": 1024,
+                   "max_concurrent_requests": 8, "tokens_per_minute": 200000},
+        "robots": {"keys": ["sk-robots"]}}}
+
+A key is either the secret itself or `sha256:` and the hex SHA-256 of it (so the file need not hold
+the secret). Lookup hashes the presented key and compares it with every entry in constant time
+(`hmac.compare_digest`, no early exit), so timing says nothing about how much of a guess was right.
+Keys are never logged; a refused call is logged by tenant-less reason only.
+
+A tenant owns its sessions (the gateway scopes session ids by tenant) and its caches (the tenant
+name salts every prefix hash, so KV reuse and prefix routing never cross tenants). With no key file
+the gateway runs open: every caller is the one anonymous tenant "", which salts nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tandem.services.gateway.errors import Overloaded
+
+TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no "/": it separates tenant and session in ids
+
+
+class TenantSpec(BaseModel):
+    """One tenant as the key file describes it. A limit left out (None) is the gateway's own."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    keys: tuple[str, ...] = Field(min_length=1)
+    max_input_tokens: int | None = Field(None, ge=1)  # prompt (whole session history) per request
+    max_output_tokens: int | None = Field(None, ge=1)  # max_tokens per request
+    max_concurrent_requests: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion tokens, token bucket
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        for key in keys:
+            if key.startswith("sha256:"):
+                digest = key.removeprefix("sha256:")
+                if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
+                    raise ValueError("a sha256: key must be followed by 64 hex digits")
+            elif len(key) < 16:
+                # Short keys are guessable; the message does not repeat the key.
+                raise ValueError("an API key must be at least 16 characters")
+        return keys
+
+
+class KeyFile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenants: dict[str, TenantSpec]
+
+    @field_validator("tenants")
+    @classmethod
+    def _names(cls, tenants: dict[str, TenantSpec]) -> dict[str, TenantSpec]:
+        import re
+
+        for name in tenants:
+            if not re.match(TENANT_NAME, name):
+                raise ValueError(f"tenant name {name!r} must match {TENANT_NAME}")
+        return tenants
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str  # "" = the anonymous caller of an open gateway
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_concurrent_requests: int | None = None
+    tokens_per_minute: int | None = None
+
+
+OPEN = Tenant("")
+
+
+class KeyFileError(ValueError):
+    """The key file is missing or malformed (raised at startup, never per request)."""
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class Keyring:
+    """API key -> tenant, read once from the key file at startup."""
+
+    def __init__(self, spec: KeyFile):
+        self._entries: list[tuple[bytes, Tenant]] = []
+        seen: dict[bytes, str] = {}
+        for name, t in spec.tenants.items():
+            tenant = Tenant(name, t.max_input_tokens, t.max_output_tokens, t.max_concurrent_requests,
+                            t.tokens_per_minute)
+            for key in t.keys:
+                d = bytes.fromhex(key[7:]) if key.startswith("sha256:") else _digest(key)
+                if d in seen and seen[d] != name:
+                    raise KeyFileError(f"one key is listed for both tenants {seen[d]!r} and {name!r}")
+                seen[d] = name
+                self._entries.append((d, tenant))
+        if not self._entries:
+            raise KeyFileError("the key file lists no keys")
+        self.tenants = {t.name: t for _, t in self._entries}
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Keyring":
+        try:
+            raw = Path(path).read_text()
+        except OSError as exc:
+            raise KeyFileError(f"cannot read the API key file {path}: {exc.strerror}") from None
+        try:
+            return cls(KeyFile.model_validate(json.loads(raw)))
+        except ValueError as exc:  # JSON or validation; the messages never include a key's value
+            detail = exc.errors(include_input=False) if isinstance(exc, ValidationError) else str(exc)
+            raise KeyFileError(f"the API key file {path} is malformed: {detail}") from None
+
+    def authenticate(self, key: str) -> Tenant | None:
+        """The tenant of `key`, or None. Every entry is compared, whatever matches."""
+        d = _digest(key)
+        found = None
+        for entry, tenant in self._entries:
+            if hmac.compare_digest(entry, d):
+                found = tenant
+        return found
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer KEY` value (scheme case-insensitive), else None."""
+    if not authorization:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return key.strip()
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    stamp: float = field(default_factory=time.monotonic)
+
+
+class TenantLimiter:
+    """Per-tenant admission: concurrent requests and a token bucket of tokens per minute.
+
+    The bucket holds up to one minute's allowance and refills continuously. A request is admitted
+    while the bucket is positive and charged its prompt tokens at admission and its completion
+    tokens as it ends, so a tenant may overdraw by one request; the next ones wait for the refill
+    (429 with Retry-After saying how long)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: dict[str, int] = {}
+        self._buckets: dict[str, _Bucket] = {}
+
+    def _refill(self, tenant: Tenant) -> _Bucket:
+        rate = tenant.tokens_per_minute / 60.0
+        b = self._buckets.setdefault(tenant.name, _Bucket(float(tenant.tokens_per_minute)))
+        now = time.monotonic()
+        b.tokens = min(float(tenant.tokens_per_minute), b.tokens + (now - b.stamp) * rate)
+        b.stamp = now
+        return b
+
+    def admit(self, tenant: Tenant, prompt_tokens: int) -> None:
+        """Count one request in, or raise Overloaded (429) with a retry hint."""
+        with self._lock:
+            cap = tenant.max_concurrent_requests
+            active = self._active.get(tenant.name, 0)
+            if cap is not None and active >= cap:
+                raise Overloaded(
+                    f"this API key's tenant has {active} requests in flight (its limit is {cap}); retry later",
+                    retry_after_s=1.0,
+                )
+            if tenant.tokens_per_minute is not None:
+                b = self._refill(tenant)
+                if b.tokens <= 0:
+                    wait = (1 - b.tokens) / (tenant.tokens_per_minute / 60.0)
+                    raise Overloaded(
+                        f"this API key's tenant used its {tenant.tokens_per_minute} tokens per minute; "
+                        f"retry in {math.ceil(wait)} s",
+                        retry_after_s=wait,
+                    )
+                b.tokens -= prompt_tokens
+            self._active[tenant.name] = active + 1
+
+    def release(self, tenant: Tenant, completion_tokens: int) -> None:
+        with self._lock:
+            n = self._active.get(tenant.name, 0) - 1
+            if n > 0:
+                self._active[tenant.name] = n
+            else:
+                self._active.pop(tenant.name, None)
+            if tenant.tokens_per_minute is not None:
+                self._refill(tenant).tokens -= completion_tokens
