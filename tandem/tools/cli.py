@@ -690,6 +690,7 @@ def drafter(
     draft_top_k: Annotated[int, typer.Option("--draft-top-k", help="Support size of a sampling draft model's proposals.", min=1)] = 16,
     lookahead: Annotated[bool, typer.Option("--lookahead/--no-lookahead", help="Draft the next block while the current one is verified.")] = True,
     max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most open draft sessions.", min=1)] = 1024,
+    max_context_tokens: Annotated[int, typer.Option("--max-context-tokens", help="Longest session (context + committed tokens) drafted for; a longer one is dropped and its verifier decodes it plainly.", min=1)] = 131072,
     threads: ThreadsOpt = None,
     log_level: LogLevelOpt = "info",
     log_json: LogJsonOpt = False,
@@ -715,8 +716,8 @@ def drafter(
         except ModelError as exc:
             _fail(str(exc))
     fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
-                  lookahead=lookahead, max_sessions=max_sessions, metrics_port=metrics_port,
-                  tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port)
+                  lookahead=lookahead, max_sessions=max_sessions, max_context_tokens=max_context_tokens,
+                  metrics_port=metrics_port, tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port)
     if drafter_id:
         fields["drafter_id"] = drafter_id
     try:
@@ -798,14 +799,23 @@ def up(
     verifiers: Annotated[int, typer.Option("--verifiers", help="Verifier processes to start.", min=1, max=16)] = 1,
     verifier_threads: Annotated[Optional[int], typer.Option("--verifier-threads", help="Torch threads per verifier (default: all cores).", min=1)] = None,
     log_level: LogLevelOpt = "warning",
+    tls: Annotated[bool, typer.Option("--tls", help="Mutual TLS between all services and HTTPS / gRPC TLS at the gateway, with development certificates (see --certs-dir); prints what a client needs.")] = False,
+    certs_dir: Annotated[Optional[Path], typer.Option("--certs-dir", help="Where --tls keeps its development CA and certificates (made once, reused). Default: <tandem cache>/certs.", file_okay=False)] = None,
+    api_keys: Annotated[Optional[Path], typer.Option("--api-keys", exists=True, dir_okay=False, help="The gateway's API key file (docs/security.md): clients must then send 'Authorization: Bearer KEY'.")] = None,
 ) -> None:
-    """Start the whole stack on this machine: embedded Valkey (unless --redis-url), a drafter,
-    verifier(s) and the gateway, as separate processes. Prints the endpoints; Ctrl-C stops all."""
+    """Start the whole stack on this machine: embedded Valkey (unless --redis-url; it gets a
+    generated password), a drafter, verifier(s) and the gateway, as separate processes. Prints the
+    endpoints; Ctrl-C stops all."""
     from tandem.tools.stack import StackConfig
 
+    tls_dir = None
+    if tls:
+        from tandem.engine.models import cache_dir
+
+        tls_dir = certs_dir or cache_dir() / "certs"
     _run_stack(StackConfig(model=model, draft_model=draft_model, redis_url=redis_url, host=host, http_port=http_port,
                            grpc_port=grpc_port, verifiers=verifiers, verifier_threads=verifier_threads,
-                           log_level=log_level), demo_request=False)
+                           log_level=log_level, tls_dir=tls_dir, api_keys_file=api_keys), demo_request=False)
 
 
 @app.command()
@@ -822,6 +832,21 @@ def demo(
 
     _run_stack(StackConfig(model=model, http_port=http_port, grpc_port=grpc_port, log_level=log_level),
                demo_request=True)
+
+
+def _client_hint(stack, cfg) -> str:
+    """What a client of this stack needs: the CA it trusts and where its API key goes."""
+    lines = []
+    if stack.ca is not None:
+        lines.append(f"  mTLS between the services; clients trust the CA {stack.ca}")
+        lines.append(f"  curl --cacert {stack.ca} {stack.http_url}/v1/models")
+    key = "YOUR_KEY" if cfg.api_keys_file is not None else "unused"
+    http = (f", http_client=httpx.Client(verify=ssl.create_default_context(cafile=\"{stack.ca}\"))"
+            if stack.ca is not None else "")
+    lines.append(f"  openai.OpenAI(base_url=\"{stack.http_url}/v1\", api_key=\"{key}\"{http})")
+    if cfg.api_keys_file is not None:
+        lines.append(f"  API keys: {cfg.api_keys_file} (send 'Authorization: Bearer KEY'; gRPC: metadata authorization)")
+    return "\n".join(lines)
 
 
 def _run_stack(cfg, *, demo_request: bool) -> None:
@@ -854,12 +879,14 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
         console.print(
             f"[bold green]Tandem is up[/bold green]\n"
             f"  OpenAI API  {stack.http_url}/v1   (try: curl {stack.http_url}/v1/models)\n"
-            f"  gRPC        {stack.grpc_address}   (tandem.v1.Gateway/Generate; reflection on)\n"
+            f"  gRPC        {stack.grpc_address}   (tandem.v1.Gateway/Generate{'; TLS' if stack.ca else ''})\n"
             f"  verifiers   {', '.join(stack.verifier_addresses)}\n"
             f"  drafter     {stack.drafter_address}\n"
             f"  redis       {redact_url(stack.redis_url)}"
             + "".join(f"\n  metrics     {url}   ({name})" for name, url in stack.metrics_urls.items())
         )
+        if stack.ca is not None or cfg.api_keys_file is not None:
+            console.print(_client_hint(stack, cfg))
         if demo_request:
             from tandem.tools.demo import run_demo
 

@@ -22,11 +22,13 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -58,8 +60,12 @@ def _wait_until(what: str, healthy: Callable[[], bool], timeout_s: float, proc: 
         time.sleep(0.2)
 
 
-def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    with grpc.insecure_channel(address) as channel:
+def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None, *,
+                      ca: Path | None = None) -> None:
+    """Wait for gRPC health SERVING; `ca`: the server speaks TLS with a certificate from this CA."""
+    channel = grpc.insecure_channel(address) if ca is None else grpc.secure_channel(
+        address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
 
         def serving() -> bool:
@@ -72,14 +78,33 @@ def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | N
         _wait_until(address, serving, timeout_s, proc)
 
 
-def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None, *,
+                      ca: Path | None = None) -> None:
+    verify = True if ca is None else ssl.create_default_context(cafile=ca)
+
     def ok() -> bool:
         try:
-            return httpx.get(url, timeout=1.0).status_code == 200
+            return httpx.get(url, timeout=1.0, verify=verify).status_code == 200
         except httpx.HTTPError:
             return False
 
     _wait_until(url, ok, timeout_s, proc)
+
+
+def dev_certs(directory: Path, host: str) -> dict:
+    """The development CA and role certificates in `directory`, made there when it holds none
+    (kept across runs, so clients keep trusting the same CA)."""
+    from tandem.serving.tls import DEV_ROLES, write_dev_certs
+    from tandem.serving.tlsconfig import TlsConfig
+
+    directory = Path(directory)
+    ca = directory / "ca.pem"
+    have = ca.exists() and all((directory / f"{r}.pem").exists() and (directory / f"{r}-key.pem").exists()
+                               for r in DEV_ROLES)
+    if not have:
+        return write_dev_certs(directory, hosts=[host] if host not in ("127.0.0.1", "localhost", "::1") else [],
+                               overwrite=True)
+    return {r: TlsConfig(cert=directory / f"{r}.pem", key=directory / f"{r}-key.pem", ca=ca) for r in DEV_ROLES}
 
 
 VALKEY_USER = "tandem"  # the embedded Valkey's one ACL user that may run commands
@@ -119,8 +144,12 @@ class StackConfig:
     drafter_threads: int = 1
     startup_timeout_s: float = 180.0
     log_level: str = "info"
-    metrics: bool = True  # each service serves Prometheus /metrics (the gateway on its HTTP port)
+    metrics: bool = True  # each service serves Prometheus /metrics on a port of its own
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Mutual TLS between the services and HTTPS / gRPC TLS at the gateway, with development
+    # certificates kept in this directory (made by `tandem certs` logic when it holds none yet).
+    tls_dir: Path | None = None
+    api_keys_file: Path | None = None  # the gateway's API keys (none: open, on loopback only)
 
 
 @dataclass
@@ -133,9 +162,32 @@ class Stack:
     verifier_addresses: list[str] = field(default_factory=list)
     metrics_urls: dict[str, str] = field(default_factory=dict)  # process name -> its /metrics URL
 
+    certs: dict = field(default_factory=dict)  # role -> TlsConfig, with config.tls_dir
+
     @property
     def http_url(self) -> str:
-        return f"http://{self.config.host}:{self.config.http_port}"
+        scheme = "https" if self.config.tls_dir else "http"
+        return f"{scheme}://{self.config.host}:{self.config.http_port}"
+
+    @property
+    def ca(self) -> Path | None:
+        """The CA a client of this stack trusts (with TLS)."""
+        return self.certs["gateway"].ca if self.certs else None
+
+    def _tls_args(self, role: str) -> list[str]:
+        if not self.certs:
+            return []
+        t = self.certs[role]
+        return ["--tls-cert", str(t.cert), "--tls-key", str(t.key), "--tls-ca", str(t.ca)]
+
+    def _health(self, address: str, args: list[str]) -> str:
+        """The address to health-check a verifier or drafter at: with mTLS, a plaintext health-only
+        port (as a Kubernetes probe would), added to `args`."""
+        if not self.certs:
+            return address
+        port = free_port(self.config.host)
+        args += ["--health-port", str(port)]
+        return f"{self.config.host}:{port}"
 
     @property
     def grpc_address(self) -> str:
@@ -169,12 +221,15 @@ class Stack:
                 self.redis_url = c.redis_url
             else:
                 self.valkey, self.redis_url = start_valkey(c.host)
+            if c.tls_dir is not None:
+                self.certs = dev_certs(c.tls_dir, c.host)
             port = free_port(c.host)
             self.drafter_address = f"{c.host}:{port}"
             args = ["drafter", "--host", c.host, "--port", str(port), "--threads", str(c.drafter_threads)]
             if c.draft_model:
                 args += ["--draft-model", c.draft_model]
-            args += self._metrics_args("drafter")
+            args += self._metrics_args("drafter") + self._tls_args("drafter")
+            drafter_health = self._health(self.drafter_address, args)
             drafter = self._spawn("drafter", args, c.drafter_threads)
             verifier_procs = []
             for i in range(c.verifiers):
@@ -185,20 +240,24 @@ class Stack:
                         "--drafter", self.drafter_address, "--id", f"verifier-{i}"]
                 if c.verifier_threads:
                     args += ["--threads", str(c.verifier_threads)]
-                args += self._metrics_args(f"verifier-{i}")
-                verifier_procs.append((address, self._spawn(f"verifier-{i}", args, c.verifier_threads, with_redis=True)))
-            wait_grpc_healthy(self.drafter_address, c.startup_timeout_s, drafter)
-            for address, proc in verifier_procs:
-                wait_grpc_healthy(address, c.startup_timeout_s, proc)
+                args += self._metrics_args(f"verifier-{i}") + self._tls_args("verifier")
+                health = self._health(address, args)
+                verifier_procs.append((health, self._spawn(f"verifier-{i}", args, c.verifier_threads, with_redis=True)))
+            wait_grpc_healthy(drafter_health, c.startup_timeout_s, drafter)
+            for health, proc in verifier_procs:
+                wait_grpc_healthy(health, c.startup_timeout_s, proc)
             args = ["gateway", "--host", c.host, "--http-port", str(c.http_port), "--grpc-port", str(c.grpc_port),
                     "--model", c.model, "--drafter", self.drafter_address]
             for address in self.verifier_addresses:
                 args += ["--verifier", address]
-            if c.metrics:
-                self.metrics_urls["gateway"] = f"{self.http_url}/metrics"
+            args += self._metrics_args("gateway") + self._tls_args("gateway")
+            if self.certs:
+                args += ["--public-cert", str(self.certs["gateway"].cert), "--public-key", str(self.certs["gateway"].key)]
+            if c.api_keys_file is not None:
+                args += ["--api-keys", str(c.api_keys_file)]
             gateway = self._spawn("gateway", args, 1, with_redis=True)
-            wait_http_healthy(f"{self.http_url}/health", c.startup_timeout_s, gateway)
-            wait_grpc_healthy(self.grpc_address, c.startup_timeout_s, gateway)
+            wait_http_healthy(f"{self.http_url}/health", c.startup_timeout_s, gateway, ca=self.ca)
+            wait_grpc_healthy(self.grpc_address, c.startup_timeout_s, gateway, ca=self.ca)
         except BaseException:
             self.stop()
             raise
