@@ -179,7 +179,8 @@ class DrafterCore:
 
         max_draft_tokens bounds the drafts of every block; 0 leaves only next_block_len and
         DrafterSettings.max_block_len as bounds. A speculative block carries its guessed bonus
-        plus at most that many drafts.
+        plus at most that many drafts. A context longer than DrafterSettings.max_context_tokens is
+        refused (InvalidRequest), and so is a later commit that would grow the session past it.
         """
         if not session_id:
             raise InvalidRequest("session_id is empty")
@@ -195,6 +196,12 @@ class DrafterCore:
             )
         if vocab_size <= 0:
             raise InvalidRequest(f"session {session_id}: vocab_size must be > 0, got {vocab_size}")
+        limit = self.settings.max_context_tokens
+        if len(context_ids) > limit:
+            raise InvalidRequest(
+                f"session {session_id}: context_ids holds {len(context_ids)} tokens, above drafter "
+                f"{self.settings.drafter_id}'s max_context_tokens={limit}"
+            )
         ids = [int(t) for t in context_ids]
         _check_ids(session_id, ids, vocab_size, "context_ids")
         key = (owner, session_id)
@@ -246,6 +253,12 @@ class DrafterCore:
                 raise InvalidRequest(
                     f"session {session_id}: committed_len {committed_len} does not match the previous "
                     f"committed length {len(session.ids)} + {len(appended)} appended ids = {expected}"
+                )
+            limit = self.settings.max_context_tokens
+            if expected > limit:
+                raise InvalidRequest(
+                    f"session {session_id}: committing {len(appended)} ids would grow it to {expected} "
+                    f"tokens, above drafter {self.settings.drafter_id}'s max_context_tokens={limit}"
                 )
             _check_ids(session_id, appended, session.vocab_size, "appended_ids")
             session.ids.extend(appended)

@@ -3,8 +3,9 @@
 Error policy of the Draft stream. A bidi stream ends with one status, but it multiplexes sessions,
 so an error about one session must not end the others:
 - An Open, Commit or Close that fails (InvalidRequest -> INVALID_ARGUMENT, fields the conversion
-  cannot read included, e.g. an unknown strategy number or a NaN temperature; UnknownSession ->
-  NOT_FOUND, Overloaded -> RESOURCE_EXHAUSTED, anything unexpected -> INTERNAL) drops that session:
+  cannot read included, e.g. an unknown strategy number or a NaN temperature, and a session that
+  would outgrow DrafterSettings.max_context_tokens; UnknownSession -> NOT_FOUND, Overloaded ->
+  RESOURCE_EXHAUSTED, anything unexpected -> INTERNAL) drops that session:
   its draft state is freed, nothing is sent for it, the reason is logged with the session id and
   counted in `DrafterCore.stats()["session_errors"]` under the status name. The stream goes on.
   The verifier sees no block for the session and decodes it plainly (a drafter changes speed, never

@@ -33,6 +33,10 @@ class DrafterSettings(BaseModel):
     hybrid_min_match: int = Field(3, ge=1, le=64)
     lookahead: bool = True  # draft block n+1 while block n is verified (speculative blocks)
     max_sessions: int = Field(1024, ge=1)  # open sessions over all streams; more are refused
+    # Longest committed sequence (context + commits) one session may hold, in tokens. Prompt lookup
+    # indexes every committed token, so without a bound one Open of a million tokens costs seconds
+    # and hundreds of MB. Longer Opens and Commits drop the session (the verifier decodes plainly).
+    max_context_tokens: int = Field(131072, ge=1)
     # Hard cap on the drafts of one block whatever a request asks for: a model drafts token by
     # token, so an unbounded next_block_len would hold the draft model for arbitrarily long.
     max_block_len: int = Field(64, ge=1, le=1024)

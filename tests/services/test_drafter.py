@@ -298,6 +298,46 @@ def test_core_errors_name_the_numbers() -> None:
         core.open("t", CONTEXT, DraftStrategy.ngram, 8, SamplingParams(), VOCAB, 0)
 
 
+@pytest.fixture
+def short_drafter() -> Iterator[tuple[DrafterCore, grpc.Channel]]:
+    yield from _serve(DrafterSettings(drafter_id="d-short", max_context_tokens=len(CONTEXT) + 3))
+
+
+def test_a_session_past_max_context_tokens_is_dropped_and_the_stream_goes_on(short_drafter, caplog) -> None:
+    """Prompt lookup indexes every committed token, so a session's length is the drafter's memory
+    and time: an Open or a Commit past the limit drops that session alone (INVALID_ARGUMENT, the
+    verifier decodes it plainly), and the same stream keeps drafting for the others."""
+    caplog.set_level(logging.WARNING, logger="tandem.drafter")
+    core, channel = short_drafter
+    limit = core.settings.max_context_tokens  # 16
+    stream = DraftStream(channel)
+    stream.open("big", CONTEXT + PATTERN)  # 23 tokens
+    stream.open("s", CONTEXT)
+    block = stream.next()  # nothing was sent for "big": the first block is s's
+    assert (block.session_id, block.base_len, list(block.token_ids)) == ("s", len(CONTEXT), [23, 24, 25, 26])
+    assert stream.next().speculative
+    stream.commit("s", limit, [23, 24, 25], next_block_len=0)  # exactly at the limit: fine
+    stream.commit("s", limit + 1, [26])  # one past it: s is dropped
+    stream.open("edge", (CONTEXT + PATTERN)[:limit])
+    block = stream.next()
+    assert (block.session_id, block.base_len) == ("edge", limit)
+    assert "session big: context_ids holds 23 tokens, above drafter d-short's max_context_tokens=16" in caplog.text
+    assert ("session s: committing 1 ids would grow it to 17 tokens, above drafter d-short's "
+            "max_context_tokens=16") in caplog.text
+    stats = core.stats()
+    assert stats["session_errors"] == {"INVALID_ARGUMENT": 2}
+    assert stats["active_sessions"] == 1  # only edge
+    stream.end()
+    assert stream.call.code() == grpc.StatusCode.OK
+
+
+def test_the_default_context_limit_bounds_one_open() -> None:
+    core = DrafterCore(DrafterSettings())
+    with pytest.raises(InvalidRequest, match="holds 131073 tokens, above drafter .*'s max_context_tokens=131072"):
+        core.open("huge", [7] * 131073, DraftStrategy.ngram, 8, SamplingParams(), VOCAB, 4)
+    assert core.stats()["active_sessions"] == 0
+
+
 def test_the_draft_model_drafts_only_inside_its_context_window(tiny_draft_loaded) -> None:
     """Past its window a draft model's drafts would be noise, and its attention over a context
     whose length the caller chooses costs quadratic time and memory: model drafts nothing there,
