@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import math
 import threading
 import time
@@ -32,6 +33,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tandem.services.gateway.errors import Overloaded
+
+log = logging.getLogger("tandem.gateway.auth")
 
 TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no "/": it separates tenant and session in ids
 
@@ -136,6 +139,42 @@ class Keyring:
             if hmac.compare_digest(entry, d):
                 found = tenant
         return found
+
+
+class KeyringFile:
+    """The key file, re-read when it changes (checked at most every `check_s`), so keys rotate
+    without a restart: add the new key, move clients over, remove the old one. A file that does not
+    load keeps the previous keys in force (logged), rather than locking everyone out."""
+
+    def __init__(self, path: str | Path, check_s: float = 1.0):
+        self.path, self._check_s = Path(path), check_s
+        self._stamp = self._stat()
+        self.keyring = Keyring.load(self.path)  # a bad file at startup is fatal: raise
+        self._checked = time.monotonic()
+        self._lock = threading.Lock()
+
+    def _stat(self) -> tuple:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return ()
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def current(self) -> Keyring:
+        now = time.monotonic()
+        if now - self._checked < self._check_s:
+            return self.keyring
+        with self._lock:
+            self._checked = now
+            stamp = self._stat()
+            if stamp and stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    self.keyring = Keyring.load(self.path)
+                    log.info("reloaded the API key file %s: %d tenants", self.path, len(self.keyring.tenants))
+                except KeyFileError as exc:
+                    log.error("%s; the previous keys stay in force", exc)
+        return self.keyring
 
 
 def bearer_key(authorization: str | None) -> str | None:

@@ -42,7 +42,7 @@ from tandem.engine.models import apply_chat_template
 from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
 from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingPolicy, RoutingReason
-from tandem.services.gateway.auth import OPEN, Keyring, Tenant, TenantLimiter, bearer_key
+from tandem.services.gateway.auth import OPEN, KeyringFile, Tenant, TenantLimiter, bearer_key
 from tandem.services.gateway.errors import (
     InvalidRequest,
     NoVerifierAvailable,
@@ -267,7 +267,7 @@ class GatewayCore:
         self._index = index
         self._policy = RoutingPolicy(index)
         self.sessions = SessionStore(settings.max_sessions, settings.session_idle_s)
-        self.keyring = Keyring.load(settings.api_keys_file) if settings.api_keys_file else None
+        self.keys = KeyringFile(settings.api_keys_file) if settings.api_keys_file else None
         self.limiter = TenantLimiter()
         self._busy: set[str] = set()  # session keys with a request in flight
         # Chat templates and tokenization run here, off the event loop: a huge prompt must not
@@ -373,10 +373,10 @@ class GatewayCore:
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an `Authorization` header value (HTTP) or metadata entry (gRPC); an open
         gateway answers the anonymous tenant whatever is sent."""
-        if self.keyring is None:
+        if self.keys is None:
             return OPEN
         key = bearer_key(authorization)
-        tenant = self.keyring.authenticate(key) if key else None
+        tenant = self.keys.current().authenticate(key) if key else None
         if tenant is None:
             self.stats.failed["Unauthenticated"] += 1
             raise Unauthenticated(
@@ -485,11 +485,12 @@ class GatewayCore:
         room = window - len(context)
         cap = min(self.settings.max_tokens_cap, tenant.max_output_tokens or self.settings.max_tokens_cap)
         if req.max_tokens is None:
-            max_new = min(self.settings.default_max_tokens, room)
+            max_new = min(self.settings.default_max_tokens, room, cap)
         elif req.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {req.max_tokens}")
         elif req.max_tokens > cap:
-            raise InvalidRequest(f"max_tokens is {req.max_tokens}, above this gateway's limit of {cap}")
+            whose = "this API key's" if tenant.max_output_tokens == cap else "this gateway's"
+            raise InvalidRequest(f"max_tokens is {req.max_tokens}, above {whose} limit of {cap}")
         elif req.max_tokens > room:
             raise InvalidRequest(
                 f"the model's context window is {window} tokens: the prompt takes {len(context)}, leaving "

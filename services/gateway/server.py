@@ -6,7 +6,10 @@ decides them. With API keys, Generate and ListModels need the metadata entry
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -59,7 +62,7 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
         s = msg.sampling
         fields.update(
             temperature=s.temperature,
-            top_p=s.top_p if 0 < s.top_p < 1 else None,  # 0 or 1 = off
+            top_p=None if s.top_p in (0.0, 1.0) else s.top_p,  # 0 or 1 = off; anything else is checked
             top_k=s.top_k,
             seed=s.seed if s.HasField("seed") else None,
             max_tokens=s.max_new_tokens or None,  # 0 = server default
@@ -101,6 +104,42 @@ def pack_chunk(chunk: Chunk) -> gateway_pb2.GenerateResponse:
     return msg
 
 
+@dataclass(frozen=True)
+class _Undecodable:
+    """A request whose bytes are not its message type (bad UTF-8 in a string, a truncated field)."""
+
+
+def _decoder(message_type):
+    """A request deserializer that never raises: gRPC's own answer to a DecodeError is UNKNOWN and
+    a logged traceback per call (a log flood anyone can send); this lets the servicer answer
+    INVALID_ARGUMENT instead."""
+
+    def decode(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError:
+            return _Undecodable()
+
+    return decode
+
+
+def _add_gateway(servicer: "GatewayServicer", server) -> None:
+    """gateway_pb2_grpc.add_GatewayServicer_to_server, with deserializers that do not raise."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_decoder(gateway_pb2.GenerateRequest),
+            response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=_decoder(gateway_pb2.ListModelsRequest),
+            response_serializer=gateway_pb2.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_GATEWAY_SERVICE, handlers),))
+    server.add_registered_method_handlers(_GATEWAY_SERVICE, handlers)
+
+
+_NOT_A_MESSAGE = "the request bytes are not a valid {} message"
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, core: GatewayCore):
         self._core = core
@@ -110,6 +149,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self._core.authenticate(auth[0] if len(auth) == 1 else None)
 
     async def Generate(self, request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _NOT_A_MESSAGE.format("tandem.v1.GenerateRequest"))
         try:
             tenant = self._tenant(context)
             async for chunk in self._core.generate(unpack_request(request, context.time_remaining(), tenant)):
@@ -118,6 +159,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(status_code(exc), str(exc))
 
     async def ListModels(self, request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _NOT_A_MESSAGE.format("tandem.v1.ListModelsRequest"))
         try:
             self._tenant(context)
         except errors.GatewayError as exc:
@@ -160,7 +203,7 @@ def build_grpc_server(core: GatewayCore, address: str = "127.0.0.1:0") -> tuple[
     (RESOURCE_EXHAUSTED) before they reach the servicer."""
     limit = core.settings.max_body_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core), server)
+    _add_gateway(GatewayServicer(core), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(core), server)
     if core.settings.grpc_reflection:
         names = (

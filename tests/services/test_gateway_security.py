@@ -381,3 +381,18 @@ def test_grpc_unknown_enum_reflection_off_and_metrics_port(made, tiny_tokenizer)
     answers = list(reflection_pb2_grpc.ServerReflectionStub(gw2.channel).ServerReflectionInfo(
         iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
     assert "tandem.v1.Gateway" in {s.name for s in answers[0].list_services_response.service}
+
+
+def test_api_keys_rotate_without_a_restart(made, tiny_tokenizer, keys_file, caplog):
+    v = _verifier(made, tiny_tokenizer)
+    gw = _gateway(made, tiny_tokenizer, verifiers=(v.address,), api_keys_file=keys_file)
+    new_key = "sk-rotated-key-0123456789abcd"
+    assert gw.http.get("/v1/models", headers=_auth(KEY_A)).status_code == 200
+    keys_file.write_text(json.dumps({"tenants": {"acme": {"keys": [new_key]}}}))  # the old key removed
+    gw.core.keys._checked -= 10  # as if the check interval had passed
+    assert gw.http.get("/v1/models", headers=_auth(KEY_A)).status_code == 401
+    assert gw.http.get("/v1/models", headers=_auth(new_key)).status_code == 200
+    keys_file.write_text("{not json")  # a broken edit keeps the keys in force
+    gw.core.keys._checked -= 10
+    assert gw.http.get("/v1/models", headers=_auth(new_key)).status_code == 200
+    assert any("previous keys stay in force" in r.getMessage() for r in caplog.records)
