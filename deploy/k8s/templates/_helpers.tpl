@@ -65,22 +65,215 @@ app.kubernetes.io/part-of: tandem
 {{- printf "%s-%d.%s.%s.svc.%s:%d" $svc (int .index) $svc .root.Release.Namespace .root.Values.clusterDomain (int .root.Values.verifier.port) }}
 {{- end }}
 
-{{/* The Redis URL for --redis-url, as an env entry (TANDEM_REDIS_URL is the CLI's envvar). */}}
+{{/*
+Every enabled drafter pool's Service address (FQDN:port), one a line. The gateway hands sessions to
+these and each verifier is given the same list: a verifier refuses a drafter it was not given.
+*/}}
+{{- define "tandem.drafterAddresses" -}}
+{{- range $poolName, $raw := .Values.drafters }}
+{{- $pool := mergeOverwrite (deepCopy $.Values.drafterDefaults) (deepCopy (default dict $raw)) }}
+{{- if $pool.enabled }}
+{{ include "tandem.componentName" (dict "root" $ "component" (printf "drafter-%s" $poolName)) }}.{{ $.Release.Namespace }}.svc.{{ $.Values.clusterDomain }}:{{ $pool.port | int }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* --drafter arguments for every enabled pool (the gateway's and the verifiers'). */}}
+{{- define "tandem.drafterArgs" -}}
+{{- range $address := include "tandem.drafterAddresses" . | splitList "\n" | compact }}
+- --drafter={{ $address }}
+{{- end }}
+{{- end }}
+
+{{/* -- Redis ------------------------------------------------------------------------------------ */}}
+
+{{/* The Secret holding the chart's Redis password: redis.auth.existingSecret, or the generated one. */}}
+{{- define "tandem.redisSecretName" -}}
+{{- default (printf "%s-redis-auth" (include "tandem.fullname" .)) .Values.redis.auth.existingSecret.name }}
+{{- end }}
+
+{{/*
+The Redis URL for --redis-url, as env entries (TANDEM_REDIS_URL is the CLI's envvar). The chart's
+own Redis: the URL carries the password as $(REDIS_PASSWORD), which Kubernetes expands from the
+entry defined just before it, so the pod spec never shows the password itself.
+*/}}
 {{- define "tandem.redisEnv" -}}
 {{- $r := .Values.redis -}}
+{{- if $r.enabled -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.redisSecretName" . }}
+      key: {{ $r.auth.existingSecret.key }}
 - name: TANDEM_REDIS_URL
-{{- if $r.enabled }}
-  value: {{ printf "redis://%s:%d/0" (include "tandem.componentName" (dict "root" . "component" "redis")) (int $r.port) | quote }}
-{{- else if $r.external.existingSecret.name }}
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "tandem.componentName" (dict "root" . "component" "redis")) (int $r.port) | quote }}
+{{- else if $r.external.existingSecret.name -}}
+- name: TANDEM_REDIS_URL
   valueFrom:
     secretKeyRef:
       name: {{ $r.external.existingSecret.name }}
       key: {{ $r.external.existingSecret.key }}
-{{- else if $r.external.url }}
+{{- else if $r.external.url -}}
+- name: TANDEM_REDIS_URL
   value: {{ $r.external.url | quote }}
 {{- else }}
 {{- fail "redis.enabled is false: set redis.external.url or redis.external.existingSecret.name" }}
 {{- end }}
+{{- end }}
+
+{{/* An external rediss:// server's CA (and client certificate): arguments, volume, mount. */}}
+{{- define "tandem.redisTlsOn" -}}
+{{- if .Values.redis.external.tls.existingSecret }}
+{{- if .Values.redis.enabled }}
+{{- fail "redis.external.tls is for an external Redis: set redis.enabled=false, or leave redis.external.tls.existingSecret empty" }}
+{{- end }}true
+{{- end }}
+{{- end }}
+
+{{- define "tandem.redisTlsArgs" -}}
+{{- if include "tandem.redisTlsOn" . }}
+- --redis-ca=/etc/tandem/redis-tls/ca.crt
+{{- if .Values.redis.external.tls.clientCert }}
+- --redis-cert=/etc/tandem/redis-tls/tls.crt
+- --redis-key=/etc/tandem/redis-tls/tls.key
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.redisTlsVolume" -}}
+{{- if include "tandem.redisTlsOn" . }}
+- name: redis-tls
+  secret:
+    secretName: {{ .Values.redis.external.tls.existingSecret }}
+    defaultMode: 288 # 0440: the pod's fsGroup reads it
+    items:
+      - key: ca.crt
+        path: ca.crt
+      {{- if .Values.redis.external.tls.clientCert }}
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+      {{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.redisTlsVolumeMount" -}}
+{{- if include "tandem.redisTlsOn" . }}
+- name: redis-tls
+  mountPath: /etc/tandem/redis-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* -- Mutual TLS between the services ---------------------------------------------------------- */}}
+
+{{/*
+Where the services' certificates come from (tls.enabled): "certManager" (Certificates the chart
+creates), "existing" (tls.existingSecrets, all three) or "generated" (a CA and certificates the
+chart makes once, templates/secrets.yaml).
+*/}}
+{{- define "tandem.tlsSource" -}}
+{{- $t := .Values.tls -}}
+{{- $given := list -}}
+{{- range $role := list "gateway" "verifier" "drafter" }}
+{{- if index $t.existingSecrets $role }}
+{{- $given = append $given $role }}
+{{- end }}
+{{- end }}
+{{- if $t.certManager.enabled }}
+{{- if $given }}
+{{- fail "tls: use tls.certManager or tls.existingSecrets, not both" }}
+{{- end }}
+{{- "certManager" }}
+{{- else if eq (len $given) 3 }}
+{{- "existing" }}
+{{- else if $given }}
+{{- fail (printf "tls.existingSecrets: give all three of gateway, verifier and drafter (one CA signs them all), or none; given: %s" (join ", " $given)) }}
+{{- else }}
+{{- "generated" }}
+{{- end }}
+{{- end }}
+
+{{/* The TLS Secret of a role: (dict "root" $ "role" "verifier") */}}
+{{- define "tandem.tlsSecretName" -}}
+{{- default (printf "%s-%s-tls" (include "tandem.fullname" .root) .role) (index .root.Values.tls.existingSecrets .role) }}
+{{- end }}
+
+{{/*
+DNS names of a role's certificate, as a YAML list: tandem-<role> first (what callers check, by
+ssl target name override, whatever address they dial), then the role's Service names, for tools
+that dial by name. (dict "root" $ "role" "drafter")
+*/}}
+{{- define "tandem.tlsDnsNames" -}}
+{{- $root := .root -}}
+{{- $suffix := printf "%s.svc" $root.Release.Namespace -}}
+{{- $services := list -}}
+{{- if eq .role "drafter" }}
+{{- range $address := include "tandem.drafterAddresses" $root | splitList "\n" | compact }}
+{{- $services = append $services (regexReplaceAll "\\..*$" $address "") }}
+{{- end }}
+{{- else }}
+{{- $services = list (include "tandem.componentName" (dict "root" $root "component" .role)) }}
+{{- end }}
+{{- $names := list (printf "tandem-%s" .role) }}
+{{- range $svc := $services }}
+{{- $names = append $names $svc }}
+{{- $names = append $names (printf "%s.%s" $svc $suffix) }}
+{{- $names = append $names (printf "%s.%s.%s" $svc $suffix $root.Values.clusterDomain) }}
+{{- end }}
+{{- if eq .role "verifier" }}
+{{- $names = append $names (printf "*.%s.%s.%s" (index $services 0) $suffix $root.Values.clusterDomain) }}
+{{- end }}
+{{- toYaml (uniq $names) }}
+{{- end }}
+
+{{- define "tandem.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert=/etc/tandem/tls/tls.crt
+- --tls-key=/etc/tandem/tls/tls.key
+- --tls-ca=/etc/tandem/tls/ca.crt
+{{- end }}
+{{- end }}
+
+{{/* The role's certificate, key and CA (cert-manager's Secret layout). (dict "root" $ "role" ..) */}}
+{{- define "tandem.tlsVolume" -}}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "tandem.tlsSecretName" . }}
+    defaultMode: 288 # 0440: the pod's fsGroup reads it
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- end }}
+
+{{/* Mounted as a directory, not with subPath: Kubernetes then swaps renewed files in atomically
+and the services pick them up for new connections without a restart. */}}
+{{- define "tandem.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/tandem/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* -- The gateway's callers ------------------------------------------------------------------- */}}
+
+{{/* Whether the gateway checks API keys ("true" or ""): unless auth.allowUnauthenticated and no key
+Secret is given. */}}
+{{- define "tandem.apiKeysOn" -}}
+{{- if or .Values.auth.apiKeys.existingSecret.name (not .Values.auth.allowUnauthenticated) }}true{{ end }}
+{{- end }}
+
+{{/* The Secret holding the API-key file: auth.apiKeys.existingSecret, or the generated one. */}}
+{{- define "tandem.apiKeysSecretName" -}}
+{{- default (printf "%s-api-keys" (include "tandem.fullname" .)) .Values.auth.apiKeys.existingSecret.name }}
 {{- end }}
 
 {{/* The OTLP endpoint pods export to: tracing.otlpEndpoint, else the chart's Jaeger, else "". */}}
@@ -190,12 +383,16 @@ relative path is joined to the volume's mountPath (and needs a volume). (dict "n
   mountPath: /cache
 {{- end }}
 
-{{/* Prometheus scrape annotations for a pod serving metrics on port . (nothing when null). */}}
+{{/* Prometheus scrape annotations for a pod serving metrics on .port (nothing when null), over
+.scheme when given (https: the gateway's public port with publicTls). */}}
 {{- define "tandem.scrapeAnnotations" -}}
 {{- if and .root.Values.metrics.podAnnotations .port }}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | int | quote }}
 prometheus.io/path: {{ .root.Values.metrics.path | quote }}
+{{- with .scheme }}
+prometheus.io/scheme: {{ . }}
+{{- end }}
 {{- end }}
 {{- end }}
 
