@@ -12,6 +12,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -25,13 +26,18 @@ _MODE_STRATEGY = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model
 
 
 class GatewayTarget:
-    def __init__(self, endpoint: str, *, timeout_s: float = 600.0):
+    def __init__(self, endpoint: str, *, timeout_s: float = 600.0, ca: Path | None = None, api_key: str | None = None):
+        """`ca`: the gateway speaks TLS with a certificate from this CA; `api_key`: sent as
+        `authorization: Bearer KEY` metadata."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(endpoint)
+        self.channel = grpc.insecure_channel(endpoint) if ca is None else grpc.secure_channel(
+            endpoint, grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes()))
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.tls = ca is not None
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
         try:
-            models = self.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models
+            models = self.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10, metadata=self.metadata).models
         except grpc.RpcError as exc:
             raise ValueError(f"no gateway answers at {endpoint}: {exc.code().name} {exc.details()}") from exc
         if not models:
@@ -54,7 +60,7 @@ class GatewayTarget:
         first = None
         tokens: list[int] = []
         last = None
-        for msg in self.stub.Generate(req, timeout=self.timeout_s):
+        for msg in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
             if msg.token_ids:
                 first = first or time.perf_counter()
                 tokens.extend(msg.token_ids)
@@ -73,6 +79,7 @@ class GatewayTarget:
     def machine(self) -> dict:
         return {
             "endpoint": self.endpoint,
+            "tls": self.tls,
             "client_platform": platform.platform(),
             "python": sys.version.split()[0],
             "cpu_count": os.cpu_count(),

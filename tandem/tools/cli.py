@@ -313,6 +313,8 @@ def bench(
     hf_lookup_tokens: Annotated[int, typer.Option("--hf-lookup-tokens", help="prompt_lookup_num_tokens of the hf-prompt-lookup mode.", min=1)] = 10,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write PNG plots (speedup, acceptance by position, accepted length, tokens/s) into this directory.", file_okay=False)] = None,
     endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="Benchmark a running stack through its gateway's gRPC address (HOST:PORT) instead of in process.")] = None,
+    ca: Annotated[Optional[Path], typer.Option("--ca", exists=True, dir_okay=False, help="With --endpoint: the gateway speaks TLS with a certificate from this CA (`tandem up --tls` prints it).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TANDEM_API_KEY", help="With --endpoint: the gateway's API key.")] = None,
     curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Measure the machine's cost curve (`tandem calibrate`, 100 and 1,000 tokens of context) before the run and record it in the report (in process only).")] = True,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -341,7 +343,7 @@ def bench(
         if endpoint:
             from tandem.tools.bench_remote import GatewayTarget
 
-            bench_target = GatewayTarget(endpoint)
+            bench_target = GatewayTarget(endpoint, ca=ca, api_key=api_key)
             result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats,
                                turns=turns)
         else:
