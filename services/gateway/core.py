@@ -106,6 +106,11 @@ class GenerationRequest:
     max_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float | None = None
     strategy: str | None = None  # "none" | "ngram" | "model" | "hybrid"
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
@@ -501,6 +506,9 @@ class GatewayCore:
         bad = [t for t in req.stop_token_ids if not 0 <= t < self._vocab]
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary [0, {self._vocab})")
+        bad = [t for t, _ in req.logit_bias if not 0 <= t < self._vocab]
+        if bad:
+            raise InvalidRequest(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {self._vocab})")
         try:
             sampling = SamplingParams(
                 temperature=0.0 if req.temperature is None else req.temperature,
@@ -510,6 +518,11 @@ class GatewayCore:
                 max_new_tokens=max_new,
                 stop_token_ids=tuple(req.stop_token_ids),
                 ignore_eos=req.ignore_eos,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=tuple(req.logit_bias),
+                min_p=req.min_p or 0.0,
             )
         except ValidationError as exc:
             raise InvalidRequest(_describe(exc)) from None

@@ -25,10 +25,13 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   the output.
 - `top_k`, `stop_token_ids`, `ignore_eos`: as in tandem.v1.SamplingParams. `temperature` defaults to
   0 (greedy, deterministic), not OpenAI's 1. `max_completion_tokens` and `max_tokens` are synonyms.
+- `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's), and the extensions
+  `repetition_penalty` and `min_p`: applied by the verifier at every position, drafted or not, so
+  speculation leaves the output as plain decoding would make it (tandem.engine.sampling).
 - Refused with 400 and a message saying so, rather than silently ignored: `stop` strings (the
-  verifier stops on token ids: use `stop_token_ids`), `n` > 1, `logprobs`, non-zero
-  `presence_penalty` / `frequency_penalty`, and any other field this server does not know (`tools`,
-  `response_format`, ...). Render tool schemas into the system message instead.
+  verifier stops on token ids: use `stop_token_ids`), `n` > 1, `logprobs`, and any other field this
+  server does not know (`tools`, `response_format`, ...). Render tool schemas into the system
+  message instead.
 - `usage` adds `prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused) and
   `speculation` {drafted, accepted, recovered, bonus, steps, mean_accepted_len, acceptance_rate,
   plain_steps, fallback_steps, rejected_blocks}. Streams send it in a last chunk when
@@ -167,6 +170,9 @@ class _CommonBody(_Strict):
     top_k: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
+    repetition_penalty: float | None = None
+    min_p: float | None = None
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -175,9 +181,14 @@ class _CommonBody(_Strict):
             raise errors.InvalidRequest(
                 "stop strings are not supported: generation stops on token ids, so pass stop_token_ids"
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise errors.InvalidRequest(f"{name} is not supported (it would change the target's distribution)")
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise errors.InvalidRequest(f"logit_bias keys are token ids, got {key[:20]!r}")
+            pairs.append((int(key), bias))
+        return tuple(sorted(pairs))
 
 
 class ChatCompletionBody(_CommonBody):
@@ -286,6 +297,11 @@ def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, **input
         max_tokens=max_tokens,
         stop_token_ids=tuple(body.stop_token_ids),
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=body.bias_pairs(),
+        min_p=body.min_p,
         strategy=spec.strategy,
         max_draft_tokens=spec.max_draft_tokens,
         adaptive=spec.adaptive,

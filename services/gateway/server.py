@@ -68,6 +68,11 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
             max_tokens=s.max_new_tokens or None,  # 0 = server default
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty or None,  # 0 = off
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            min_p=s.min_p,
         )
     if msg.HasField("speculation"):
         p = msg.speculation

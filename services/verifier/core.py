@@ -161,6 +161,9 @@ class VerifierCore:
         bad = next((t for t in context_ids if t < 0 or t >= vocab), None)
         if bad is not None:
             raise InvalidRequest(f"context token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         if len(context_ids) >= self.target.max_context:
             raise InvalidRequest(
                 f"context of {len(context_ids)} tokens does not fit the context window of "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class DraftStrategy(str, Enum):
@@ -19,7 +19,12 @@ class SamplingParams(BaseModel):
     """How the target's next-token distribution is shaped and sampled.
 
     temperature 0 is greedy (argmax); otherwise logits are divided by the temperature, then top-k,
-    then top-p (nucleus) truncate the distribution. A seed makes a sampled request reproducible.
+    then top-p (nucleus) and min-p truncate the distribution. A seed makes a sampled request
+    reproducible. Before all of that the raw logits are adjusted (tandem.engine.sampling.adjust_logits):
+    logit_bias, then the OpenAI presence / frequency penalties over the tokens generated so far, then
+    the repetition penalty over the prompt and the generated tokens. Every one of these is applied per
+    position inside verification, drafts before the position counted as generated, so a drafted
+    position sees exactly the distribution plain decoding would.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -31,10 +36,33 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = Field(128, ge=1, le=1_000_000)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI: minus this once a token was generated
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI: minus this per time it was generated
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # divide (positive) / multiply (negative) logits of seen tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # drop tokens below min_p x the most probable one's probability
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        if len(pairs) > 1024:
+            raise ValueError(f"logit_bias holds {len(pairs)} entries; at most 1024")
+        for tok, bias in pairs:
+            if tok < 0:
+                raise ValueError(f"logit_bias token id {tok} is negative")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise ValueError(f"logit_bias for token {tok} is {bias}; it must lie in [-100, 100]")
+        return pairs
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the raw logits are changed before temperature (see adjust_logits)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
 
 
 class SpecConfig(BaseModel):

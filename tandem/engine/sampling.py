@@ -1,15 +1,64 @@
 """From logits to the distribution the target actually samples from, and per-request randomness.
 
-`p_i` in DESIGN.md's verification rule is the output of `logits_to_probs`: temperature, then top-k,
-then top-p. The drafter's proposal `q_i` is checked against exactly this distribution, so plain
-sampling and speculative sampling share this one function.
+`p_i` in DESIGN.md's verification rule is the output of `logits_to_probs(adjust_logits(...))`:
+logit_bias and penalties on the raw logits (per position, with the drafts before it counted as
+generated), then temperature, top-k, top-p and min-p. The drafter's proposal `q_i` is checked
+against exactly this distribution, so plain sampling and speculative sampling share these functions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tandem.engine.config import SamplingParams
+
+
+def adjust_logits(
+    logits: torch.Tensor,  # [n, vocab] raw target logits at n consecutive positions
+    params: SamplingParams,
+    prompt_ids: Sequence[int],  # the request's context (the repetition penalty counts it)
+    generated_ids: Sequence[int],  # tokens generated before row 0
+    drafts: Sequence[int] = (),  # the drafts at rows 0..n-2: row i also counts drafts[:i] as generated
+) -> torch.Tensor:
+    """The logits after logit_bias, presence / frequency penalties and the repetition penalty, row
+    by row: row i is the position after `generated_ids + drafts[:i]`, exactly the history plain
+    decoding would have there, so speculation changes nothing. Returns `logits` itself (no copy)
+    when the request adjusts nothing. `# [n, vocab]` float32."""
+    if not params.adjusts_logits:
+        return logits
+    n, vocab = logits.shape
+    out = logits.float().clone()
+    device = out.device
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long, device=device)
+        bias = torch.tensor([b for t, b in params.logit_bias if t < vocab], dtype=torch.float32, device=device)
+        out[:, ids] += bias
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        drafts = list(drafts)[: n - 1]
+        # counts[i] = how often each token was generated before row i: the base, plus the drafts
+        # before it (a cumulative sum over one-hot draft rows, shifted down by one).
+        base = torch.bincount(torch.tensor(list(generated_ids), dtype=torch.long), minlength=vocab)[:vocab].float()
+        counts = base.expand(n, vocab).clone()  # [n, vocab]
+        if drafts:
+            step = torch.zeros(n, vocab)
+            step[torch.arange(1, len(drafts) + 1), torch.tensor(drafts, dtype=torch.long)] = 1.0
+            counts += step.cumsum(0)
+        counts = counts.to(device)
+        if params.frequency_penalty:
+            out -= params.frequency_penalty * counts
+        if params.presence_penalty:
+            out -= params.presence_penalty * (counts > 0).float()
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0  # [n, vocab]
+            if len(prompt_ids):
+                seen[:, torch.tensor(list(prompt_ids), dtype=torch.long, device=device).clamp(max=vocab - 1)] = True
+            # The usual rule: a positive logit is divided by the penalty, a negative one multiplied,
+            # so a penalty > 1 always makes a seen token less likely.
+            penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+            out = torch.where(seen, penalized, out)
+    return out
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -36,7 +85,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop_sorted = before >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if params.min_p > 0.0:
+        # min-p: keep tokens at least min_p times as probable as the most probable one (which always
+        # stays), then renormalise.
+        keep = probs >= params.min_p * probs.max(-1, keepdim=True).values
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def make_generator(seed: int | None) -> torch.Generator:

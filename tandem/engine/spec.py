@@ -264,7 +264,12 @@ class Generation:
         draft, block_len = self._draft()
         start = time.perf_counter()
         logits = self.seq.forward_block(draft.tokens if draft else [])  # [k+1, vocab]
-        verdict = verify(logits, draft, self.sampling, self.gen)
+        if self.sampling.adjusts_logits:
+            ids = self.seq.ids
+            verdict = verify(logits, draft, self.sampling, self.gen, prompt_ids=ids[: self.prompt_len],
+                             generated_ids=ids[self.prompt_len:])
+        else:
+            verdict = verify(logits, draft, self.sampling, self.gen)
         self.stats.verify_seconds += time.perf_counter() - start
         if draft is not None:
             self.controller.observe(draft.proposer, draft.bucket, len(draft), verdict.accepted)

@@ -6,6 +6,7 @@ This is where DESIGN.md's lossless rule is applied; the arithmetic itself lives 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from tandem import kernels
 from tandem.engine.config import SamplingParams
 from tandem.engine.proposers import Draft
-from tandem.engine.sampling import logits_to_probs
+from tandem.engine.sampling import adjust_logits, logits_to_probs
 
 
 @dataclass
@@ -33,9 +34,15 @@ def verify(
     draft: Draft | None,
     sampling: SamplingParams,
     gen: torch.Generator | None,
+    *,
+    prompt_ids: Sequence[int] = (),  # for penalties (SamplingParams.adjusts_logits): the context
+    generated_ids: Sequence[int] = (),  # and the tokens generated before this step
 ) -> Verdict:
     tokens = draft.tokens if draft is not None else []
     k = len(tokens)
+    # Penalties and logit_bias, row by row with the drafts before each row counted as generated:
+    # the rule below then sees at every position the distribution plain decoding would.
+    logits = adjust_logits(logits, sampling, prompt_ids, generated_ids, tokens)
     device = logits.device
     draft_ids = torch.tensor([tokens if k else [0]], dtype=torch.long, device=device)  # [1, max(k,1)]
     num_drafts = torch.tensor([k], dtype=torch.long, device=device)  # [1]

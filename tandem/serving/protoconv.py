@@ -83,6 +83,8 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p,
     )
     if s.seed is not None:  # presence matters: seed 0 is a seed
         msg.seed = s.seed
@@ -100,6 +102,11 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
             max_new_tokens=msg.max_new_tokens or default_max_new_tokens,
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty or 1.0,  # proto: 0 = off
+            logit_bias=tuple(sorted(msg.logit_bias.items())),
+            min_p=msg.min_p,
         )
     except ValidationError as exc:
         raise _invalid("sampling parameters", exc) from None

@@ -198,3 +198,26 @@ def test_demo_compares_like_for_like_over_the_chain(chain):
     assert (c["decode_min"], c["decode_median"], c["decode_max"]) == (1.0, 2.0, 7.0)
     assert c["identical"] and c["speculated"] and c["cached_equal"]
     assert not compare([(run(1, 0.1, 9, 2), run(1, 0.1, 9, 0, text="u", cached=0))])["identical"]
+
+
+def test_penalties_and_bias_through_the_stack_equal_plain_decoding(chain, tiny_loaded):
+    """Sampling controls (OpenAI's penalties and logit_bias, the repetition penalty) through the gateway
+    and the verifier: every strategy gives the in-process plain decoding's tokens."""
+    gw, _ = chain
+    controls = dict(frequency_penalty=0.3, presence_penalty=0.2, logit_bias={"5": 3.0, "17": -100.0})
+    extra = {"repetition_penalty": 1.1}
+    ctx = apply_chat_template(tiny_loaded.tokenizer, MESSAGES)
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=0.3, presence_penalty=0.2,
+                              repetition_penalty=1.1, logit_bias=((5, 3.0), (17, -100.0)))
+    expected = Engine(tiny_loaded).generate(ctx, sampling, SpecConfig(strategy=DraftStrategy.none)).token_ids
+    plain = Engine(tiny_loaded).generate(ctx, SamplingParams(max_new_tokens=24, ignore_eos=True),
+                                         SpecConfig(strategy=DraftStrategy.none)).token_ids
+    assert expected != plain, "the controls change the output"
+    for strategy in ("none", "ngram", "model"):
+        reply = gw.openai.completions.create(
+            model="tiny", prompt=ctx, max_tokens=24, temperature=0, **controls,
+            extra_body={**extra, "ignore_eos": True, "speculation": {"strategy": strategy, "adaptive": False,
+                                                                     "max_draft_tokens": 4}},
+        )
+        text = reply.choices[0].text
+        assert text == tiny_loaded.tokenizer.decode(expected, skip_special_tokens=True), strategy

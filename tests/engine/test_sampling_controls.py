@@ -1,0 +1,129 @@
+"""Sampling controls inside verification: logit_bias, presence / frequency / repetition penalties and
+min-p. Each drafted position must see exactly the distribution plain decoding would see there, so:
+
+- `adjust_logits` equals a plain per-row loop written from the definitions (drafts before a row
+  count as generated);
+- greedy speculation (prompt lookup and a draft model) equals plain decoding token for token with
+  every control on, and the controls do change the output (so the equality is not vacuous);
+- sampled speculation with penalties and a bias follows the penalised target distribution
+  (chi-square against probabilities computed from the model's logits by hand).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.engine.sampling import adjust_logits, logits_to_probs
+from tandem.engine.spec import Engine
+
+from test_engine import DRAWS, P_MIN, chi_square_p_values, full_logits  # noqa: F401 (fixtures below)
+from test_engine import contexts, near, sharp, sampling_context  # noqa: F401
+
+CONTROLS = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3,
+                logit_bias=((5, 2.0), (17, -100.0)))
+
+
+def _reference_adjust(logits, params, prompt, generated, drafts):
+    """Row by row, token by token, from the definitions."""
+    out = logits.clone().double()
+    n, vocab = out.shape
+    for i in range(n):
+        history = list(generated) + list(drafts[:i])
+        for tok, bias in params.logit_bias:
+            out[i, tok] += bias
+        for tok in set(history):
+            c = history.count(tok)
+            out[i, tok] -= params.frequency_penalty * c + params.presence_penalty
+        for tok in set(history) | set(prompt):
+            x = out[i, tok]
+            out[i, tok] = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+    return out.float()
+
+
+def test_adjust_logits_equals_the_definition_row_by_row():
+    torch.manual_seed(0)
+    vocab = 40
+    params = SamplingParams(**CONTROLS)
+    prompt, generated, drafts = [1, 2, 3, 5], [7, 7, 9], [7, 11, 5]
+    logits = torch.randn(len(drafts) + 1, vocab) * 3
+    got = adjust_logits(logits, params, prompt, generated, drafts)
+    torch.testing.assert_close(got, _reference_adjust(logits, params, prompt, generated, drafts), atol=1e-5, rtol=1e-5)
+    assert adjust_logits(logits, SamplingParams(), prompt, generated, drafts) is logits  # nothing to adjust
+
+
+def test_min_p_keeps_tokens_near_the_top():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]]))
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))  # threshold 0.1
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.12, 0.0]]) / 0.92)
+    assert logits_to_probs(logits, SamplingParams(temperature=1.0, min_p=1.0))[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_sampling_params_refuse_bad_controls():
+    for bad in (dict(presence_penalty=3), dict(frequency_penalty=float("nan")), dict(repetition_penalty=0),
+                dict(logit_bias=((1, 101.0),)), dict(logit_bias=((-1, 1.0),)), dict(min_p=1.5)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+# Strong penalties make prompt lookup useless (it drafts repeats, which they push down), so its cases
+# use milder ones under which copies are still accepted; the draft model gets all of them at once.
+MILD = [dict(frequency_penalty=0.1, logit_bias=((5, 2.0), (17, -100.0))),
+        dict(presence_penalty=0.2, logit_bias=((5, 2.0),)),
+        dict(repetition_penalty=1.1)]
+
+
+@pytest.mark.parametrize("strategy,controls", [("ngram", c) for c in MILD] + [("model", CONTROLS)])
+def test_greedy_speculation_with_controls_equals_plain_decoding(strategy, controls, sharp, near, contexts):
+    engine = Engine(sharp, near)
+    greedy = SamplingParams(max_new_tokens=40, ignore_eos=True, **controls)
+    changed = accepted = 0
+    for name, ctx in contexts.items():
+        plain = engine.generate(ctx, greedy, SpecConfig(strategy="none")).token_ids
+        for max_draft in (1, 4, 8):
+            res = engine.generate(ctx, greedy, SpecConfig(strategy=strategy, adaptive=False, max_draft_tokens=max_draft))
+            assert res.token_ids == plain, f"{strategy}/{name}/k={max_draft}"
+            accepted += res.stats.accepted
+        without = engine.generate(ctx, SamplingParams(max_new_tokens=40, ignore_eos=True), SpecConfig(strategy="none"))
+        changed += without.token_ids != plain
+    assert changed >= 2, "the controls must change the output, or this test proves nothing"
+    assert accepted > 0, "drafts must have been accepted under the penalties"
+
+
+def _exact_first_two(model, ctx, params, top_k):
+    """p(t1) and p(t1) p(t2 | t1) with the controls applied by hand (t1 counts as generated for t2)."""
+
+    def dist(ids, generated):
+        logits = full_logits(model, ids)[-1:].double()
+        logits = _reference_adjust(logits, params, ctx, generated, []).double()[0]
+        top = logits.topk(top_k)
+        return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()))
+
+    p1 = dist(ctx, [])
+    joint = {(t1, t2): a * b for t1, a in p1.items() for t2, b in dist(ctx + [t1], [t1]).items()}
+    return p1, joint
+
+
+@pytest.mark.slow
+def test_sampled_speculation_with_penalties_follows_the_penalised_target(sharp, near, sampling_context):
+    ctx = sampling_context
+    controls = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias=((ctx[-1], 1.0),))
+    engine = Engine(sharp, near)
+    spec = SpecConfig(strategy="model", adaptive=False, max_draft_tokens=4)
+    firsts, pairs = [], []
+    drafted = accepted = 0
+    rng = random.Random(7)
+    for seed in (rng.getrandbits(62) for _ in range(DRAWS)):
+        sampling = SamplingParams(temperature=1.0, top_k=4, seed=seed, max_new_tokens=3, ignore_eos=True, **controls)
+        res = engine.generate(ctx, sampling, spec)
+        firsts.append(res.token_ids[0])
+        pairs.append(tuple(res.token_ids[:2]))
+        drafted += res.stats.drafted
+        accepted += res.stats.accepted
+    assert drafted >= DRAWS and 0 < accepted < drafted
+    p1, joint = _exact_first_two(sharp.model, ctx, SamplingParams(**controls), 4)
+    p_first, p_joint = chi_square_p_values(firsts, pairs, p1, joint)
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
