@@ -111,6 +111,7 @@ class GenerationRequest:
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float | None = None
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     strategy: str | None = None  # "none" | "ngram" | "model" | "hybrid"
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
@@ -241,6 +242,34 @@ def _describe(exc: ValidationError, prefix: str = "") -> str:
         loc = prefix + ".".join(str(p) for p in err["loc"])
         parts.append(f"{loc}: {err['msg']} (got {clip(err.get('input'))})")
     return "; ".join(parts)
+
+
+class TextCut:
+    """The streamed text with stop strings applied: the end that could begin a stop string is held
+    back until the next piece shows it does not, and the text ends before the first stop string
+    (the verifier stops at the token that completes it; that token's text may run past it)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self._keep = max((len(s) for s in stops), default=1) - 1
+        self._held = ""
+        self._done = False
+
+    def push(self, text: str, *, final: bool) -> str:
+        if not self.stops:
+            return text
+        if self._done:
+            return ""
+        held = self._held + text
+        hits = [i for i in (held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._done, self._held = True, ""
+            return held[: min(hits)]
+        if final or len(held) <= self._keep:
+            self._held = "" if final else held
+            return held if final else ""
+        self._held = held[len(held) - self._keep:] if self._keep else ""
+        return held[: len(held) - self._keep]
 
 
 class GatewayCore:
@@ -523,6 +552,7 @@ class GatewayCore:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=tuple(req.logit_bias),
                 min_p=req.min_p or 0.0,
+                stop=tuple(req.stop),
             )
         except ValidationError as exc:
             raise InvalidRequest(_describe(exc)) from None
@@ -691,6 +721,7 @@ class GatewayCore:
         # be the last token, so leaving these ids out of the text is exact.
         hidden = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self._eos_ids)
         detok = Detokenizer(self.tokenizer)
+        cut = TextCut(sampling.stop)
         generated: list[int] = []
         self._inflight[vid] += 1
         try:
@@ -714,7 +745,7 @@ class GatewayCore:
                         f"verifier {vid} stopped with {finish.value} after "
                         f"{len(generated)} tokens; the completion is incomplete"
                     )
-                text = detok.push([t for t in ids if t not in hidden], final=final)
+                text = cut.push(detok.push([t for t in ids if t not in hidden], final=final), final=final)
                 if not final:
                     if ids:
                         yield Chunk(text, ids, msg.first_index, vid)

@@ -28,10 +28,11 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
 - `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's), and the extensions
   `repetition_penalty` and `min_p`: applied by the verifier at every position, drafted or not, so
   speculation leaves the output as plain decoding would make it (tandem.engine.sampling).
-- Refused with 400 and a message saying so, rather than silently ignored: `stop` strings (the
-  verifier stops on token ids: use `stop_token_ids`), `n` > 1, `logprobs`, and any other field this
-  server does not know (`tools`, `response_format`, ...). Render tool schemas into the system
-  message instead.
+- `stop` strings (up to 8): the verifier stops at the token whose text completes one (matched across
+  token boundaries, the same token with speculation as without); the text ends before the string.
+- Refused with 400 and a message saying so, rather than silently ignored: `n` > 1, `logprobs`, and
+  any other field this server does not know (`tools`, `response_format`, ...). Render tool schemas
+  into the system message instead.
 - `usage` adds `prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused) and
   `speculation` {drafted, accepted, recovered, bonus, steps, mean_accepted_len, acceptance_rate,
   plain_steps, fallback_steps, rejected_blocks}. Streams send it in a last chunk when
@@ -177,10 +178,11 @@ class _CommonBody(_Strict):
     def check_supported(self) -> None:
         if self.n not in (None, 1):
             raise errors.InvalidRequest(f"n must be 1 (one choice per request), got {self.n}")
-        if self.stop:
-            raise errors.InvalidRequest(
-                "stop strings are not supported: generation stops on token ids, so pass stop_token_ids"
-            )
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         pairs = []
@@ -302,6 +304,7 @@ def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, **input
         repetition_penalty=body.repetition_penalty,
         logit_bias=body.bias_pairs(),
         min_p=body.min_p,
+        stop=body.stop_strings(),
         strategy=spec.strategy,
         max_draft_tokens=spec.max_draft_tokens,
         adaptive=spec.adaptive,

@@ -73,6 +73,7 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
             repetition_penalty=s.repetition_penalty or None,  # 0 = off
             logit_bias=tuple(sorted(s.logit_bias.items())),
             min_p=s.min_p,
+            stop=tuple(s.stop),
         )
     if msg.HasField("speculation"):
         p = msg.speculation

@@ -41,6 +41,18 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # divide (positive) / multiply (negative) logits of seen tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # drop tokens below min_p x the most probable one's probability
+    # Stop strings: generation ends with the token whose text completes one (matched on the detokenized
+    # output, across token boundaries). That token is committed; the text shown stops before the string.
+    stop: tuple[str, ...] = ()
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        if len(stop) > 8:
+            raise ValueError(f"at most 8 stop strings, got {len(stop)}")
+        if any(not 0 < len(s) <= 256 for s in stop):
+            raise ValueError("each stop string must be 1 to 256 characters")
+        return stop
 
     @field_validator("logit_bias")
     @classmethod

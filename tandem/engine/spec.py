@@ -130,6 +130,26 @@ class GenerationResult:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
 
 
+class StopStrings:
+    """Finds the token whose text completes a stop string: tokens are pushed one by one, their text
+    is decoded incrementally, and only the last (longest stop - 1) characters are kept besides the
+    new text, which is all a match completing now can span."""
+
+    def __init__(self, stops: tuple[str, ...], tokenizer):
+        from tandem.engine.text import Detokenizer
+
+        self.stops = stops
+        self._keep = max(len(s) for s in stops) - 1
+        self._detok = Detokenizer(tokenizer)
+        self._tail = ""
+
+    def push(self, token: int) -> bool:
+        text = self._tail + self._detok.push([token])
+        hit = any(s in text for s in self.stops)
+        self._tail = text[-self._keep:] if self._keep else ""
+        return hit
+
+
 class Generation:
     """The decode loop of one request on one sequence. Iterate to run it step by step."""
 
@@ -157,6 +177,9 @@ class Generation:
         self.proposer = proposer
         self.gen = None if sampling.greedy else make_generator(sampling.seed)
         self.stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+        # Stop strings are matched on the output's text as each token is committed, in order, so the
+        # token that completes one is the same with speculation as without.
+        self._stop_text = StopStrings(sampling.stop, runner.loaded.tokenizer) if sampling.stop else None
         # A seeded sampled request must replay exactly, and its random draws follow its block lengths,
         # so those may depend only on its own text: nominal costs, no measured draft time, and
         # acceptance counted for this request alone (other sessions' counts change between replays).
@@ -304,6 +327,9 @@ class Generation:
                 self.finish_reason = FinishReason.stop
                 break
             out.append(tok)
+            if self._stop_text is not None and self._stop_text.push(tok):
+                self.finish_reason = FinishReason.stop
+                break
             if len(self.output) + len(out) >= self.sampling.max_new_tokens:
                 self.finish_reason = FinishReason.length
                 break

@@ -84,7 +84,7 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p, stop=list(s.stop),
     )
     if s.seed is not None:  # presence matters: seed 0 is a seed
         msg.seed = s.seed
@@ -107,6 +107,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
             repetition_penalty=msg.repetition_penalty or 1.0,  # proto: 0 = off
             logit_bias=tuple(sorted(msg.logit_bias.items())),
             min_p=msg.min_p,
+            stop=tuple(msg.stop),
         )
     except ValidationError as exc:
         raise _invalid("sampling parameters", exc) from None

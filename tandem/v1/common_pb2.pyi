@@ -148,6 +148,7 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature (> 0 samples; 0 = greedy: argmax of the target logits, deterministic)."""
     top_p: _builtins.float
@@ -195,6 +196,13 @@ class SamplingParams(_message.Message):
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
         """Token id -> bias in [-100, 100] added to its logit (-100 in effect bans it). At most 1024 entries."""
 
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Stop strings (at most 8, 1 to 256 characters each): generation ends with the token whose text
+        completes one, matched on the detokenized output across token boundaries. That token is
+        committed and streamed (FINISH_REASON_STOP); the gateway's text ends before the string.
+        """
+
     def __init__(
         self,
         *,
@@ -210,10 +218,11 @@ class SamplingParams(_message.Message):
         repetition_penalty: _builtins.float = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         min_p: _builtins.float = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

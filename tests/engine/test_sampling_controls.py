@@ -127,3 +127,49 @@ def test_sampled_speculation_with_penalties_follows_the_penalised_target(sharp, 
     p1, joint = _exact_first_two(sharp.model, ctx, SamplingParams(**controls), 4)
     p_first, p_joint = chi_square_p_values(firsts, pairs, p1, joint)
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
+
+
+# -- stop strings ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["none", "ngram", "model"])
+def test_stop_strings_end_at_the_token_that_completes_them(strategy, sharp, near, contexts, tiny_tokenizer):
+    """A stop string spanning a token boundary ends generation at the token completing it, the same
+    token with speculation as without."""
+    engine = Engine(sharp, near)
+    free = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    spec = SpecConfig(strategy=strategy, adaptive=False, max_draft_tokens=4)
+    checked = 0
+    for name, ctx in contexts.items():
+        full = engine.generate(ctx, free, SpecConfig(strategy="none")).token_ids
+        text = tiny_tokenizer.decode(full, skip_special_tokens=True)
+        words = text.split(" ")
+        if len(words) < 8:
+            continue
+        stop = f"{words[4][-2:]} {words[5][:2]}"  # across a token boundary, cut inside both words
+        first = text.find(stop)
+        res = engine.generate(ctx, free.model_copy(update={"stop": (stop,)}), spec)
+        assert res.finish_reason.value == "stop", name
+        done = tiny_tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        before = tiny_tokenizer.decode(res.token_ids[:-1], skip_special_tokens=True)
+        assert stop in done and stop not in before, (name, stop, done)  # the completing token is the last
+        assert res.token_ids == full[: len(res.token_ids)] and done.find(stop) == first
+        checked += 1
+    assert checked >= 3
+
+
+def test_text_cut_applies_stop_strings_whatever_the_chunking():
+    from tandem.services.gateway.core import TextCut
+
+    rng = random.Random(3)
+    text = "the answer is 42. The answer is forty-two! And so on."
+    for stops in [("answer is f",), ("!", "zzz"), ("so on.",), ("nowhere",), ("42. The", "is")]:
+        firsts = [text.find(s) for s in stops if s in text]
+        expected = text[: min(firsts)] if firsts else text
+        for _ in range(50):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 10)))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            cut = TextCut(stops)
+            out = "".join(cut.push(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces))
+            assert out == expected, (stops, pieces)
+            # Nothing streamed ever held a piece of text beyond what the final answer shows.

@@ -221,3 +221,30 @@ def test_penalties_and_bias_through_the_stack_equal_plain_decoding(chain, tiny_l
         )
         text = reply.choices[0].text
         assert text == tiny_loaded.tokenizer.decode(expected, skip_special_tokens=True), strategy
+
+
+def test_stop_strings_through_the_stack(chain, tiny_loaded):
+    """A stop string across a token boundary: the text ends before it, finish_reason stop, and every
+    strategy stops at the same token (usage) as plain decoding."""
+    gw, _ = chain
+    ctx = apply_chat_template(tiny_loaded.tokenizer, MESSAGES)
+    full = Engine(tiny_loaded).generate(ctx, SamplingParams(max_new_tokens=24, ignore_eos=True),
+                                        SpecConfig(strategy=DraftStrategy.none)).token_ids
+    text = tiny_loaded.tokenizer.decode(full, skip_special_tokens=True)
+    words = text.split(" ")
+    stop = f"{words[3][-1:]} {words[4][:1]}"
+    usage = set()
+    for strategy in ("none", "ngram", "model"):
+        for stream in (False, True):
+            kwargs = dict(model="tiny", prompt=ctx, max_tokens=24, temperature=0, stop=[stop, "never-there"],
+                          extra_body={"ignore_eos": True, "speculation": {"strategy": strategy}})
+            if stream:
+                chunks = list(gw.openai.completions.create(stream=True, **kwargs))
+                got = "".join(c.choices[0].text for c in chunks if c.choices)
+                assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+            else:
+                reply = gw.openai.completions.create(**kwargs)
+                got, _ = reply.choices[0].text, usage.add(reply.usage.completion_tokens)
+                assert reply.choices[0].finish_reason == "stop"
+            assert got == text[: text.find(stop)], (strategy, stream)
+    assert len(usage) == 1 and usage.pop() < 24

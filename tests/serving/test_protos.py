@@ -72,6 +72,8 @@ def _uncommented_elements(proto: str, scratch: Path) -> list[str]:
             if not oneof.name.startswith("_"):  # synthetic oneof of a proto3 `optional` field
                 check((*path, 8, i), f"{message.name}.{oneof.name}")
         for i, nested in enumerate(message.nested_type):
+            if nested.options.map_entry:  # protoc's synthetic entry of a map field: the field is commented
+                continue
             check_message(nested, (*path, 3, i))
         for i, enum in enumerate(message.enum_type):
             check_enum(enum, (*path, 4, i))
