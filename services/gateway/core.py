@@ -57,7 +57,7 @@ from tandem.services.gateway.errors import (
 from tandem.services.gateway.settings import GatewaySettings
 from tandem.engine.ids import common_prefix_len
 from tandem.engine.text import Detokenizer
-from tandem.engine.spec import FinishReason, SpecStats
+from tandem.engine.spec import FinishReason, SpecStats, TokenLogprob
 from tandem.serving.telemetry import tracer
 
 log = logging.getLogger("tandem.gateway")
@@ -112,6 +112,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float | None = None
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+    top_logprobs: int | None = None  # logprobs with this many alternatives; None = none
     strategy: str | None = None  # "none" | "ngram" | "model" | "hybrid"
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
@@ -143,6 +144,7 @@ class Chunk:
     usage: Usage | None = None  # last chunk only
     stats: SpecStats | None = None  # last chunk only: the verifier's counters of the request
     routing: RoutingDecision | None = None  # last chunk only: where and why
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked for
 
 
 @dataclass(frozen=True)
@@ -553,6 +555,7 @@ class GatewayCore:
                 logit_bias=tuple(req.logit_bias),
                 min_p=req.min_p or 0.0,
                 stop=tuple(req.stop),
+                top_logprobs=req.top_logprobs,
             )
         except ValidationError as exc:
             raise InvalidRequest(_describe(exc)) from None
@@ -748,7 +751,7 @@ class GatewayCore:
                 text = cut.push(detok.push([t for t in ids if t not in hidden], final=final), final=final)
                 if not final:
                     if ids:
-                        yield Chunk(text, ids, msg.first_index, vid)
+                        yield Chunk(text, ids, msg.first_index, vid, logprobs=msg.logprobs)
                     msg = await anext(stream, None)
                     continue
                 stats = msg.stats or SpecStats()
@@ -757,7 +760,7 @@ class GatewayCore:
                          "drafted %d, accepted %d in %d steps", vid, decision.reason, len(context), cached,
                          len(generated), finish.value, stats.drafted, stats.accepted, stats.steps)
                 yield Chunk(
-                    text, ids, msg.first_index, vid,
+                    text, ids, msg.first_index, vid, logprobs=msg.logprobs,
                     finish_reason=finish,
                     usage=Usage(len(context), len(generated), cached),
                     stats=stats,

@@ -30,8 +30,11 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   speculation leaves the output as plain decoding would make it (tandem.engine.sampling).
 - `stop` strings (up to 8): the verifier stops at the token whose text completes one (matched across
   token boundaries, the same token with speculation as without); the text ends before the string.
-- Refused with 400 and a message saying so, rather than silently ignored: `n` > 1, `logprobs`, and
-  any other field this server does not know (`tools`, `response_format`, ...). Render tool schemas
+- `logprobs` (chat: `logprobs` + `top_logprobs` up to 20; completions: `logprobs` up to 5): each
+  generated token's log-probability under the target's raw logits, with the most probable
+  alternatives, from the verification forward of its position.
+- Refused with 400 and a message saying so, rather than silently ignored: `n` > 1, and any other
+  field this server does not know (`tools`, `response_format`, ...). Render tool schemas
   into the system message instead.
 - `usage` adds `prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused) and
   `speculation` {drafted, accepted, recovered, bonus, steps, mean_accepted_len, acceptance_rate,
@@ -197,11 +200,24 @@ class ChatCompletionBody(_CommonBody):
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def logprob_count(self) -> int | None:
+        """OpenAI's chat form: logprobs true, with top_logprobs alternatives (0 to 20)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise errors.InvalidRequest("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(_CommonBody):
     prompt: str | list[int] | list[str]
     logprobs: int | None = None
+
+    def logprob_count(self) -> int | None:
+        """The completions form: logprobs = how many alternatives (0 to 5)."""
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise errors.InvalidRequest(f"logprobs must be 0 to 5 on /v1/completions, got {self.logprobs}")
+        return self.logprobs
 
 
 def _describe(exc: ValidationError) -> str:
@@ -305,6 +321,7 @@ def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, **input
         logit_bias=body.bias_pairs(),
         min_p=body.min_p,
         stop=body.stop_strings(),
+        top_logprobs=body.logprob_count(),
         strategy=spec.strategy,
         max_draft_tokens=spec.max_draft_tokens,
         adaptive=spec.adaptive,
@@ -346,8 +363,11 @@ def tandem_dict(chunk: Chunk, session_id: str | None) -> dict:
 class _Format:
     """OpenAI's shapes for one endpoint: chat.completion(.chunk) or text_completion."""
 
-    def __init__(self, chat: bool, model: str, session_id: str | None, include_usage: bool):
+    def __init__(self, chat: bool, model: str, session_id: str | None, include_usage: bool, tokenizer=None):
         self.chat, self.model, self.session_id, self.include_usage = chat, model, session_id, include_usage
+        self.tokenizer = tokenizer  # for the text of tokens in logprobs
+        self.offset = 0  # characters of text before the next chunk (completions' text_offset)
+        self._before: list[int] = []  # tokens whose logprobs were formatted (the context of the next)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
@@ -355,19 +375,54 @@ class _Format:
         obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _choice(self, text: str | None, finish: str | None, *, stream: bool, role: bool = False) -> dict:
+    def _pieces(self, ids: list[int]) -> list[str]:
+        """The text each of `ids` adds after the tokens formatted so far (a few of them as context,
+        so a tokenizer's word-initial spaces come out right): chosen tokens' pieces concatenate to
+        the completion's text."""
+        window = self._before[-4:]
+        base = self.tokenizer.decode(window, skip_special_tokens=True)
+        return [self.tokenizer.decode(window + [i], skip_special_tokens=True)[len(base):] for i in ids]
+
+    def _logprobs(self, items, text: str) -> dict | None:
+        """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, or completions'
+        {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
+        if items is None:
+            return None
+        rows = []  # per token: (its text, [(alternative's text, logprob)])
+        for t in items:
+            pieces = self._pieces([t.token, *(i for i, _ in t.top)])
+            rows.append((pieces[0], list(zip(pieces[1:], (lp for _, lp in t.top)))))
+            self._before.append(t.token)
+        if self.chat:
+            def entry(s: str, lp: float) -> dict:
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {"content": [{**entry(s, t.logprob), "top_logprobs": [entry(a, lp) for a, lp in alts]}
+                                for t, (s, alts) in zip(items, rows)], "refusal": None}
+        offsets, at = [], self.offset
+        for s, _ in rows:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": [s for s, _ in rows], "token_logprobs": [t.logprob for t in items],
+                "top_logprobs": [dict(alts) for _, alts in rows], "text_offset": offsets}
+
+    def _choice(self, text: str | None, finish: str | None, *, stream: bool, role: bool = False,
+                logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         if stream:
             delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": logprobs}
 
     def whole(self, chunks: list[Chunk]) -> dict:
         last = chunks[-1]
         text = "".join(c.text for c in chunks)
+        asked = any(c.logprobs is not None for c in chunks)
+        logprobs = self._logprobs([t for c in chunks for t in c.logprobs or ()], text) if asked else None
         return self._envelope(
-            [self._choice(text, last.finish_reason.value, stream=False)], stream=False,
+            [self._choice(text, last.finish_reason.value, stream=False, logprobs=logprobs)], stream=False,
             usage=usage_dict(last), tandem=tandem_dict(last, self.session_id),
         )
 
@@ -375,8 +430,10 @@ class _Format:
         out = []
         if first and self.chat:
             out.append(self._envelope([self._choice("", None, stream=True, role=True)], stream=True))
-        if chunk.text:
-            out.append(self._envelope([self._choice(chunk.text, None, stream=True)], stream=True))
+        if chunk.text or (chunk.logprobs and chunk.token_ids):
+            logprobs = self._logprobs(chunk.logprobs, chunk.text)
+            out.append(self._envelope([self._choice(chunk.text, None, stream=True, logprobs=logprobs)], stream=True))
+            self.offset += len(chunk.text)
         if chunk.finish_reason is not None:
             out.append(
                 self._envelope(
@@ -417,7 +474,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, body: _CommonBody, chat: bool) -> Response:
-    fmt = _Format(chat, core.model_name, req.session_id, bool(body.stream_options and body.stream_options.include_usage))
+    fmt = _Format(chat, core.model_name, req.session_id, bool(body.stream_options and body.stream_options.include_usage),
+                  core.tokenizer)
     session_id_var.set(req.session_id)  # before the tasks below copy this request's context
     chunks = core.generate(req)
     if not body.stream:
@@ -479,8 +537,6 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         tenant = tenant_of(request)  # before the body is read: an anonymous caller costs nothing
         body = await _parse(request, ChatCompletionBody, max_bytes)
-        if body.logprobs:
-            raise errors.InvalidRequest("logprobs is not supported")
         messages = [m.as_template_dict() for m in body.messages]
         return await _respond(request, core, _domain_request(request, body, tenant, messages=messages), body, chat=True)
 
@@ -488,8 +544,6 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def completions(request: Request) -> Response:
         tenant = tenant_of(request)
         body = await _parse(request, CompletionBody, max_bytes)
-        if body.logprobs:
-            raise errors.InvalidRequest("logprobs is not supported")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:

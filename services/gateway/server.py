@@ -17,6 +17,7 @@ from tandem.serving.tls import server_credentials
 from tandem.services.gateway.auth import OPEN, Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
 from tandem.services.gateway import errors
+from tandem.serving.protoconv import logprobs_to_proto
 from tandem.serving.protoconv import FINISH_TO_PB, STRATEGY_FROM_PB, STRATEGY_TO_PB, stats_to_proto
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -74,6 +75,7 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
             logit_bias=tuple(sorted(s.logit_bias.items())),
             min_p=s.min_p,
             stop=tuple(s.stop),
+            top_logprobs=s.top_logprobs if s.HasField("top_logprobs") else None,
         )
     if msg.HasField("speculation"):
         p = msg.speculation
@@ -96,6 +98,7 @@ def pack_chunk(chunk: Chunk) -> gateway_pb2.GenerateResponse:
         first_index=chunk.first_index,
         finish_reason=FINISH_TO_PB[chunk.finish_reason],
         verifier_id=chunk.verifier_id,
+        logprobs=logprobs_to_proto(chunk.logprobs),
     )
     if chunk.usage is not None:
         msg.usage.CopyFrom(

@@ -44,6 +44,9 @@ class SamplingParams(BaseModel):
     # Stop strings: generation ends with the token whose text completes one (matched on the detokenized
     # output, across token boundaries). That token is committed; the text shown stops before the string.
     stop: tuple[str, ...] = ()
+    # Return each generated token's log-probability under the target model (its raw logits, before
+    # penalties and temperature), with this many most probable alternatives; None = no logprobs.
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod

@@ -107,6 +107,15 @@ class SpecStats:
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the target and the most probable alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most probable first
+
+
+@dataclass
 class StepOutput:
     tokens: list[int]  # newly committed output tokens of this step (after stop/length truncation)
     first_index: int  # index of tokens[0] among the generated tokens
@@ -114,6 +123,7 @@ class StepOutput:
     accepted: int
     proposer: str | None = None  # which proposer drafted this step (None: a plain step)
     block_len: int = 0  # drafts the controller asked for (>= drafted: a proposer may offer fewer)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 @dataclass
@@ -128,6 +138,21 @@ class GenerationResult:
     @property
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Row i of `logits # [n, vocab]` (the raw target logits at the position of tokens[i]) as the
+    token's log-probability and the `top` most probable alternatives."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits[: len(tokens)].float(), -1)  # [n, vocab]
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    alts = lp.topk(top, -1) if top else None
+    out = []
+    for i, tok in enumerate(tokens):
+        alt = () if alts is None else tuple(zip(alts.indices[i].tolist(), alts.values[i].tolist()))
+        out.append(TokenLogprob(tok, chosen[i], alt))
+    return out
 
 
 class StopStrings:
@@ -287,6 +312,7 @@ class Generation:
         draft, block_len = self._draft()
         start = time.perf_counter()
         logits = self.seq.forward_block(draft.tokens if draft else [])  # [k+1, vocab]
+        raw = logits
         if self.sampling.adjusts_logits:
             ids = self.seq.ids
             verdict = verify(logits, draft, self.sampling, self.gen, prompt_ids=ids[: self.prompt_len],
@@ -299,6 +325,8 @@ class Generation:
         self.seq.commit(verdict.tokens)
         self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None)
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
+        if self.sampling.top_logprobs is not None:
+            out.logprobs = token_logprobs(raw[: len(out.tokens)], out.tokens, self.sampling.top_logprobs)
         out.proposer = draft.proposer if draft is not None else None
         out.block_len = block_len
         if self.proposer is not None:

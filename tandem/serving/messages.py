@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.spec import FinishReason, SpecStats
+from tandem.engine.spec import FinishReason, SpecStats, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class CommittedTokens:
     block_len: int = 0  # drafts the verifier asked for (0 = a planned plain step)
     finish_reason: FinishReason | None = None  # None: not the last message
     stats: SpecStats | None = None  # last message only
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the request asked
 
 
 @dataclass(frozen=True)

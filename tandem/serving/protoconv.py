@@ -15,7 +15,7 @@ import time
 from pydantic import ValidationError
 
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.spec import FinishReason, GenerationResult, SpecStats, StepOutput
+from tandem.engine.spec import FinishReason, GenerationResult, SpecStats, StepOutput, TokenLogprob
 from tandem.serving.messages import (
     CommittedTokens,
     DraftBlock,
@@ -86,6 +86,8 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p, stop=list(s.stop),
     )
+    if s.top_logprobs is not None:
+        msg.top_logprobs = s.top_logprobs
     if s.seed is not None:  # presence matters: seed 0 is a seed
         msg.seed = s.seed
     return msg
@@ -108,6 +110,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
             logit_bias=tuple(sorted(msg.logit_bias.items())),
             min_p=msg.min_p,
             stop=tuple(msg.stop),
+            top_logprobs=msg.top_logprobs if msg.HasField("top_logprobs") else None,
         )
     except ValidationError as exc:
         raise _invalid("sampling parameters", exc) from None
@@ -168,10 +171,22 @@ def verifier_request_to_proto(req: VerifierRequest) -> verifier_pb2.SessionGener
     )
 
 
+def logprobs_to_proto(items) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(token_id=t.token, logprob=t.logprob, top_ids=[i for i, _ in t.top],
+                                    top_logprobs=[lp for _, lp in t.top]) for t in items or ()]
+
+
+def logprobs_from_proto(msgs) -> tuple[TokenLogprob, ...] | None:
+    if not msgs:
+        return None
+    return tuple(TokenLogprob(m.token_id, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for m in msgs)
+
+
 def step_to_proto(step: StepOutput) -> verifier_pb2.CommittedTokens:
     return verifier_pb2.CommittedTokens(
         token_ids=step.tokens, first_index=step.first_index,
         step=verifier_pb2.StepInfo(drafted=step.drafted, accepted=step.accepted, block_len=step.block_len),
+        logprobs=logprobs_to_proto(step.logprobs),
     )
 
 
@@ -191,6 +206,7 @@ def committed_from_proto(msg: verifier_pb2.CommittedTokens) -> CommittedTokens:
         drafted=msg.step.drafted, accepted=msg.step.accepted, block_len=msg.step.block_len,
         finish_reason=FINISH_FROM_PB.get(msg.finish_reason, FinishReason.error) if final else None,
         stats=stats_from_proto(msg.stats) if msg.HasField("stats") else None,
+        logprobs=logprobs_from_proto(msg.logprobs),
     )
 
 

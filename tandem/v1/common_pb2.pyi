@@ -149,6 +149,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature (> 0 samples; 0 = greedy: argmax of the target logits, deterministic)."""
     top_p: _builtins.float
@@ -185,6 +186,10 @@ class SamplingParams(_message.Message):
     """Min-p sampling in [0, 1]: drop tokens less probable than min_p times the most probable one.
     0 = off. Ignored when greedy.
     """
+    top_logprobs: _builtins.int
+    """Set: return every generated token's log-probability under the target (its raw logits, before
+    penalties and temperature) with this many most probable alternatives (0 to 20).
+    """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end generation when committed (e.g. an end-of-turn token), in addition to the
@@ -219,16 +224,62 @@ class SamplingParams(_message.Message):
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         min_p: _builtins.float = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        top_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "seed", b"seed", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__top_logprobs: _TypeAlias = _typing.Literal["top_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__top_logprobs: _TypeAlias = _typing.Literal["_top_logprobs", b"_top_logprobs"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_logprobs) -> _WhichOneofReturnType__top_logprobs | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """A generated token's log-probability under the target model, and the most probable alternatives
+    at its position (SamplingParams.top_logprobs of them, most probable first).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The generated token."""
+    logprob: _builtins.float
+    """Its natural-log probability."""
+    @_builtins.property
+    def top_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Alternative token ids, most probable first."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Their log-probabilities, aligned with top_ids."""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
 
 @_typing.final
 class SpeculationParams(_message.Message):

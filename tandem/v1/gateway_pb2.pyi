@@ -174,6 +174,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     VERIFIER_ID_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta of this chunk. It may lag token_ids while a token ends inside a UTF-8 character
     (the text arrives with a later chunk), and it never includes stop tokens.
@@ -198,6 +199,10 @@ class GenerateResponse(_message.Message):
     def stats(self) -> _common_pb2.SpeculationStats:
         """Speculation counters; set on the last message only."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """One per token_ids entry when the request set SamplingParams.top_logprobs; else empty."""
+
     def __init__(
         self,
         *,
@@ -208,10 +213,11 @@ class GenerateResponse(_message.Message):
         usage: Global___Usage | None = ...,
         stats: _common_pb2.SpeculationStats | None = ...,
         verifier_id: _builtins.str = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_index", b"first_index", "stats", b"stats", "text", b"text", "token_ids", b"token_ids", "usage", b"usage", "verifier_id", b"verifier_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_index", b"first_index", "logprobs", b"logprobs", "stats", b"stats", "text", b"text", "token_ids", b"token_ids", "usage", b"usage", "verifier_id", b"verifier_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

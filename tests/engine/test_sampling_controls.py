@@ -173,3 +173,26 @@ def test_text_cut_applies_stop_strings_whatever_the_chunking():
             out = "".join(cut.push(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces))
             assert out == expected, (stops, pieces)
             # Nothing streamed ever held a piece of text beyond what the final answer shows.
+
+
+# -- logprobs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["none", "ngram", "model"])
+def test_logprobs_are_the_targets_at_each_committed_position(strategy, sharp, near, contexts):
+    """Each token's logprob and alternatives equal the model's own log-softmax at its position (one
+    full forward over the sequence, no cache: the oracle), whichever way the token was committed."""
+    engine = Engine(sharp, near)
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True, top_logprobs=3)
+    for name, ctx in list(contexts.items())[:3]:
+        gen = engine.start(ctx, sampling, SpecConfig(strategy=strategy, adaptive=False, max_draft_tokens=4))
+        items = [lp for step in gen for lp in step.logprobs]
+        tokens = gen.result().token_ids
+        assert [t.token for t in items] == tokens
+        oracle = torch.log_softmax(full_logits(sharp.model, ctx + tokens)[len(ctx) - 1: -1], -1)  # [n, vocab]
+        for i, t in enumerate(items):
+            assert t.logprob == pytest.approx(float(oracle[i, t.token]), abs=1e-4), (name, i)
+            top = oracle[i].topk(3)
+            assert [a for a, _ in t.top] == top.indices.tolist(), (name, i)
+            assert [b for _, b in t.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert engine.generate(ctx, SamplingParams(max_new_tokens=4), SpecConfig(strategy="none")).token_ids  # no logprobs: fine

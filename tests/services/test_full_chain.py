@@ -248,3 +248,53 @@ def test_stop_strings_through_the_stack(chain, tiny_loaded):
                 assert reply.choices[0].finish_reason == "stop"
             assert got == text[: text.find(stop)], (strategy, stream)
     assert len(usage) == 1 and usage.pop() < 24
+
+
+def test_logprobs_through_the_stack_with_the_openai_client(chain, tiny_loaded):
+    """Chat logprobs (top 3) and completions logprobs (top 2), streamed and not, every strategy: the
+    same tokens, and logprobs equal to plain decoding's within float rounding (a verification forward
+    covers several positions at once, plain decoding one)."""
+    gw, _ = chain
+    tok = tiny_loaded.tokenizer
+    seen = {}
+    for strategy in ("none", "ngram", "model"):
+        extra = {"ignore_eos": True, "speculation": {"strategy": strategy, "adaptive": False, "max_draft_tokens": 4}}
+        reply = gw.openai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                                  logprobs=True, top_logprobs=3, extra_body=extra)
+        content = reply.choices[0].logprobs.content
+        assert len(content) == reply.usage.completion_tokens == 16
+        assert "".join(c.token for c in content) == reply.choices[0].message.content
+        assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+        stream = list(gw.openai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                                        logprobs=True, top_logprobs=3, stream=True, extra_body=extra))
+        streamed = [c for e in stream if e.choices and e.choices[0].logprobs for c in e.choices[0].logprobs.content]
+        assert [c.token for c in streamed] == [c.token for c in content]
+        comp = gw.openai.completions.create(model="tiny", prompt="the answer is", max_tokens=8, temperature=0,
+                                            logprobs=2, extra_body=extra)
+        lp = comp.choices[0].logprobs
+        assert "".join(lp.tokens) == comp.choices[0].text and len(lp.top_logprobs[0]) == 2
+        assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+        seen[strategy] = ([c.token for c in content], [c.logprob for c in content], lp.tokens, lp.token_logprobs)
+    ref = seen["none"]
+    for strategy in ("ngram", "model"):
+        got = seen[strategy]
+        assert got[0] == ref[0] and got[2] == ref[2], strategy
+        assert got[1] == pytest.approx(ref[1], abs=1e-4) and got[3] == pytest.approx(ref[3], abs=1e-4), strategy
+    assert tok is not None
+
+
+def test_logprobs_over_grpc(chain, tiny_loaded):
+    gw, _ = chain
+    req = gateway_pb2.GenerateRequest(
+        prompt="the answer is",
+        sampling=common_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True, top_logprobs=2),
+        speculation=common_pb2.SpeculationParams(strategy=common_pb2.DRAFT_STRATEGY_NGRAM),
+    )
+    msgs = list(gw.stub.Generate(req, timeout=30))
+    tokens = [t for m in msgs for t in m.token_ids]
+    lps = [lp for m in msgs for lp in m.logprobs]
+    assert [lp.token_id for lp in lps] == tokens and len(tokens) == 8
+    assert all(len(lp.top_ids) == 2 and lp.top_logprobs[0] >= lp.logprob - 1e-6 for lp in lps)
+    plain = list(gw.stub.Generate(gateway_pb2.GenerateRequest(
+        prompt="the answer is", sampling=common_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True)), timeout=30))
+    assert not any(m.logprobs for m in plain)  # only when asked

@@ -361,6 +361,8 @@ def test_malformed_requests_get_400_and_the_server_keeps_serving(stack) -> None:
         ({"messages": msgs, "logit_bias": {"99999": 1}}, "outside the vocabulary"),
         ({"messages": msgs, "presence_penalty": 3}, "presence_penalty"),
         ({"messages": msgs, "n": 2}, "n must be 1"),
+        ({"messages": msgs, "top_logprobs": 2}, "top_logprobs needs logprobs"),
+        ({"messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": msgs, "tools": []}, "'tools' is not supported"),
         ({"messages": msgs, "speculation": {"strategy": "magic"}}, "speculation.strategy"),
         ({"messages": msgs, "speculation": {"max_draft_tokens": 1000}}, "max_draft_tokens"),
