@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from pydantic import ValidationError
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.config import DraftStrategy, Grammar, SamplingParams, SpecConfig
 from tandem.serving.logs import log_prompts_enabled, session_id_var
 from tandem.serving.metrics import GatewayMetrics, status_of
 from tandem.engine.models import apply_chat_template
@@ -113,6 +113,7 @@ class GenerationRequest:
     min_p: float | None = None
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     top_logprobs: int | None = None  # logprobs with this many alternatives; None = none
+    grammar: Grammar | None = None  # structured output (response_format, or a regex / EBNF)
     strategy: str | None = None  # "none" | "ngram" | "model" | "hybrid"
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
@@ -556,6 +557,7 @@ class GatewayCore:
                 min_p=req.min_p or 0.0,
                 stop=tuple(req.stop),
                 top_logprobs=req.top_logprobs,
+                grammar=req.grammar,
             )
         except ValidationError as exc:
             raise InvalidRequest(_describe(exc)) from None

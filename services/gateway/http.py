@@ -33,8 +33,12 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
 - `logprobs` (chat: `logprobs` + `top_logprobs` up to 20; completions: `logprobs` up to 5): each
   generated token's log-probability under the target's raw logits, with the most probable
   alternatives, from the verification forward of its position.
+- Structured output: `response_format` `{"type": "json_object"}` or `{"type": "json_schema",
+  "json_schema": {"name", "schema", "strict"}}` (always strict), or Tandem's `grammar`:
+  `{"type": "regex" | "ebnf", "value": ...}`. The verifier masks the target to the grammar at every
+  position, drafted or not (tandem.engine.grammar): output as constrained plain decoding makes it.
 - Refused with 400 and a message saying so, rather than silently ignored: `n` > 1, and any other
-  field this server does not know (`tools`, `response_format`, ...). Render tool schemas
+  field this server does not know (`tools`, ...). Render tool schemas
   into the system message instead.
 - `usage` adds `prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused) and
   `speculation` {drafted, accepted, recovered, bonus, steps, mean_accepted_len, acceptance_rate,
@@ -65,11 +69,12 @@ from typing import Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.serving.logs import session_id_var
 from tandem.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tandem.engine.config import Grammar
 from tandem.services.gateway.auth import Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest, clip
 from tandem.services.gateway import errors
@@ -131,6 +136,26 @@ class SpeculationOptions(_Strict):
     adaptive: bool | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # description and other annotations: accepted, unused
+
+    name: str = Field("response", max_length=64)
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class GrammarOption(_Strict):
+    """Tandem's extension: a regular expression or an EBNF (GBNF) grammar the output must match."""
+
+    type: Literal["regex", "ebnf"]
+    value: str
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -177,6 +202,22 @@ class _CommonBody(_Strict):
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     repetition_penalty: float | None = None
     min_p: float | None = None
+    response_format: ResponseFormat | None = None
+    grammar: GrammarOption | None = None  # Tandem's extension
+
+    def grammar_constraint(self) -> Grammar | None:
+        rf = self.response_format
+        if rf is not None and rf.type != "text" and self.grammar is not None:
+            raise errors.InvalidRequest("give response_format or grammar, not both")
+        if self.grammar is not None:
+            return Grammar(kind=self.grammar.type, value=self.grammar.value)
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return Grammar(kind="json_object")
+        if rf.json_schema is None:
+            raise errors.InvalidRequest("response_format json_schema needs its json_schema object")
+        return Grammar(kind="json_schema", value=json.dumps(rf.json_schema.schema_, sort_keys=True))
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -322,6 +363,7 @@ def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, **input
         min_p=body.min_p,
         stop=body.stop_strings(),
         top_logprobs=body.logprob_count(),
+        grammar=body.grammar_constraint(),
         strategy=spec.strategy,
         max_draft_tokens=spec.max_draft_tokens,
         adaptive=spec.adaptive,

@@ -17,7 +17,7 @@ from tandem.serving.tls import server_credentials
 from tandem.services.gateway.auth import OPEN, Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
 from tandem.services.gateway import errors
-from tandem.serving.protoconv import logprobs_to_proto
+from tandem.serving.protoconv import grammar_from_proto, logprobs_to_proto
 from tandem.serving.protoconv import FINISH_TO_PB, STRATEGY_FROM_PB, STRATEGY_TO_PB, stats_to_proto
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -44,6 +44,15 @@ def status_code(exc: errors.GatewayError) -> grpc.StatusCode:
         if cls in _STATUS:
             return _STATUS[cls]
     return grpc.StatusCode.INTERNAL
+
+
+def _grammar(s):
+    if not s.HasField("grammar"):
+        return None
+    try:
+        return grammar_from_proto(s.grammar)
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"sampling.grammar: {exc}") from None
 
 
 def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | None,
@@ -76,6 +85,7 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
             min_p=s.min_p,
             stop=tuple(s.stop),
             top_logprobs=s.top_logprobs if s.HasField("top_logprobs") else None,
+            grammar=_grammar(s),
         )
     if msg.HasField("speculation"):
         p = msg.speculation

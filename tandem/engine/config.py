@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -13,6 +15,16 @@ class DraftStrategy(str, Enum):
     ngram = "ngram"  # prompt lookup over the sequence's own context
     model = "model"  # a small causal LM sharing the target's tokenizer
     hybrid = "hybrid"  # per step, prompt lookup or the draft model, whichever is expected to pay more
+
+
+class Grammar(BaseModel):
+    """A constraint on the output (tandem.engine.grammar): any JSON value ("json_object", value
+    unused), a JSON schema (strict), a regular expression, or an EBNF grammar (GBNF dialect)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["json_object", "json_schema", "regex", "ebnf"]
+    value: str = Field("", max_length=256 * 1024)
 
 
 class SamplingParams(BaseModel):
@@ -47,6 +59,9 @@ class SamplingParams(BaseModel):
     # Return each generated token's log-probability under the target model (its raw logits, before
     # penalties and temperature), with this many most probable alternatives; None = no logprobs.
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Structured output: every position, drafted or not, is sampled from the target masked to the
+    # tokens the grammar allows there.
+    grammar: Grammar | None = None
 
     @field_validator("stop")
     @classmethod

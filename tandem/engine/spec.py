@@ -205,6 +205,13 @@ class Generation:
         # Stop strings are matched on the output's text as each token is committed, in order, so the
         # token that completes one is the same with speculation as without.
         self._stop_text = StopStrings(sampling.stop, runner.loaded.tokenizer) if sampling.stop else None
+        self.constraint = None
+        self.error: str | None = None  # why the generation ended with FinishReason.error
+        if sampling.grammar is not None:
+            from tandem.engine.grammar import Constraint
+
+            self.constraint = Constraint(sampling.grammar, runner.loaded.tokenizer, runner.loaded.vocab_size,
+                                         sorted(self.stop_ids))
         # A seeded sampled request must replay exactly, and its random draws follow its block lengths,
         # so those may depend only on its own text: nominal costs, no measured draft time, and
         # acceptance counted for this request alone (other sessions' counts change between replays).
@@ -311,8 +318,18 @@ class Generation:
             raise RuntimeError("generation already finished")
         draft, block_len = self._draft()
         start = time.perf_counter()
+        if self.constraint is not None:
+            # The block is cut right after the first draft the grammar refuses; every position's
+            # mask is filled now, from the committed state and the drafts before it.
+            draft, bitmask = self.constraint.prepare(draft)
+            if self.constraint.dead_end(bitmask):
+                self.finish_reason = FinishReason.error
+                self.error = "no token of this model's vocabulary can continue the grammar"
+                return StepOutput(tokens=[], first_index=len(self.output), drafted=0, accepted=0)
         logits = self.seq.forward_block(draft.tokens if draft else [])  # [k+1, vocab]
         raw = logits
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits, bitmask)
         if self.sampling.adjusts_logits:
             ids = self.seq.ids
             verdict = verify(logits, draft, self.sampling, self.gen, prompt_ids=ids[: self.prompt_len],
@@ -323,6 +340,8 @@ class Generation:
         if draft is not None:
             self.controller.observe(draft.proposer, draft.bucket, len(draft), verdict.accepted)
         self.seq.commit(verdict.tokens)
+        if self.constraint is not None:
+            self.constraint.advance(verdict.tokens)
         self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None)
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
         if self.sampling.top_logprobs is not None:

@@ -14,7 +14,7 @@ import time
 
 from pydantic import ValidationError
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.config import DraftStrategy, Grammar, SamplingParams, SpecConfig
 from tandem.engine.spec import FinishReason, GenerationResult, SpecStats, StepOutput, TokenLogprob
 from tandem.serving.messages import (
     CommittedTokens,
@@ -88,6 +88,11 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     )
     if s.top_logprobs is not None:
         msg.top_logprobs = s.top_logprobs
+    if s.grammar is not None:
+        if s.grammar.kind == "json_object":
+            msg.grammar.json_object = True
+        else:
+            setattr(msg.grammar, s.grammar.kind, s.grammar.value)
     if s.seed is not None:  # presence matters: seed 0 is a seed
         msg.seed = s.seed
     return msg
@@ -111,6 +116,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
             min_p=msg.min_p,
             stop=tuple(msg.stop),
             top_logprobs=msg.top_logprobs if msg.HasField("top_logprobs") else None,
+            grammar=grammar_from_proto(msg.grammar) if msg.HasField("grammar") else None,
         )
     except ValidationError as exc:
         raise _invalid("sampling parameters", exc) from None
@@ -180,6 +186,13 @@ def logprobs_from_proto(msgs) -> tuple[TokenLogprob, ...] | None:
     if not msgs:
         return None
     return tuple(TokenLogprob(m.token_id, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for m in msgs)
+
+
+def grammar_from_proto(msg: common_pb2.GrammarConstraint) -> Grammar | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    return Grammar(kind=kind, value="" if kind == "json_object" else getattr(msg, kind))
 
 
 def step_to_proto(step: StepOutput) -> verifier_pb2.CommittedTokens:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xad\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12<\n\nlogit_bias\x18\x0b \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x19\n\x0ctop_logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0f\n\r_top_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"}\n\x11SpeculationParams\x12*\n\x08strategy\x18\x01 \x01(\x0e\x32\x18.tandem.v1.DraftStrategy\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\r\x12\x15\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x0b\n\t_adaptive\"\xb8\x02\n\x10SpeculationStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x11\n\trecovered\x18\x03 \x01(\r\x12\r\n\x05\x62onus\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x19\n\x11mean_accepted_len\x18\x06 \x01(\x02\x12\x16\n\x0e\x66\x61llback_steps\x18\x07 \x01(\r\x12\x17\n\x0frejected_blocks\x18\x08 \x01(\r\x12\x1d\n\x15prefill_reused_tokens\x18\t \x01(\r\x12\x1f\n\x17prefill_computed_tokens\x18\n \x01(\r\x12\x13\n\x0bplain_steps\x18\x0b \x01(\r\x12\x17\n\x0fprefill_time_us\x18\x0c \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_time_us\x18\r \x01(\x04*\x97\x01\n\rDraftStrategy\x12\x1e\n\x1a\x44RAFT_STRATEGY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFT_STRATEGY_NONE\x10\x01\x12\x18\n\x14\x44RAFT_STRATEGY_NGRAM\x10\x02\x12\x18\n\x14\x44RAFT_STRATEGY_MODEL\x10\x03\x12\x19\n\x15\x44RAFT_STRATEGY_HYBRID\x10\x04*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xdc\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12<\n\nlogit_bias\x18\x0b \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x19\n\x0ctop_logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12-\n\x07grammar\x18\x0f \x01(\x0b\x32\x1c.tandem.v1.GrammarConstraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0f\n\r_top_logprobs\"j\n\x11GrammarConstraint\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"}\n\x11SpeculationParams\x12*\n\x08strategy\x18\x01 \x01(\x0e\x32\x18.tandem.v1.DraftStrategy\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\r\x12\x15\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x0b\n\t_adaptive\"\xb8\x02\n\x10SpeculationStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x11\n\trecovered\x18\x03 \x01(\r\x12\r\n\x05\x62onus\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x19\n\x11mean_accepted_len\x18\x06 \x01(\x02\x12\x16\n\x0e\x66\x61llback_steps\x18\x07 \x01(\r\x12\x17\n\x0frejected_blocks\x18\x08 \x01(\r\x12\x1d\n\x15prefill_reused_tokens\x18\t \x01(\r\x12\x1f\n\x17prefill_computed_tokens\x18\n \x01(\r\x12\x13\n\x0bplain_steps\x18\x0b \x01(\r\x12\x17\n\x0fprefill_time_us\x18\x0c \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_time_us\x18\r \x01(\x04*\x97\x01\n\rDraftStrategy\x12\x1e\n\x1a\x44RAFT_STRATEGY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFT_STRATEGY_NONE\x10\x01\x12\x18\n\x14\x44RAFT_STRATEGY_NGRAM\x10\x02\x12\x18\n\x14\x44RAFT_STRATEGY_MODEL\x10\x03\x12\x19\n\x15\x44RAFT_STRATEGY_HYBRID\x10\x04*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_DRAFTSTRATEGY']._serialized_start=1002
-  _globals['_DRAFTSTRATEGY']._serialized_end=1153
-  _globals['_FINISHREASON']._serialized_start=1156
-  _globals['_FINISHREASON']._serialized_end=1305
+  _globals['_DRAFTSTRATEGY']._serialized_start=1157
+  _globals['_DRAFTSTRATEGY']._serialized_end=1308
+  _globals['_FINISHREASON']._serialized_start=1311
+  _globals['_FINISHREASON']._serialized_end=1460
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=467
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=393
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=441
-  _globals['_TOKENLOGPROB']._serialized_start=469
-  _globals['_TOKENLOGPROB']._serialized_end=557
-  _globals['_SPECULATIONPARAMS']._serialized_start=559
-  _globals['_SPECULATIONPARAMS']._serialized_end=684
-  _globals['_SPECULATIONSTATS']._serialized_start=687
-  _globals['_SPECULATIONSTATS']._serialized_end=999
+  _globals['_SAMPLINGPARAMS']._serialized_end=514
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=440
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=488
+  _globals['_GRAMMARCONSTRAINT']._serialized_start=516
+  _globals['_GRAMMARCONSTRAINT']._serialized_end=622
+  _globals['_TOKENLOGPROB']._serialized_start=624
+  _globals['_TOKENLOGPROB']._serialized_end=712
+  _globals['_SPECULATIONPARAMS']._serialized_start=714
+  _globals['_SPECULATIONPARAMS']._serialized_end=839
+  _globals['_SPECULATIONSTATS']._serialized_start=842
+  _globals['_SPECULATIONSTATS']._serialized_end=1154
 # @@protoc_insertion_point(module_scope)

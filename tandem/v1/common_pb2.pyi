@@ -150,6 +150,7 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature (> 0 samples; 0 = greedy: argmax of the target logits, deterministic)."""
     top_p: _builtins.float
@@ -208,6 +209,12 @@ class SamplingParams(_message.Message):
         committed and streamed (FINISH_REASON_STOP); the gateway's text ends before the string.
         """
 
+    @_builtins.property
+    def grammar(self) -> Global___GrammarConstraint:
+        """Structured output: every position, drafted or not, is sampled from the target masked to the
+        tokens the grammar allows there (drafts the grammar refuses are rejected). Unset = free text.
+        """
+
     def __init__(
         self,
         *,
@@ -225,10 +232,11 @@ class SamplingParams(_message.Message):
         min_p: _builtins.float = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         top_logprobs: _builtins.int | None = ...,
+        grammar: Global___GrammarConstraint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "seed", b"seed", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "grammar", b"grammar", "seed", b"seed", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_logprobs", b"_top_logprobs", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
@@ -240,6 +248,42 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_logprobs) -> _WhichOneofReturnType__top_logprobs | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class GrammarConstraint(_message.Message):
+    """A constraint on the output, compiled against the target's tokenizer by the verifier."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    EBNF_FIELD_NUMBER: _builtins.int
+    json_object: _builtins.bool
+    """Any JSON value (OpenAI's response_format {"type": "json_object"})."""
+    json_schema: _builtins.str
+    """A JSON schema as JSON text; strict: no properties beyond it, compact separators."""
+    regex: _builtins.str
+    """A regular expression the whole output matches."""
+    ebnf: _builtins.str
+    """An EBNF grammar (the GBNF dialect, with a rule named root)."""
+    def __init__(
+        self,
+        *,
+        json_object: _builtins.bool = ...,
+        json_schema: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        ebnf: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ebnf", b"ebnf", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ebnf", b"ebnf", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_object", "json_schema", "regex", "ebnf"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___GrammarConstraint: _TypeAlias = GrammarConstraint  # noqa: Y015
 
 @_typing.final
 class TokenLogprob(_message.Message):

@@ -137,7 +137,8 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
 class Gateway:
     """A real gateway (uvicorn + grpc.aio in one event loop) in a background thread."""
 
-    def __init__(self, tokenizer, **settings):
+    def __init__(self, tokenizer, model_id: str = MODEL, **settings):
+        self.model_id = model_id
         settings = {"http_host": "127.0.0.1", "http_port": 0, "grpc_host": "127.0.0.1", "grpc_port": 0,
                     "shutdown_grace_s": 0.5, "poll_interval_s": 60.0, **settings}
         self.settings = GatewaySettings(**settings)
@@ -158,7 +159,7 @@ class Gateway:
 
     async def _main(self, tokenizer) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        self.core = GatewayCore(self.settings, tokenizer, model_id=MODEL, max_context_tokens=512,
+        self.core = GatewayCore(self.settings, tokenizer, model_id=self.model_id, max_context_tokens=512,
                                 clients=RpcClients(self.settings.tls))
 
         def ready(http_port: int, grpc_port: int) -> None:

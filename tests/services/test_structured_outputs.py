@@ -1,0 +1,98 @@
+"""Structured output through the whole stack on the embedded SmolLM2 (real verifier, real drafter,
+real gateway, the official `openai` client): `response_format` json_schema parsed by the client's
+`parse` helper, json_object, and Tandem's regex grammar, each with speculation on giving exactly the
+text of plain decoding."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pydantic
+import pytest
+import redis
+
+from tandem.serving.residency import ResidencyPublisher
+from tandem.services.drafter.core import DrafterCore
+from tandem.services.drafter.server import build_server as build_drafter
+from tandem.services.drafter.settings import DrafterSettings
+from tandem.services.verifier.core import VerifierCore
+from tandem.services.verifier.drafter_client import GrpcDrafterConnector
+from tandem.services.verifier.server import build_server as build_verifier
+from tandem.services.verifier.settings import VerifierSettings
+
+from smollm_fixture import smollm  # noqa: F401 (fixture)
+from test_gateway import Gateway
+
+pytestmark = pytest.mark.slow
+
+
+class City(pydantic.BaseModel):
+    name: str
+    country: str
+    population_millions: float
+
+
+@pytest.fixture(scope="module")
+def stack(smollm, redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    dcore = DrafterCore(DrafterSettings(drafter_id="d0"))
+    dserver, dport = build_drafter(dcore)
+    dserver.start()
+    drafter = f"127.0.0.1:{dport}"
+    core = VerifierCore(VerifierSettings(verifier_id="v0", port=0, draft_wait_ms=200, drafters=(drafter,)),
+                        smollm, publisher=ResidencyPublisher(redis_url), connector=GrpcDrafterConnector())
+    server, port, _ = build_verifier(core)
+    server.start()
+    core.start(f"127.0.0.1:{port}")
+    gw = Gateway(smollm.tokenizer, model_id=smollm.model_id, verifiers=(f"127.0.0.1:{port}",), drafters=(drafter,),
+                 poll_interval_s=0.3)
+    time.sleep(0.5)
+    yield gw
+    gw.close()
+    server.stop(None)
+    core.stop()
+    dserver.stop(None)
+
+
+MESSAGES = [{"role": "user", "content": "Give the largest city of Japan as JSON with its name, country and "
+                                        "population in millions."}]
+
+
+def _spec(strategy):
+    return {"speculation": {"strategy": strategy, "adaptive": False, "max_draft_tokens": 6}}
+
+
+def test_json_schema_with_the_clients_parse_helper(stack):
+    texts = {}
+    for strategy in ("none", "ngram"):
+        reply = stack.openai.chat.completions.parse(model="default", messages=MESSAGES, response_format=City,
+                                                    max_tokens=60, temperature=0, extra_body=_spec(strategy))
+        msg = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "stop", msg.content
+        assert isinstance(msg.parsed, City) and msg.parsed.name
+        texts[strategy] = msg.content
+        assert reply.usage.model_extra["speculation"]["drafted"] > 0 or strategy == "none"
+    assert texts["ngram"] == texts["none"]
+
+
+def test_json_object_and_regex(stack):
+    for body in ({"response_format": {"type": "json_object"}},
+                 {"grammar": {"type": "regex", "value": r"(Tokyo|Osaka|Kyoto), [A-Z][a-z]+\."}}):
+        outs = []
+        for strategy in ("none", "ngram"):
+            reply = stack.openai.chat.completions.create(model="default", messages=MESSAGES, max_tokens=40,
+                                                         temperature=0, extra_body={**body, **_spec(strategy)})
+            outs.append(reply.choices[0].message.content)
+        assert outs[0] == outs[1]
+        if "response_format" in body:
+            json.loads(outs[0])
+        else:
+            assert outs[0].split(",")[0] in ("Tokyo", "Osaka", "Kyoto") and outs[0].endswith(".")
+
+
+def test_a_bad_schema_is_a_400(stack):
+    r = stack.http.post("/v1/chat/completions", json={
+        "model": "default", "messages": MESSAGES, "max_tokens": 4,
+        "grammar": {"type": "regex", "value": "(unclosed"}})
+    assert r.status_code == 400 and "does not compile" in r.json()["error"]["message"]
