@@ -21,10 +21,12 @@ anything streamed is replaced by the next candidate (safe, since the context tra
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
 import time
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -114,6 +116,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     top_logprobs: int | None = None  # logprobs with this many alternatives; None = none
     grammar: Grammar | None = None  # structured output (response_format, or a regex / EBNF)
+    # Internal (n > 1): route to this verifier, which holds the prompt's KV from a warm-up turn.
+    prefer_verifier: str | None = None
     strategy: str | None = None  # "none" | "ngram" | "model" | "hybrid"
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
@@ -218,6 +222,7 @@ class GatewayStats:
 
 @dataclass(frozen=True)
 class _Prepared:
+    prefer_verifier: str | None  # GenerationRequest.prefer_verifier
     session_id: str | None  # the client's name for it
     key: str | None  # the session's id inside the system: scoped by tenant (session_key)
     tenant: Tenant
@@ -493,6 +498,38 @@ class GatewayCore:
         finally:
             self.metrics.request(status)
 
+    MAX_CHOICES = 8
+
+    async def generate_choices(self, req: GenerationRequest, n: int) -> list[list[Chunk]]:
+        """`n` completions of one prompt (OpenAI's `n`), each a list of chunks. The prompt is
+        prefilled once: a one-token warm-up turn leaves its KV resident on a verifier, and the n
+        choices run there concurrently as one-off requests that copy it (the verifier shares a
+        resident prefix of the same tenant). A seeded request gives choice i the seed + i."""
+        if not 1 <= n <= self.MAX_CHOICES:
+            raise InvalidRequest(f"n must be 1 to {self.MAX_CHOICES}, got {n}")
+        if n > 1 and req.session_id:
+            raise InvalidRequest("n > 1 makes several continuations; a session continues one: drop the session id")
+
+        async def collect(r: GenerationRequest) -> list[Chunk]:
+            async with aclosing(self.generate(r)) as chunks:
+                return [c async for c in chunks]
+
+        if n == 1:
+            return [await collect(req)]
+        warm_id = f"n-{uuid.uuid4().hex}"
+        warm = dataclasses.replace(req, session_id=warm_id, max_tokens=1, strategy="none", stop=(),
+                                   top_logprobs=None, grammar=None, stop_token_ids=(), ignore_eos=True)
+        warmed = await collect(warm)
+        self.sessions.pop(session_key(req.tenant, warm_id))  # the verifier keeps the KV until it evicts it
+        choices = [dataclasses.replace(req, prefer_verifier=warmed[-1].verifier_id,
+                                       seed=None if req.seed is None else req.seed + i) for i in range(n)]
+        tasks = [asyncio.ensure_future(collect(c)) for c in choices]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failed (or the client left): stop the others too
+            for t in tasks:
+                t.cancel()
+
     async def _prepare(self, req: GenerationRequest) -> _Prepared:
         # "default" names whatever this deployment serves, so scripts need not know the model id.
         if req.model and req.model not in (self.model_name, self.model_id, "default"):
@@ -573,7 +610,7 @@ class GatewayCore:
         timeout = self.settings.request_timeout_s
         if req.timeout_s is not None:
             timeout = min(timeout, req.timeout_s)
-        return _Prepared(sid, key, tenant, context, sampling, spec, timeout)
+        return _Prepared(req.prefer_verifier, sid, key, tenant, context, sampling, spec, timeout)
 
     def _continued(self, sid: str | None, key: str | None) -> list[int]:
         """Neither prompt nor messages: continue the session from its history."""
@@ -622,6 +659,8 @@ class GatewayCore:
         affinity = None
         if session is not None and session.verifier_id is not None:
             affinity = (session.verifier_id, common_prefix_len(session.token_ids, prep.context_ids))
+        elif prep.prefer_verifier is not None:
+            affinity = (prep.prefer_verifier, len(prep.context_ids))
         route = functools.partial(
             self._policy.route, prep.key, prep.context_ids, candidates,
             model_id=self.model_id, exclude=exclude, inflight=inflight, affinity=affinity,

@@ -37,8 +37,10 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   "json_schema": {"name", "schema", "strict"}}` (always strict), or Tandem's `grammar`:
   `{"type": "regex" | "ebnf", "value": ...}`. The verifier masks the target to the grammar at every
   position, drafted or not (tandem.engine.grammar): output as constrained plain decoding makes it.
-- Refused with 400 and a message saying so, rather than silently ignored: `n` > 1, and any other
-  field this server does not know (`tools`, ...). Render tool schemas
+- `n` (up to 8, without streaming): the prompt is prefilled once and the choices copy its KV on one
+  verifier; a seeded request gives choice i the seed + i.
+- Refused with 400 and a message saying so, rather than silently ignored: any other field this
+  server does not know (`tools`, ...). Render tool schemas
   into the system message instead.
 - `usage` adds `prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused) and
   `speculation` {drafted, accepted, recovered, bonus, steps, mean_accepted_len, acceptance_rate,
@@ -220,8 +222,8 @@ class _CommonBody(_Strict):
         return Grammar(kind="json_schema", value=json.dumps(rf.json_schema.schema_, sort_keys=True))
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise errors.InvalidRequest(f"n must be 1 (one choice per request), got {self.n}")
+        if self.n not in (None, 1) and self.stream:
+            raise errors.InvalidRequest("n > 1 is served without streaming (set stream to false)")
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -459,14 +461,24 @@ class _Format:
                 "logprobs": logprobs}
 
     def whole(self, chunks: list[Chunk]) -> dict:
-        last = chunks[-1]
-        text = "".join(c.text for c in chunks)
-        asked = any(c.logprobs is not None for c in chunks)
-        logprobs = self._logprobs([t for c in chunks for t in c.logprobs or ()], text) if asked else None
-        return self._envelope(
-            [self._choice(text, last.finish_reason.value, stream=False, logprobs=logprobs)], stream=False,
-            usage=usage_dict(last), tandem=tandem_dict(last, self.session_id),
-        )
+        return self.whole_choices([chunks])
+
+    def whole_choices(self, choices: list[list[Chunk]]) -> dict:
+        """The response of one or more complete choices (n > 1): choice i at index i; usage counts
+        the prompt once and every choice's completion; speculation and routing are choice 0's."""
+        out = []
+        for i, chunks in enumerate(choices):
+            text = "".join(c.text for c in chunks)
+            asked = any(c.logprobs is not None for c in chunks)
+            self._before, self.offset = [], 0
+            logprobs = self._logprobs([t for c in chunks for t in c.logprobs or ()], text) if asked else None
+            choice = self._choice(text, chunks[-1].finish_reason.value, stream=False, logprobs=logprobs)
+            out.append({**choice, "index": i})
+        last = choices[0][-1]
+        usage = usage_dict(last)
+        completion = sum(c[-1].usage.completion_tokens for c in choices)
+        usage.update(completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
+        return self._envelope(out, stream=False, usage=usage, tandem=tandem_dict(last, self.session_id))
 
     def events(self, chunk: Chunk, *, first: bool) -> list[dict]:
         out = []
@@ -520,6 +532,12 @@ async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, 
                   core.tokenizer)
     session_id_var.set(req.session_id)  # before the tasks below copy this request's context
     chunks = core.generate(req)
+    if not body.stream and (body.n or 1) > 1:
+        await chunks.aclose()  # n > 1: the core runs the choices itself
+        try:
+            return JSONResponse(fmt.whole_choices(await _unless_disconnected(request, core.generate_choices(req, body.n))))
+        except _ClientGone:
+            return Response(status_code=499)
     if not body.stream:
         async def collect() -> list[Chunk]:
             async with aclosing(chunks):

@@ -298,3 +298,25 @@ def test_logprobs_over_grpc(chain, tiny_loaded):
     plain = list(gw.stub.Generate(gateway_pb2.GenerateRequest(
         prompt="the answer is", sampling=common_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True)), timeout=30))
     assert not any(m.logprobs for m in plain)  # only when asked
+
+
+def test_n_choices_share_the_prompts_kv_and_replay_their_seeds(chain, tiny_loaded):
+    """n = 3 sampled choices: each is the in-process plain sampling with seed + i, the prompt is
+    prefilled once (the choices report its KV as cached), and n > 1 is refused with a session."""
+    gw, _ = chain
+    ctx = apply_chat_template(tiny_loaded.tokenizer, MESSAGES) * 3  # > 32 tokens: worth sharing
+    reply = gw.openai.completions.create(model="tiny", prompt=ctx, max_tokens=12, temperature=0.8, seed=5, n=3,
+                                         extra_body={"ignore_eos": True, "speculation": {"strategy": "none"}})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    engine = Engine(tiny_loaded)
+    for i, choice in enumerate(reply.choices):
+        expected = engine.generate(ctx, SamplingParams(temperature=0.8, seed=5 + i, max_new_tokens=12, ignore_eos=True),
+                                   SpecConfig(strategy=DraftStrategy.none)).token_ids
+        assert choice.text == tiny_loaded.tokenizer.decode(expected, skip_special_tokens=True), i
+    assert len({c.text for c in reply.choices}) > 1, "different seeds, different samples"
+    assert reply.usage.completion_tokens == 36 and reply.usage.prompt_tokens == len(ctx)
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 32, "the choices reused the warm-up's prompt KV"
+    r = gw.http.post("/v1/completions", json={"prompt": "x", "n": 2}, headers={"X-Session-Id": "s"})
+    assert r.status_code == 400 and "session" in r.json()["error"]["message"]
+    r = gw.http.post("/v1/completions", json={"prompt": "x", "n": 2, "stream": True})
+    assert r.status_code == 400

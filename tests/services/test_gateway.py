@@ -361,7 +361,7 @@ def test_malformed_requests_get_400_and_the_server_keeps_serving(stack) -> None:
         ({"messages": msgs, "logit_bias": {"5": 200}}, "logit_bias"),
         ({"messages": msgs, "logit_bias": {"99999": 1}}, "outside the vocabulary"),
         ({"messages": msgs, "presence_penalty": 3}, "presence_penalty"),
-        ({"messages": msgs, "n": 2}, "n must be 1"),
+        ({"messages": msgs, "n": 9}, "n must be 1 to 8"),
         ({"messages": msgs, "top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": msgs, "tools": []}, "'tools' is not supported"),
