@@ -313,6 +313,7 @@ def bench(
     hf_lookup_tokens: Annotated[int, typer.Option("--hf-lookup-tokens", help="prompt_lookup_num_tokens of the hf-prompt-lookup mode.", min=1)] = 10,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write PNG plots (speedup, acceptance by position, accepted length, tokens/s) into this directory.", file_okay=False)] = None,
     endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="Benchmark a running stack through its gateway's gRPC address (HOST:PORT) instead of in process.")] = None,
+    response_format: Annotated[Optional[str], typer.Option("--response-format", help="Constrain every output: 'json_object' (any JSON), or a JSON schema file (strict). Speculation runs under the grammar; the hf-* modes cannot.")] = None,
     ca: Annotated[Optional[Path], typer.Option("--ca", exists=True, dir_okay=False, help="With --endpoint: the gateway speaks TLS with a certificate from this CA (`tandem up --tls` prints it).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TANDEM_API_KEY", help="With --endpoint: the gateway's API key.")] = None,
     curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Measure the machine's cost curve (`tandem calibrate`, 100 and 1,000 tokens of context) before the run and record it in the report (in process only).")] = True,
@@ -335,7 +336,10 @@ def bench(
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     try:
         records = load_prompts(resolve_dataset(dataset), limit)
-        sampling = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
+        grammar = _grammar_option(response_format)
+        if grammar is not None and any(m.startswith("hf-") for m in mode_list):
+            raise ValueError("--response-format: transformers' modes (hf-*) run without a grammar; leave them out")
+        sampling = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, grammar=grammar)
         spec = SpecConfig(max_draft_tokens=max_draft_tokens, adaptive=adaptive)
     except ValueError as exc:
         _fail(str(exc))
@@ -364,6 +368,8 @@ def bench(
     except ValueError as exc:
         _fail(str(exc))
     result["config"]["dataset"] = str(dataset)
+    if response_format:
+        result["config"]["response_format"] = response_format
     console = Console(stderr=True)
     if "cost_curve" in result["config"].get("machine", {}):
         from tandem.tools.calibrate import MachineCurve, format_curve
@@ -834,6 +840,22 @@ def demo(
 
     _run_stack(StackConfig(model=model, http_port=http_port, grpc_port=grpc_port, log_level=log_level),
                demo_request=True)
+
+
+def _grammar_option(value: str | None):
+    """--response-format: None, 'json_object', or a JSON schema file."""
+    if value is None:
+        return None
+    from tandem.engine.config import Grammar
+
+    if value == "json_object":
+        return Grammar(kind="json_object")
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--response-format is 'json_object' or a JSON schema file; {value!r} is neither")
+    from tandem.engine.grammar import parse_json_schema
+
+    return Grammar(kind="json_schema", value=parse_json_schema(path.read_text()))
 
 
 def _client_hint(stack, cfg) -> str:

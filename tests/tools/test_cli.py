@@ -203,6 +203,27 @@ def test_bench_writes_the_documented_report(tiny_dir, tmp_path) -> None:
     assert set(curve["curve_ms"]) == {"100", "1000"} and curve["bound_ms"] > 0
 
 
+def test_bench_under_a_grammar(tiny_dir, tmp_path) -> None:
+    """--response-format: every mode runs under the grammar, lossless against constrained plain
+    decoding; a schema file works too; transformers' modes are refused with it."""
+    dataset = tmp_path / "p.jsonl"
+    dataset.write_text(json.dumps({"prompt": "json tool call name arguments value"}) + "\n")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"]}))
+    for fmt in ("json_object", str(schema)):
+        report = tmp_path / "g.json"
+        res = invoke("bench", "-m", str(tiny_dir), "-d", str(dataset), "-n", "12", "--modes", "ar,ngram",
+                     "--no-curve", "--response-format", fmt, "--out", str(report), *THREADS)
+        assert res.exit_code == 0, res.output
+        result = json.loads(report.read_text())
+        assert result["config"]["response_format"] == fmt and result["modes"]["ngram"]["lossless"] == 1.0
+    res = invoke("bench", "-m", str(tiny_dir), "-d", str(dataset), "--modes", "ar,hf-ar", "--no-curve",
+                 "--response-format", "json_object", *THREADS)
+    assert res.exit_code == 2 and "hf-" in res.stderr
+    res = invoke("bench", "-m", str(tiny_dir), "-d", str(dataset), "--response-format", "yaml", *THREADS)
+    assert res.exit_code == 2 and "json_object" in res.stderr
+
+
 def test_bench_refuses_an_unknown_mode(tiny_dir, tmp_path) -> None:
     dataset = tmp_path / "p.jsonl"
     dataset.write_text(json.dumps({"prompt": "hi"}) + "\n")
