@@ -44,6 +44,7 @@ from tandem.engine.models import apply_chat_template
 from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
 from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingPolicy, RoutingReason
+from tandem.services.gateway import tools
 from tandem.services.gateway.auth import OPEN, KeyringFile, Tenant, TenantLimiter, bearer_key
 from tandem.services.gateway.errors import (
     InvalidRequest,
@@ -116,6 +117,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     top_logprobs: int | None = None  # logprobs with this many alternatives; None = none
     grammar: Grammar | None = None  # structured output (response_format, or a regex / EBNF)
+    # Tools the model may call (services/gateway/tools.py), already checked; rendered into the prompt.
+    tool_functions: tuple = ()
     # Internal (n > 1): route to this verifier, which holds the prompt's KV from a warm-up turn.
     prefer_verifier: str | None = None
     strategy: str | None = None  # "none" | "ngram" | "model" | "hybrid"
@@ -634,7 +637,10 @@ class GatewayCore:
                 if not isinstance(m.get("content"), str):
                     raise InvalidRequest(f"messages[{i}].content must be a string")
             try:
-                context = apply_chat_template(self.tokenizer, req.messages)
+                uses_tools = req.tool_functions or any(m.get("tool_calls") or m.get("role") == "tool"
+                                                       for m in req.messages)
+                context = (tools.render(self.tokenizer, req.messages, list(req.tool_functions), apply_chat_template)
+                           if uses_tools else apply_chat_template(self.tokenizer, req.messages))
             except Exception as exc:  # the template's own checks (role order, unknown roles)
                 raise InvalidRequest(f"the model's chat template cannot render these messages: {exc}") from None
         elif isinstance(req.prompt, str):

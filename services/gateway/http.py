@@ -39,9 +39,11 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   position, drafted or not (tandem.engine.grammar): output as constrained plain decoding makes it.
 - `n` (up to 8, without streaming): the prompt is prefilled once and the choices copy its KV on one
   verifier; a seeded request gives choice i the seed + i.
+- `tools`, `tool_choice` (auto / none / required / a named function), `parallel_tool_calls`
+  (services/gateway/tools.py): calls in `message.tool_calls`, finish_reason "tool_calls"; a stream
+  holds the text back and sends `delta.tool_calls` when the calls are complete.
 - Refused with 400 and a message saying so, rather than silently ignored: any other field this
-  server does not know (`tools`, ...). Render tool schemas
-  into the system message instead.
+  server does not know (`functions`, ...).
 - `usage` adds `prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused) and
   `speculation` {drafted, accepted, recovered, bonus, steps, mean_accepted_len, acceptance_rate,
   plain_steps, fallback_steps, rejected_blocks}. Streams send it in a last chunk when
@@ -80,6 +82,7 @@ from tandem.engine.config import Grammar
 from tandem.services.gateway.auth import Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest, clip
 from tandem.services.gateway import errors
+from tandem.services.gateway import tools as tools_mod
 from tandem.serving.telemetry import instrument_http_app
 
 SESSION_HEADER = "X-Session-Id"
@@ -207,8 +210,12 @@ class _CommonBody(_Strict):
     response_format: ResponseFormat | None = None
     grammar: GrammarOption | None = None  # Tandem's extension
 
-    def grammar_constraint(self) -> Grammar | None:
+    def grammar_constraint(self, tool_mode: str = "none", fns: list | None = None) -> Grammar | None:
         rf = self.response_format
+        if tool_mode == "required":
+            if (rf is not None and rf.type != "text") or self.grammar is not None:
+                raise errors.InvalidRequest("a required tool call is its own grammar: drop response_format / grammar")
+            return tools_mod.call_grammar(fns)
         if rf is not None and rf.type != "text" and self.grammar is not None:
             raise errors.InvalidRequest("give response_format or grammar, not both")
         if self.grammar is not None:
@@ -244,6 +251,15 @@ class ChatCompletionBody(_CommonBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # accepted: "auto" parses every call the model writes
+
+    def tool_setup(self) -> tuple[list[dict], str]:
+        """(the functions the model may call, "none" | "auto" | "required")."""
+        if not self.tools and self.tool_choice in (None, "none", "auto"):
+            return [], "none"
+        return tools_mod.chosen(self.tools or [], self.tool_choice)
 
     def logprob_count(self) -> int | None:
         """OpenAI's chat form: logprobs true, with top_logprobs alternatives (0 to 20)."""
@@ -340,7 +356,8 @@ def _session_id(request: Request, body: _CommonBody) -> str | None:
     return sid
 
 
-def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, **input_fields) -> GenerationRequest:
+def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, *, tool_mode: str = "none",
+                    fns: list | None = None, **input_fields) -> GenerationRequest:
     max_tokens = body.max_tokens
     extra_max = getattr(body, "max_completion_tokens", None)
     if extra_max is not None:
@@ -365,7 +382,8 @@ def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, **input
         min_p=body.min_p,
         stop=body.stop_strings(),
         top_logprobs=body.logprob_count(),
-        grammar=body.grammar_constraint(),
+        grammar=body.grammar_constraint(tool_mode, fns),
+        tool_functions=tuple(fns or ()),
         strategy=spec.strategy,
         max_draft_tokens=spec.max_draft_tokens,
         adaptive=spec.adaptive,
@@ -407,8 +425,11 @@ def tandem_dict(chunk: Chunk, session_id: str | None) -> dict:
 class _Format:
     """OpenAI's shapes for one endpoint: chat.completion(.chunk) or text_completion."""
 
-    def __init__(self, chat: bool, model: str, session_id: str | None, include_usage: bool, tokenizer=None):
+    def __init__(self, chat: bool, model: str, session_id: str | None, include_usage: bool, tokenizer=None,
+                 tools: tuple[list, str] = ([], "none")):
         self.chat, self.model, self.session_id, self.include_usage = chat, model, session_id, include_usage
+        self.fns, self.tool_mode = tools  # with tools, the text is parsed for calls at the end
+        self._held_text: list[str] = []  # streamed text held back until the calls are known
         self.tokenizer = tokenizer  # for the text of tokens in logprobs
         self.offset = 0  # characters of text before the next chunk (completions' text_offset)
         self._before: list[int] = []  # tokens whose logprobs were formatted (the context of the next)
@@ -473,6 +494,12 @@ class _Format:
             self._before, self.offset = [], 0
             logprobs = self._logprobs([t for c in chunks for t in c.logprobs or ()], text) if asked else None
             choice = self._choice(text, chunks[-1].finish_reason.value, stream=False, logprobs=logprobs)
+            if self.tool_mode != "none":
+                content, calls = tools_mod.parse(text, self.fns, self.tool_mode)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content,
+                                         "tool_calls": [_call_dict(c) for c in calls]}
+                    choice["finish_reason"] = "tool_calls"
             out.append({**choice, "index": i})
         last = choices[0][-1]
         usage = usage_dict(last)
@@ -481,6 +508,8 @@ class _Format:
         return self._envelope(out, stream=False, usage=usage, tandem=tandem_dict(last, self.session_id))
 
     def events(self, chunk: Chunk, *, first: bool) -> list[dict]:
+        if self.chat and self.tool_mode != "none":
+            return self._tool_events(chunk, first=first)
         out = []
         if first and self.chat:
             out.append(self._envelope([self._choice("", None, stream=True, role=True)], stream=True))
@@ -498,6 +527,34 @@ class _Format:
             if self.include_usage:
                 out.append(self._envelope([], stream=True, usage=usage_dict(chunk)))
         return out
+
+
+    def _tool_events(self, chunk: Chunk, *, first: bool) -> list[dict]:
+        """With tools the text is held until the end, where the calls in it are known: then the
+        content left (if any) and `delta.tool_calls` go out, and finish_reason tool_calls."""
+        out = []
+        if first:
+            out.append(self._envelope([self._choice("", None, stream=True, role=True)], stream=True))
+        self._held_text.append(chunk.text)
+        if chunk.finish_reason is None:
+            return out
+        content, calls = tools_mod.parse("".join(self._held_text), self.fns, self.tool_mode)
+        if content:
+            out.append(self._envelope([self._choice(content, None, stream=True)], stream=True))
+        if calls:
+            delta = {"tool_calls": [{"index": i, **_call_dict(c)} for i, c in enumerate(calls)]}
+            out.append(self._envelope([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}],
+                                      stream=True))
+        finish = "tool_calls" if calls else chunk.finish_reason.value
+        out.append(self._envelope([self._choice("", finish, stream=True)], stream=True,
+                                  tandem=tandem_dict(chunk, self.session_id)))
+        if self.include_usage:
+            out.append(self._envelope([], stream=True, usage=usage_dict(chunk)))
+        return out
+
+
+def _call_dict(call: "tools_mod.ToolCall") -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _sse(data: dict | str) -> str:
@@ -527,9 +584,10 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise _ClientGone
 
 
-async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, body: _CommonBody, chat: bool) -> Response:
+async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, body: _CommonBody, chat: bool,
+                   tools: tuple[list, str] = ([], "none")) -> Response:
     fmt = _Format(chat, core.model_name, req.session_id, bool(body.stream_options and body.stream_options.include_usage),
-                  core.tokenizer)
+                  core.tokenizer, tools)
     session_id_var.set(req.session_id)  # before the tasks below copy this request's context
     chunks = core.generate(req)
     if not body.stream and (body.n or 1) > 1:
@@ -598,7 +656,9 @@ def create_app(core: GatewayCore) -> FastAPI:
         tenant = tenant_of(request)  # before the body is read: an anonymous caller costs nothing
         body = await _parse(request, ChatCompletionBody, max_bytes)
         messages = [m.as_template_dict() for m in body.messages]
-        return await _respond(request, core, _domain_request(request, body, tenant, messages=messages), body, chat=True)
+        fns, mode = body.tool_setup()
+        req = _domain_request(request, body, tenant, tool_mode=mode, fns=fns, messages=messages)
+        return await _respond(request, core, req, body, chat=True, tools=(fns, mode))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -96,3 +96,46 @@ def test_a_bad_schema_is_a_400(stack):
         "model": "default", "messages": MESSAGES, "max_tokens": 4,
         "grammar": {"type": "regex", "value": "(unclosed"}})
     assert r.status_code == 400 and "does not compile" in r.json()["error"]["message"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_required_and_named_tool_calls_with_speculation_equal_plain(stack):
+    for choice, name in (("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")):
+        calls = []
+        for strategy in ("none", "ngram"):
+            reply = stack.openai.chat.completions.create(model="default", messages=ASK, tools=[WEATHER, TIME],
+                                                         tool_choice=choice, max_tokens=60, temperature=0,
+                                                         extra_body=_spec(strategy))
+            assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
+            call = reply.choices[0].message.tool_calls[0]
+            assert call.type == "function" and call.function.name in ("get_weather", "get_time")
+            if name:
+                assert call.function.name == name
+            args = json.loads(call.function.arguments)
+            assert "city" in args
+            calls.append((call.function.name, call.function.arguments))
+        assert calls[0] == calls[1], "speculation changed the call"
+
+
+def test_streamed_tool_call_and_a_second_turn_with_its_result(stack):
+    stream = stack.openai.chat.completions.create(model="default", messages=ASK, tools=[WEATHER],
+                                                  tool_choice="required", max_tokens=60, temperature=0, stream=True)
+    events = list(stream)
+    deltas = [tc for e in events if e.choices for tc in (e.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather"
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "tool_calls"
+    turn2 = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": deltas[0].id, "type": "function", "function": {"name": "get_weather", "arguments": deltas[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": deltas[0].id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
+    reply = stack.openai.chat.completions.create(model="default", messages=turn2, tools=[WEATHER], max_tokens=30,
+                                                 temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
