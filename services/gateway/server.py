@@ -6,6 +6,7 @@ decides them. With API keys, Generate and ListModels need the metadata entry
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import grpc
@@ -14,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.serving.tls import server_credentials
+from tandem.services.gateway import tools
 from tandem.services.gateway.auth import OPEN, Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
 from tandem.services.gateway import errors
@@ -55,8 +57,26 @@ def _grammar(s):
         raise errors.InvalidRequest(f"sampling.grammar: {exc}") from None
 
 
+def tool_setup(msg: gateway_pb2.GenerateRequest) -> tuple[list[dict], str]:
+    """(the functions the model may call, "none" | "auto" | "required") of a request."""
+    if not msg.tools and not msg.HasField("tool_choice"):
+        return [], "none"
+    listed = []
+    for i, t in enumerate(msg.tools):
+        try:
+            params = json.loads(t.parameters_json) if t.parameters_json else None
+        except ValueError:
+            raise errors.InvalidRequest(f"tools[{i}].parameters_json is not JSON") from None
+        listed.append({"type": "function", "function": {"name": t.name, "description": t.description,
+                                                        "parameters": params}})
+    which = msg.tool_choice.WhichOneof("choice") if msg.HasField("tool_choice") else None
+    choice = (None if which is None else msg.tool_choice.mode if which == "mode"
+              else {"type": "function", "function": {"name": msg.tool_choice.function}})
+    return tools.chosen(listed, choice)
+
+
 def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | None,
-                   tenant: Tenant = OPEN) -> GenerationRequest:
+                   tenant: Tenant = OPEN, tool_fns: list[dict] | None = None, tool_mode: str = "none") -> GenerationRequest:
     which = msg.WhichOneof("input")
     fields: dict = {
         "session_id": msg.session_id or None,
@@ -87,6 +107,14 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
             top_logprobs=s.top_logprobs if s.HasField("top_logprobs") else None,
             grammar=_grammar(s),
         )
+    if tool_fns:
+        if which != "messages":
+            raise errors.InvalidRequest("tools need a chat (messages), not a raw prompt")
+        fields["tool_functions"] = tuple(tool_fns)
+        if tool_mode == "required":
+            if fields.get("grammar") is not None:
+                raise errors.InvalidRequest("a required tool call is its own grammar: drop sampling.grammar")
+            fields["grammar"] = tools.call_grammar(tool_fns)
     if msg.HasField("speculation"):
         p = msg.speculation
         if p.strategy and p.strategy not in STRATEGY_FROM_PB:
@@ -172,8 +200,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _NOT_A_MESSAGE.format("tandem.v1.GenerateRequest"))
         try:
             tenant = self._tenant(context)
-            async for chunk in self._core.generate(unpack_request(request, context.time_remaining(), tenant)):
-                yield pack_chunk(chunk)
+            fns, mode = tool_setup(request)
+            req = unpack_request(request, context.time_remaining(), tenant, fns, mode)
+            text: list[str] = []
+            async for chunk in self._core.generate(req):
+                msg = pack_chunk(chunk)
+                text.append(chunk.text)
+                if chunk.finish_reason is not None and mode != "none":
+                    _, calls = tools.parse("".join(text), fns, mode)
+                    msg.tool_calls.extend(gateway_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments)
+                                          for c in calls)
+                yield msg
         except errors.GatewayError as exc:
             await context.abort(status_code(exc), str(exc))
 

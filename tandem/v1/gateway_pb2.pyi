@@ -89,6 +89,8 @@ class GenerateRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     SPECULATION_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Ties the turns of one conversation (or agent) together for KV reuse and routing;
     empty = a one-off request, no history kept.
@@ -109,6 +111,16 @@ class GenerateRequest(_message.Message):
     def speculation(self) -> _common_pb2.SpeculationParams:
         """How to speculate; unset = server defaults."""
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """Functions the model may call (chat input only), rendered into the prompt by the chat template
+        or, for a template without tool support, by the gateway's Hermes-style convention.
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice:
+        """Whether and which tool must be called; unset = "auto" when tools are given."""
+
     def __init__(
         self,
         *,
@@ -118,16 +130,106 @@ class GenerateRequest(_message.Message):
         messages: Global___ChatMessages | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         speculation: _common_pb2.SpeculationParams | None = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "model", b"model", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "model", b"model", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "messages"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call (OpenAI's tools[].function)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name: 1 to 64 letters, digits, '_', '.' or '-'."""
+    description: _builtins.str
+    """What it does, for the model."""
+    parameters_json: _builtins.str
+    """JSON schema of its arguments, as JSON text; empty = no arguments."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters_json", b"parameters_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """Which tools the model may or must call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    FUNCTION_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    """"auto" (the model decides), "none" (no tools) or "required" (one call, enforced by a grammar)."""
+    function: _builtins.str
+    """The model must call this function (enforced by a grammar)."""
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        function: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function", b"function", "mode", b"mode"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function", b"function", "mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_choice: _TypeAlias = _typing.Literal["mode", "function"]  # noqa: Y015
+    _WhichOneofArgType_choice: _TypeAlias = _typing.Literal["choice", b"choice"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_choice) -> _WhichOneofReturnType_choice | None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A call the model made, parsed out of its output (last GenerateResponse only)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_JSON_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Id of the call, for the tool result of a later turn."""
+    name: _builtins.str
+    """The function called."""
+    arguments_json: _builtins.str
+    """Its arguments, as JSON text."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
@@ -175,6 +277,7 @@ class GenerateResponse(_message.Message):
     STATS_FIELD_NUMBER: _builtins.int
     VERIFIER_ID_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta of this chunk. It may lag token_ids while a token ends inside a UTF-8 character
     (the text arrives with a later chunk), and it never includes stop tokens.
@@ -203,6 +306,10 @@ class GenerateResponse(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """One per token_ids entry when the request set SamplingParams.top_logprobs; else empty."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The tool calls parsed out of the whole output; last message only, when the request gave tools."""
+
     def __init__(
         self,
         *,
@@ -214,10 +321,11 @@ class GenerateResponse(_message.Message):
         stats: _common_pb2.SpeculationStats | None = ...,
         verifier_id: _builtins.str = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_index", b"first_index", "logprobs", b"logprobs", "stats", b"stats", "text", b"text", "token_ids", b"token_ids", "usage", b"usage", "verifier_id", b"verifier_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_index", b"first_index", "logprobs", b"logprobs", "stats", b"stats", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage", "verifier_id", b"verifier_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

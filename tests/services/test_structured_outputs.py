@@ -139,3 +139,21 @@ def test_streamed_tool_call_and_a_second_turn_with_its_result(stack):
     reply = stack.openai.chat.completions.create(model="default", messages=turn2, tools=[WEATHER], max_tokens=30,
                                                  temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_calls_over_grpc(stack):
+    from tandem.v1 import common_pb2, gateway_pb2
+
+    tool = gateway_pb2.Tool(name="get_weather", description=WEATHER["function"]["description"],
+                            parameters_json=json.dumps(WEATHER["function"]["parameters"]))
+    req = gateway_pb2.GenerateRequest(
+        messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content=ASK[0]["content"])]),
+        sampling=common_pb2.SamplingParams(max_new_tokens=60), tools=[tool],
+        tool_choice=gateway_pb2.ToolChoice(function="get_weather"))
+    msgs = list(stack.stub.Generate(req, timeout=120))
+    calls = msgs[-1].tool_calls
+    assert len(calls) == 1 and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments_json)
+    http = stack.openai.chat.completions.create(model="default", messages=ASK, tools=[WEATHER], max_tokens=60,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                temperature=0)
+    assert json.loads(http.choices[0].message.tool_calls[0].function.arguments) == json.loads(calls[0].arguments_json)

@@ -69,3 +69,33 @@ def test_rendering_by_a_template_that_knows_tools(tiny_tokenizer):
     plain = apply_chat_template(tok, [{"role": "user", "content": "hi"}])
     assert ids != plain and tok.decode(ids).startswith("<|system|>")
     assert "call" not in tok.decode(ids)  # the template's own rendering, not the convention's preamble
+
+
+def test_grpc_tool_requests_are_checked(tiny_tokenizer):
+    import grpc
+
+    from test_gateway import FakeVerifier, Gateway
+    from tandem.v1 import gateway_pb2
+
+    v = FakeVerifier("va", tiny_tokenizer)
+    gw = Gateway(tiny_tokenizer, verifiers=(v.address,))
+    try:
+        chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="hi")])
+        bad = [
+            gateway_pb2.GenerateRequest(prompt="hi", tools=[gateway_pb2.Tool(name="f")]),  # tools need a chat
+            gateway_pb2.GenerateRequest(messages=chat, tools=[gateway_pb2.Tool(name="f", parameters_json="{no")]),
+            gateway_pb2.GenerateRequest(messages=chat, tools=[gateway_pb2.Tool(name="f")],
+                                        tool_choice=gateway_pb2.ToolChoice(function="g")),
+            gateway_pb2.GenerateRequest(messages=chat, tool_choice=gateway_pb2.ToolChoice(mode="required")),
+        ]
+        for req in bad:
+            with pytest.raises(grpc.RpcError) as err:
+                list(gw.stub.Generate(req, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+        assert v.requests == []
+        out = list(gw.stub.Generate(gateway_pb2.GenerateRequest(messages=chat, tools=[gateway_pb2.Tool(name="f")]),
+                                    timeout=10))
+        assert out[-1].finish_reason and not out[-1].tool_calls  # auto: the fake verifier's text holds no call
+    finally:
+        gw.close()
+        v.stop()
