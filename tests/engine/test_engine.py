@@ -553,7 +553,7 @@ def exact_first_two(model, ctx: list[int], top_k: int, temperature: float):
     return p1, joint
 
 
-def run_draws(engine: Engine, ctx, spec: SpecConfig, draws: int = DRAWS):
+def run_draws(engine: Engine, ctx, spec: SpecConfig, draws: int = DRAWS, **controls):
     """`draws` generations of 3 tokens, one seed each. The seeds come from a seeded RNG, not 0..N-1:
     with the model proposer, seeds 0..1499 alone gave p = 3e-5 for the first token (other blocks of
     consecutive seeds, and random seeds, gave ordinary p-values at 4x the sample), so the test keeps
@@ -562,7 +562,7 @@ def run_draws(engine: Engine, ctx, spec: SpecConfig, draws: int = DRAWS):
     drafted = accepted = recovered = 0
     rng = random.Random(20240601)
     for seed in (rng.getrandbits(62) for _ in range(draws)):
-        sampling = SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_new_tokens=3, ignore_eos=True)
+        sampling = SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_new_tokens=3, ignore_eos=True, **controls)
         res = engine.generate(ctx, sampling, spec)
         firsts.append(res.token_ids[0])
         pairs.append(tuple(res.token_ids[:2]))

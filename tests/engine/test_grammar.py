@@ -11,7 +11,6 @@ applied to the target at every verified position, drafted or not.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from tandem.engine.config import Grammar, SamplingParams, SpecConfig
 from tandem.engine.grammar import Constraint, GrammarError, compile_grammar
 from tandem.engine.spec import Engine
 
-from test_engine import DRAWS, P_MIN, chi_square_p_values, full_logits  # noqa: F401
+from test_engine import DRAWS, P_MIN, chi_square_p_values, full_logits, run_draws  # noqa: F401
 from test_engine import contexts, near, sharp  # noqa: F401
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -101,18 +100,8 @@ def _masked_first_two(model, tokenizer, vocab, ctx, grammar, top_k):
 def test_sampled_speculation_under_a_grammar_follows_the_constrained_target(sharp, near, contexts):
     grammar = Grammar(kind="regex", value=r"(yes|no|maybe|true|false|none)[a-z]{0,40}")
     ctx = contexts["prose"]
-    engine = Engine(sharp, near)
     spec = SpecConfig(strategy="model", adaptive=False, max_draft_tokens=4)
-    firsts, pairs = [], []
-    drafted = accepted = 0
-    rng = random.Random(11)
-    for seed in (rng.getrandbits(62) for _ in range(DRAWS)):
-        res = engine.generate(ctx, SamplingParams(temperature=1.0, top_k=4, seed=seed, max_new_tokens=3,
-                                                  ignore_eos=True, grammar=grammar), spec)
-        firsts.append(res.token_ids[0])
-        pairs.append(tuple(res.token_ids[:2]))
-        drafted += res.stats.drafted
-        accepted += res.stats.accepted
+    firsts, pairs, (drafted, accepted, _) = run_draws(Engine(sharp, near), ctx, spec, DRAWS, grammar=grammar)
     assert drafted > 0 and accepted > 0
     # Every draw is in the grammar's language (its first tokens spell a prefix of an allowed word),
     # which the unconstrained model's top-4 are not: the mask is what is being tested.

@@ -20,7 +20,7 @@ from tandem.engine.config import SamplingParams, SpecConfig
 from tandem.engine.sampling import adjust_logits, logits_to_probs
 from tandem.engine.spec import Engine
 
-from test_engine import DRAWS, P_MIN, chi_square_p_values, full_logits  # noqa: F401 (fixtures below)
+from test_engine import DRAWS, P_MIN, chi_square_p_values, full_logits, run_draws  # noqa: F401 (fixtures below)
 from test_engine import contexts, near, sharp, sampling_context  # noqa: F401
 
 CONTROLS = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3,
@@ -111,18 +111,8 @@ def _exact_first_two(model, ctx, params, top_k):
 def test_sampled_speculation_with_penalties_follows_the_penalised_target(sharp, near, sampling_context):
     ctx = sampling_context
     controls = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias=((ctx[-1], 1.0),))
-    engine = Engine(sharp, near)
     spec = SpecConfig(strategy="model", adaptive=False, max_draft_tokens=4)
-    firsts, pairs = [], []
-    drafted = accepted = 0
-    rng = random.Random(7)
-    for seed in (rng.getrandbits(62) for _ in range(DRAWS)):
-        sampling = SamplingParams(temperature=1.0, top_k=4, seed=seed, max_new_tokens=3, ignore_eos=True, **controls)
-        res = engine.generate(ctx, sampling, spec)
-        firsts.append(res.token_ids[0])
-        pairs.append(tuple(res.token_ids[:2]))
-        drafted += res.stats.drafted
-        accepted += res.stats.accepted
+    firsts, pairs, (drafted, accepted, _) = run_draws(Engine(sharp, near), ctx, spec, DRAWS, **controls)
     assert drafted >= DRAWS and 0 < accepted < drafted
     p1, joint = _exact_first_two(sharp.model, ctx, SamplingParams(**controls), 4)
     p_first, p_joint = chi_square_p_values(firsts, pairs, p1, joint)
