@@ -47,8 +47,8 @@ log = logging.getLogger("tandem.engine.gemm")
 ROWS = tuple(range(1, 18))  # row counts of decode and verification steps (k <= 16 drafts + 1)
 LARGE = 64  # a prefill-size call, measured once; any call above 17 rows uses its choice
 SLOTS = (*ROWS, LARGE)
-PLAN_VERSION = 4  # bump when candidates or the measurement change: old cached plans are ignored
-COLD_BYTES = 96 << 20  # weights rotated through per measurement: above any L3 here, so read from DRAM
+PLAN_VERSION = 5  # bump when candidates or the measurement change: old cached plans are ignored
+MIN_COLD_BYTES = 96 << 20  # the least rotated through per measurement (above a common L3)
 PAD_GAIN = 0.85  # pad a call to more rows only when that measured at least 15% faster: smaller
 # gains did not survive the whole forward (3 rows padded to 6 measured 6% faster alone, ~10% slower
 # in the model on the EPYC host), while 2 rows padded to 3-6 (17% alone) was faster there too
@@ -170,12 +170,42 @@ def forced_plan(path: GemmPath, shapes: list[tuple[int, int]]) -> GemmPlan:
                     {shape_key(s): [path.value] * len(SLOTS) for s in shapes})
 
 
+def last_level_cache_bytes() -> int:
+    """Size of this CPU's largest cache as the OS reports it (0 where unknown)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+            sizes.append(int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]] if text[-1] in "KMG" else int(text))
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return max(sizes, default=0)
+
+
+def cold_bytes(model_bytes: int) -> int:
+    """Bytes of weights to rotate through when timing a path, so that each call finds its weight
+    where the model's forward would: a step reads every weight once, so a weight comes back after
+    `model_bytes` of others. A model larger than the last-level cache reads from DRAM; rotating
+    through twice that cache (at least MIN_COLD_BYTES) reproduces it. A smaller model (tests' tiny
+    ones) stays in cache in the forward too, and is timed so.
+
+    Why not a fixed 96 MB: an Intel Xeon host here reports a 504 MB L3, where 96 MB of weights stayed
+    cached: MKL measured ~45 GB/s at 2-3 rows there, ~25 GB/s from DRAM, and the plan it chose (MKL
+    padded to 3 rows) was ~1.5x slower in the model than what it measured."""
+    return max(1, min(model_bytes, max(MIN_COLD_BYTES, 2 * last_level_cache_bytes())))
+
+
+def _bytes_of(shapes: list[tuple[int, int]]) -> int:
+    """float32 bytes of one weight of each shape: the least a model with these shapes reads a step."""
+    return sum(4 * s[0] * s[1] for s in set(shapes))
+
+
 def _time_path(path: GemmPath, weights: list[torch.Tensor], rows: int, in_features: int, reps: int) -> float:
     """Median seconds of one call of `path` at `rows` rows, each call on the next of `weights`
     (prepared layouts), so every call reads its weight from memory as in a real forward."""
     x = torch.randn(rows, in_features)
-    for w in weights:  # warm-up pass: first-call allocations, thread pool start
-        apply(path, x, w)
+    for w in weights[:2]:  # warm-up: first-call allocations, thread pool start (not a whole pass:
+        apply(path, x, w)  # with a large rotation that would be the dearest part of tuning)
     passes = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -221,8 +251,12 @@ def _prune(times: dict[GemmPath, list[float | None]]) -> list[str]:
     return out
 
 
-def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False) -> GemmPlan:
-    """Measure every candidate path for every shape at every row slot; choose per slot."""
+def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False,
+         rotate_bytes: int | None = None) -> GemmPlan:
+    """Measure every candidate path for every shape at every row slot; choose per slot. Each
+    measurement rotates through `rotate_bytes` of copies of the weight (default: one weight of
+    each shape's worth, see `cold_bytes`)."""
+    rotate = rotate_bytes or cold_bytes(_bytes_of(shapes))
     from tandem.engine.progress import progress_bar
 
     paths = candidates()
@@ -232,7 +266,7 @@ def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("measuring GEMM paths", total=len(shapes) * len(paths))
         for shape in shapes:
-            copies = max(1, min(64, COLD_BYTES // (shape[0] * shape[1] * 4)))
+            copies = max(1, rotate // (shape[0] * shape[1] * 4))
             base = [torch.randn(shape, generator=gen) * 0.05 for _ in range(copies)]
             times: dict[GemmPath, list[float | None]] = {}
             for path in paths:
@@ -281,25 +315,28 @@ _memo: dict[str, GemmPlan] = {}
 _memo_lock = threading.Lock()  # models built in two threads at once measure once, not twice
 
 
-def plan_key(shapes: list[tuple[int, int]]) -> str:
+def plan_key(shapes: list[tuple[int, int]], rotate_bytes: int | None = None) -> str:
     raw = json.dumps([PLAN_VERSION, cpu_model(), torch.__version__, torch.get_num_threads(),
                       sorted(shape_key(s) for s in shapes), [p.value for p in candidates()],
-                      gemv.source_key()])  # a changed kernel is measured again
+                      gemv.source_key(),  # a changed kernel is measured again
+                      (rotate_bytes or cold_bytes(_bytes_of(shapes))) >> 20])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def plan_for(shapes: list[tuple[int, int]]) -> GemmPlan:
+def plan_for(shapes: list[tuple[int, int]], model_bytes: int | None = None) -> GemmPlan:
     """The plan for a model with these weight shapes under the configured mode: forced, or the
-    cached measurement for this machine, or a fresh measurement (a few seconds, saved)."""
+    cached measurement for this machine, or a fresh measurement (a few seconds, saved).
+    `model_bytes`: the bytes of all the model's weights that go through the plan (see `cold_bytes`;
+    default: one weight of each shape)."""
     shapes = sorted(set(shapes))
     if GemmSettings.mode != "auto":
         return forced_plan(GemmPath(GemmSettings.mode), shapes)
     with _memo_lock:
-        return _plan_for(shapes)
+        return _plan_for(shapes, cold_bytes(model_bytes or _bytes_of(shapes)))
 
 
-def _plan_for(shapes: list[tuple[int, int]]) -> GemmPlan:
-    key = plan_key(shapes)
+def _plan_for(shapes: list[tuple[int, int]], rotate_bytes: int) -> GemmPlan:
+    key = plan_key(shapes, rotate_bytes)
     if key in _memo:
         return _memo[key]
     from tandem.engine.models import cache_dir
@@ -316,7 +353,7 @@ def _plan_for(shapes: list[tuple[int, int]]) -> GemmPlan:
     if plan is None:
         log.info("measuring GEMM paths for %d weight shapes on %s (%d threads); cached in %s",
                  len(shapes), cpu_model(), torch.get_num_threads(), path.parent)
-        plan = tune(shapes, progress=GemmSettings.progress)
+        plan = tune(shapes, progress=GemmSettings.progress, rotate_bytes=rotate_bytes)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")

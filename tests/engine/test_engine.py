@@ -31,6 +31,7 @@ from tandem.engine.config import SamplingParams, SpecConfig
 from tandem.engine.models import LoadedModel, apply_chat_template
 from tandem.engine.proposers import Draft, DraftModelProposer, NgramProposer, Proposer
 from tandem.engine.runner import ForwardCosts, TargetRunner
+from tandem.engine.llama import NativeLlama
 from tandem.engine.sampling import logits_to_probs, make_generator
 from tandem.engine.spec import Engine, FinishReason, plain_generate
 
@@ -927,3 +928,25 @@ def test_probes_back_off_and_reset() -> None:
     assert not any(c.probe("model", 3, 8) for _ in range(200))
     # Fixed block lengths never probe (they always draft the most).
     assert BlockLengthController(8, costs, AcceptanceCounts(), adaptive=False).probe("ngram", 2, 8) == 0
+
+
+def test_the_native_forwards_fused_norm_and_rope_are_the_spelled_out_arithmetic(tiny_loaded) -> None:
+    """The native forward's RMSNorm (torch's fused op) and RoPE (a roll against a sine with its first
+    half negated) give the bits of the textbook forms (transformers' Llama: rsqrt of the mean square,
+    rotate_half), so swapping them in changed no output anywhere."""
+    native = NativeLlama(tiny_loaded.model)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, generator=gen)
+    for n in (1, 2, 9, 17, 300):
+        x = torch.randn(n, 64, generator=gen) * 3
+        spelled = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + native.eps))
+        assert torch.equal(native._rms(x, w), spelled)
+        D = native.head_dim
+        positions = torch.arange(500, 500 + n)
+        cos, signed_sin = native._rope(positions)  # [n, 1, D]
+        freqs = positions.float()[:, None] * native.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], -1)  # [n, D]
+        xh = torch.randn(n, 5, D, generator=gen)  # [n, heads, D]
+        rotate_half = torch.cat([-xh[..., D // 2 :], xh[..., : D // 2]], -1)
+        textbook = xh * emb.cos()[:, None] + rotate_half * emb.sin()[:, None]
+        assert torch.equal(native._rotate(xh, cos, signed_sin), textbook)

@@ -176,3 +176,28 @@ def test_smollm_greedy_speculation_equals_plain_decoding_with_every_path(path, s
     spec = SpecConfig(strategy="ngram", adaptive=False, max_draft_tokens=8)
     _, stats = _long_greedy_equal(smollm, ctx, 96, spec)
     assert stats.accepted > 0
+
+
+def test_timing_rotates_through_enough_weights_to_leave_the_cache(monkeypatch) -> None:
+    """A path is timed on weights that come from where the model's forward finds them: a model
+    larger than the last-level cache is timed over more than that cache (so from DRAM), a small one
+    over its own size (it stays cached in the forward too)."""
+    llc = gemm.last_level_cache_bytes()
+    assert llc >= 0
+    big = 10 * max(llc, gemm.MIN_COLD_BYTES)
+    assert gemm.cold_bytes(big) >= max(2 * llc, gemm.MIN_COLD_BYTES)
+    assert gemm.cold_bytes(1 << 20) == 1 << 20
+    monkeypatch.setattr(gemm, "last_level_cache_bytes", lambda: 512 << 20)  # the Intel host's L3
+    assert gemm.cold_bytes(538 << 20) == 538 << 20 and gemm.cold_bytes(8 << 30) == 1 << 30
+    # tune() rotates through the asked bytes of copies of each shape
+    seen = {}
+
+    def record(path, weights, rows, in_features, reps):
+        seen[(weights[0].shape[0] * weights[0].shape[1], path)] = len(weights)
+        return 1e-6 * rows
+
+    monkeypatch.setattr(gemm, "_time_path", record)
+    gemm.tune([(64, 32)], rotate_bytes=64 * 32 * 4 * 10)
+    assert seen and all(n == 10 for (_, path), n in seen.items() if path in (GemmPath.mkl_nt, GemmPath.mkl_nn))
+    # the plan of a model is keyed by the bytes it rotates through (a plan measured hot is not reused)
+    assert gemm.plan_key([(64, 32)], 1 << 20) != gemm.plan_key([(64, 32)], 600 << 20)
