@@ -29,33 +29,45 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 
 
+def _key(source: Path) -> str:
+    return hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
 def source_key() -> str:
     """What identifies a build of the kernel: its source and flags (the GEMM plan is keyed by it)."""
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return _key(SOURCE)
 
 
-def _build() -> ctypes.CDLL | bool:
+def build(source: Path, label: str) -> ctypes.CDLL | None:
+    """Compile `source` with the host's compiler into the tandem cache (once per source, flags,
+    compiler and CPU) and load it; None, with the reason logged, where that is impossible here."""
     from tandem.engine.gemm import cpu_model
     from tandem.engine.models import cache_dir
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.info("no C compiler: the streaming GEMV path is not offered")
-        return False
-    key = hashlib.sha256(" ".join([source_key(), cc, cpu_model()]).encode()).hexdigest()[:16]
-    out = cache_dir() / "gemv" / f"gemv-{key}.so"
+        log.info("no C compiler: the %s is not offered", label)
+        return None
+    key = hashlib.sha256(" ".join([_key(source), cc, cpu_model()]).encode()).hexdigest()[:16]
+    out = cache_dir() / "gemv" / f"{source.stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}.so")
-        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
+        res = subprocess.run([cc, *FLAGS, str(source), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
-            log.warning("building the streaming GEMV kernel failed, the path is not offered: %s", res.stderr.strip()[:500])
-            return False
+            log.warning("building the %s failed, it is not offered: %s", label, res.stderr.strip()[:500])
+            return None
         tmp.replace(out)
     try:
-        lib = ctypes.CDLL(str(out))
+        return ctypes.CDLL(str(out))
     except OSError as exc:
-        log.warning("cannot load %s, the streaming GEMV path is not offered: %s", out, exc)
+        log.warning("cannot load %s, the %s is not offered: %s", out, label, exc)
+        return None
+
+
+def _build() -> ctypes.CDLL | bool:
+    lib = build(SOURCE, "streaming GEMV kernel")
+    if lib is None:
         return False
     fn = lib.tandem_gemv_rows
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4

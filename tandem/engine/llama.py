@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tandem.engine import attend
 from tandem.engine.gemm import GemmPlan, TunedLinear, plan_for
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -262,9 +263,13 @@ class NativeLlama:
         flat = torch.tensor([t for ids, _ in blocks for t in ids], dtype=torch.long, device=self.device)  # [N]
         positions = torch.cat([torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lens)])  # [N]
         cos, sin = self._rope(positions)  # [N, 1, D] each
+        # decode and verification blocks go through our CPU attention kernel where it is built
+        # (tandem.engine.attend: torch's reads a long cache at a third of the memory's speed); a
+        # prefill, a GPU or another dtype through torch's, with the block's causal mask
+        kernel = [attend.serves(n, D, self.dtype, self.device) for n in lens]
         masks = [
-            None if n == 1 else torch.ones(n, s + n, dtype=torch.bool, device=self.device).tril(diagonal=s)
-            for s, n in zip(starts, lens)
+            None if n == 1 or use else torch.ones(n, s + n, dtype=torch.bool, device=self.device).tril(diagonal=s)
+            for s, n, use in zip(starts, lens, kernel)
         ]
         offsets = [0]
         for n in lens:
@@ -277,21 +282,23 @@ class NativeLlama:
             if w["bqkv"] is not None:
                 qkv = qkv + w["bqkv"]
             qk = self._rotate(qkv[:, : (H + KV) * D].view(N, H + KV, D), cos, sin)  # [N, H+KV, D]
-            q = qk[:, :H].transpose(0, 1)  # [H, N, D]
+            q = qk[:, :H]  # [N, H, D]
             k = qk[:, H:].transpose(0, 1)  # [KV, N, D]
             v = qkv[:, (H + KV) * D :].view(N, KV, D).transpose(0, 1)  # [KV, N, D]
-            outs = []
+            att = torch.empty(N, H * D, dtype=x.dtype, device=self.device)  # [N, H D]
             for b, (_, cache) in enumerate(blocks):
                 a, e, s = offsets[b], offsets[b + 1], starts[b]
                 cache.k[li, :, s : s + (e - a)] = k[:, a:e]
                 cache.v[li, :, s : s + (e - a)] = v[:, a:e]
-                outs.append(F.scaled_dot_product_attention(
-                    q[:, a:e].unsqueeze(0), cache.k[li, :, : s + e - a].unsqueeze(0),
+                if kernel[b]:
+                    attend.attend(q[a:e], cache.k[li], cache.v[li], att[a:e], s, self.scale)
+                    continue
+                att[a:e] = F.scaled_dot_product_attention(
+                    q[a:e].transpose(0, 1).unsqueeze(0), cache.k[li, :, : s + e - a].unsqueeze(0),
                     cache.v[li, :, : s + e - a].unsqueeze(0), attn_mask=masks[b], scale=self.scale,
                     enable_gqa=H != KV,
-                )[0])  # [H, n_b, D]
-            att = outs[0] if len(outs) == 1 else torch.cat(outs, 1)  # [H, N, D]
-            o = w["wo"](att.transpose(0, 1).reshape(N, H * D))  # [N, hidden]
+                )[0].transpose(0, 1).reshape(e - a, H * D)  # [n_b, H D]
+            o = w["wo"](att)  # [N, hidden]
             if w["bo"] is not None:
                 o = o + w["bo"]
             x = x + o

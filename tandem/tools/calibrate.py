@@ -6,7 +6,9 @@ the engine runs it (tuned GEMM paths, tandem.engine.gemm):
 - the forward time at 1, 2, 3, 5, 9 and 17 new tokens on top of a 100 / 1,000 / 4,000-token cache;
 - the memory bandwidth (a streaming read and a copy of a 256 MB buffer, with the process's threads);
 - the bandwidth bound of a one-token step (the bytes of the weights a step reads / read bandwidth)
-  and how far the measured step is above it, and the 9-token step relative to the 1-token step.
+  and how far the measured step is above it, and the 9-token step relative to the 1-token step;
+- since a step also reads the whole KV cache (46 KB a token for SmolLM2: 184 MB at 4,000 tokens, a
+  third of the weights), the bound with the cache's bytes added, per context, and the ratio to it.
 The benchmark report carries the same record, so every figure names its machine.
 """
 
@@ -37,6 +39,8 @@ class MachineCurve:
     read_gbs_range: tuple[float, float] = (0.0, 0.0)  # before and after the curve: shared hosts drift
     curve_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # context -> rows -> ms
     gemm: dict[str, list[str]] = field(default_factory=dict)  # shape -> chosen path per row slot
+    kv_mb: dict[str, float] = field(default_factory=dict)  # context -> MB of KV cache a one-token step reads
+    attention: str = ""  # which attention kernel served decode and verification blocks
 
     def ratios(self) -> dict[str, dict[str, float]]:
         """Per context: the 1-token step over the bound, and the 9-token step over the 1-token step."""
@@ -46,7 +50,13 @@ class MachineCurve:
             if one:
                 out[ctx] = {"one_over_bound": round(one / self.bound_ms, 2),
                             "nine_over_one": round(row["9"] / one, 2) if "9" in row else None}
+                if ctx in self.kv_mb:
+                    out[ctx]["one_over_kv_bound"] = round(one / self.kv_bound_ms(ctx), 2)
         return out
+
+    def kv_bound_ms(self, ctx: str) -> float:
+        """The one-token bound at a context with the KV cache's bytes counted beside the weights'."""
+        return (self.weight_mb + self.kv_mb[ctx]) / self.read_gbs
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ratios": self.ratios()}
@@ -82,6 +92,11 @@ def weight_bytes(native) -> int:
     return total
 
 
+def kv_bytes(native, context: int) -> int:
+    """Bytes of KV cache a one-token step reads at `context` tokens: every layer's keys and values."""
+    return native.n_layers * 2 * native.n_kv * native.head_dim * context * torch.finfo(native.dtype).bits // 8
+
+
 def measure(native, *, contexts=CONTEXTS, rows=ROWS, reps: int = 7, progress: bool = True) -> MachineCurve:
     """The cost curve of a NativeLlama on this machine (a few seconds per context)."""
     from tandem.engine.progress import progress_bar
@@ -90,6 +105,11 @@ def measure(native, *, contexts=CONTEXTS, rows=ROWS, reps: int = 7, progress: bo
     wbytes = weight_bytes(native)
     curve = MachineCurve(cpu=cpu_model(), threads=torch.get_num_threads(), torch_version=torch.__version__,
                          read_gbs=0.0, copy_gbs=round(copy, 1), weight_mb=round(wbytes / 1e6, 3), bound_ms=0.0)
+    from tandem.engine import attend
+
+    kernel = attend.serves(1, native.head_dim, native.dtype, native.device)
+    curve.attention = "tandem_attend (tandem/engine/attend.c)" if kernel else "torch scaled_dot_product_attention"
+    curve.kv_mb = {str(ctx): round(kv_bytes(native, ctx) / 1e6, 3) for ctx in contexts}
     plan: GemmPlan | None = native.gemm_plan
     if plan is not None:
         curve.gemm = {k: v for k, v in plan.choice.items()}
@@ -125,17 +145,20 @@ def format_curve(curve: MachineCurve):
     rows = sorted({int(n) for r in curve.curve_ms.values() for n in r})
     table = Table(title=f"{curve.cpu}, {curve.threads} threads, torch {curve.torch_version}: forward ms by new tokens",
                   caption=(f"read {curve.read_gbs} GB/s (before/after: {curve.read_gbs_range[0]}/{curve.read_gbs_range[1]}), copy {curve.copy_gbs} GB/s; weights {curve.weight_mb:.1f} MB "
-                           f"-> one-token bound {curve.bound_ms:.2f} ms"))
+                           f"-> one-token bound {curve.bound_ms:.2f} ms; with the KV cache's bytes: the last column; "
+                           f"attention: {curve.attention}"))
     table.add_column("context", justify="right")
     for n in rows:
         table.add_column(f"{n} tok", justify="right")
     table.add_column("1 tok / bound", justify="right")
     table.add_column("9 tok / 1 tok", justify="right")
+    table.add_column("1 tok / bound with KV", justify="right")
     ratios = curve.ratios()
     for ctx, row in curve.curve_ms.items():
         r = ratios.get(ctx, {})
         table.add_row(ctx, *[f"{row[str(n)]:.1f}" if str(n) in row else "" for n in rows],
-                      f"{r.get('one_over_bound', '')}x", f"{r.get('nine_over_one', '')}x")
+                      f"{r.get('one_over_bound', '')}x", f"{r.get('nine_over_one', '')}x",
+                      f"{r['one_over_kv_bound']}x ({curve.kv_bound_ms(ctx):.1f} ms)" if "one_over_kv_bound" in r else "")
     return table
 
 
@@ -145,16 +168,23 @@ def markdown_curve(curve: dict) -> list[str]:
     lines = [
         f"Cost curve ({curve['cpu']}, {curve['threads']} threads, torch {curve['torch_version']}): target forward "
         f"in ms by new tokens and tokens of context; read bandwidth {curve['read_gbs']} GB/s, weights "
-        f"{curve['weight_mb']:.1f} MB, so a one-token step can be no faster than {curve['bound_ms']:.2f} ms.",
+        f"{curve['weight_mb']:.1f} MB, so a one-token step can be no faster than {curve['bound_ms']:.2f} ms"
+        + (f"; with the KV cache it reads too, the bound of the last column; attention: {curve['attention']}."
+           if curve.get("kv_mb") else "."),
         "",
-        "| context | " + " | ".join(f"{n} tok" for n in rows) + " | 1 tok / bound | 9 tok / 1 tok |",
-        "|---:|" + "---:|" * (len(rows) + 2),
     ]
+    kv = bool(curve.get("kv_mb"))
+    head = "| context | " + " | ".join(f"{n} tok" for n in rows) + " | 1 tok / bound | 9 tok / 1 tok |"
+    lines += [head + (" 1 tok / bound with KV |" if kv else ""), "|---:|" + "---:|" * (len(rows) + 2 + kv)]
     ratios = curve.get("ratios", {})
     for ctx, row in curve["curve_ms"].items():
         r = ratios.get(ctx, {})
         cells = [f"{row[str(n)]:.1f}" if str(n) in row else "" for n in rows]
-        lines.append(f"| {ctx} | " + " | ".join(cells) + f" | {r.get('one_over_bound', '')}x | {r.get('nine_over_one', '')}x |")
+        line = f"| {ctx} | " + " | ".join(cells) + f" | {r.get('one_over_bound', '')}x | {r.get('nine_over_one', '')}x |"
+        if kv:
+            with_kv = (curve["weight_mb"] + curve["kv_mb"][ctx]) / curve["read_gbs"] if ctx in curve["kv_mb"] else None
+            line += f" {r['one_over_kv_bound']}x ({with_kv:.1f} ms) |" if with_kv and "one_over_kv_bound" in r else " |"
+        lines.append(line)
     return lines
 
 

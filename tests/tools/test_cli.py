@@ -247,6 +247,13 @@ def test_calibrate_prints_the_curve_the_bound_and_the_gemm_plan(tiny_dir, tmp_pa
     assert record["read_gbs"] > 0 and record["bound_ms"] == pytest.approx(record["weight_mb"] / record["read_gbs"], rel=0.01, abs=1e-3)
     assert record["ratios"]["10"]["one_over_bound"] == pytest.approx(record["curve_ms"]["10"]["1"] / record["bound_ms"], rel=0.02)
     assert record["gemm"] and all(len(paths) == 18 for paths in record["gemm"].values())
+    # the KV cache a step reads: layers x (keys + values) x KV heads x head size x context x 4 bytes
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"] * 4
+    assert record["kv_mb"] == {"10": pytest.approx(10 * per_token / 1e6, abs=1e-3), "40": pytest.approx(40 * per_token / 1e6, abs=1e-3)}
+    with_kv = (record["weight_mb"] + record["kv_mb"]["40"]) / record["read_gbs"]
+    assert record["ratios"]["40"]["one_over_kv_bound"] == pytest.approx(record["curve_ms"]["40"]["1"] / with_kv, rel=0.02)
+    assert record["attention"]
     assert "GEMM paths" in res.stderr and "forward ms by new tokens" in res.stderr
 
 

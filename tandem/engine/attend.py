@@ -1,0 +1,92 @@
+"""Loads attend.c (the attention of a few query rows over a long KV cache), compiling it at first use.
+
+Built like gemv.c (tandem.engine.gemv.build: the host's compiler, `-march=native`, cached per source,
+flags and CPU). It needs AVX-512; on a CPU without it, without a compiler, or where the build fails,
+`available()` is False and the native forward keeps torch's `scaled_dot_product_attention`.
+`TANDEM_ATTENTION=torch` keeps torch's kernel everywhere (for comparison).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from tandem.engine import gemv
+
+log = logging.getLogger("tandem.engine.attend")
+
+SOURCE = Path(__file__).with_name("attend.c")
+MAX_ROWS = 32  # query rows per block it serves (decode and verification); a prefill goes to torch
+MAX_HEAD_DIM = 256
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
+
+
+def _build() -> ctypes.CDLL | bool:
+    if os.environ.get("TANDEM_ATTENTION", "auto") == "torch":
+        return False
+    lib = gemv.build(SOURCE, "CPU attention kernel")
+    if lib is None:
+        return False
+    fn = lib.tandem_attend
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                   + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot be built (or is switched off) here."""
+    global _lib
+    if _lib is not None:
+        return _lib or None
+    with _lock:
+        if _lib is None:
+            try:
+                _lib = _build()
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("the CPU attention kernel is not available: %s", exc)
+                _lib = False
+    return _lib or None
+
+
+def serves(n: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a block of `n` query rows of this head size goes through the kernel."""
+    return (device.type == "cpu" and dtype == torch.float32 and 0 < n <= MAX_ROWS and head_dim % 16 == 0
+            and head_dim <= MAX_HEAD_DIM and library() is not None)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, start: int, scale: float) -> None:
+    """Causal attention of a block's queries over one layer's cache, written into `out`.
+
+    q `# [n, H, D]` (rows may be strided; heads and dims contiguous): the queries at positions
+    start .. start+n-1; k, v `# [KV, cap, D]` contiguous, positions 0 .. start+n-1 valid; out
+    `# [n, H * D]` (rows may be strided). Query head h reads KV head h // (H // KV).
+    Same result as `F.scaled_dot_product_attention(q.transpose(0, 1), k[:, :start+n], v[:, :start+n],
+    causal mask offset by start, enable_gqa=True)`, within float32 rounding (tested).
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available on this host")
+    n, H, D = q.shape
+    KV, cap = k.shape[0], k.shape[1]
+    ok = (q.dtype == k.dtype == v.dtype == out.dtype == torch.float32 and q.stride()[1:] == (D, 1)
+          and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape and k.shape[2] == D
+          and out.stride(1) == 1 and tuple(out.shape) == (n, H * D) and H % KV == 0 and 0 < n <= MAX_ROWS
+          and D % 16 == 0 and D <= MAX_HEAD_DIM and 0 <= start and start + n <= cap
+          and all(t.device.type == "cpu" for t in (q, k, v, out)))
+    if not ok:  # the kernel reads raw pointers: anything else would read the wrong memory
+        raise ValueError(f"attend takes float32 CPU q [n <= {MAX_ROWS}, H, D (a multiple of 16)], k/v contiguous "
+                         f"[KV, cap, D] with start + n <= cap, out [n, H*D]; got q {tuple(q.shape)} {q.stride()}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}, start {start}")
+    rc = lib.tandem_attend(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), out.stride(0),
+                           H, KV, n, D, start, cap, scale, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"the CPU attention kernel failed ({rc})")

@@ -1,0 +1,116 @@
+"""Our CPU attention kernel for decode and verification blocks (tandem/engine/attend.c) against its
+reference, torch's scaled_dot_product_attention with the block's causal mask.
+
+It is built with the host's C compiler at first use and needs AVX-512; where that is impossible the
+forward keeps torch's kernel, which is tested too.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.engine import attend
+
+needs_kernel = pytest.mark.skipif(attend.library() is None, reason="no AVX-512 or no C compiler here: torch's kernel serves")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """q [n, H, D], k/v [KV, cap, D] -> [n, H * D]: the block's rows at positions start .. start+n-1."""
+    n, H, D = q.shape
+    KV = k.shape[0]
+    mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)  # [n, start + n]
+    kk = k[:, : start + n].repeat_interleave(H // KV, 0)  # [H, L, D]
+    vv = v[:, : start + n].repeat_interleave(H // KV, 0)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).double(), kk.double(), vv.double(), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(n, H * D).float()  # [n, H * D]
+
+
+@needs_kernel
+@pytest.mark.parametrize("H, KV, D", [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 1, 48), (2, 1, 80)])
+@pytest.mark.parametrize("start", [0, 1, 15, 63, 64, 300, 1000, 2049])
+def test_the_kernel_matches_the_reference(H, KV, D, start) -> None:
+    """Head sizes with their own code (64, 128) and the generic one, grouped and plain heads, blocks
+    that start at 0, inside a key tile and on its edge, and contexts long enough to be split
+    between threads and merged."""
+    gen = torch.Generator().manual_seed(H * 1000 + start)
+    cap = start + attend.MAX_ROWS + 5
+    k = torch.randn(KV, cap, D, generator=gen)  # [KV, cap, D]
+    v = torch.randn(KV, cap, D, generator=gen)
+    for n in (1, 2, 3, 9, 17, attend.MAX_ROWS):
+        q = torch.randn(n, H, D, generator=gen) * 2  # [n, H, D]: larger scores, a peakier softmax
+        out = torch.empty(n, H * D)
+        attend.attend(q, k, v, out, start, D**-0.5)
+        assert torch.allclose(out, reference(q, k, v, start, D**-0.5), rtol=1e-4, atol=2e-5), n
+
+
+@needs_kernel
+def test_strided_rows_as_the_forward_passes_them() -> None:
+    """The forward hands q as a view of its rotated [n, H + KV, D] block and writes into a slice of a
+    wider output: rows strided, heads and dims contiguous."""
+    gen = torch.Generator().manual_seed(7)
+    H, KV, D, n, start = 9, 3, 64, 5, 200
+    qk = torch.randn(n, H + KV, D, generator=gen)  # [n, H+KV, D]
+    k = torch.randn(KV, start + n, D, generator=gen)
+    v = torch.randn(KV, start + n, D, generator=gen)
+    wide = torch.full((n + 2, H * D), float("nan"))
+    attend.attend(qk[:, :H], k, v, wide[1 : n + 1], start, 0.125)
+    assert torch.allclose(wide[1 : n + 1], reference(qk[:, :H].contiguous(), k, v, start, 0.125), rtol=1e-4, atol=2e-5)
+    assert wide[0].isnan().all() and wide[n + 1].isnan().all()  # nothing written outside the slice
+
+
+@needs_kernel
+def test_the_same_inputs_give_the_same_bits() -> None:
+    """Deterministic: the work is split between threads by the context's length alone and merged in
+    a fixed order, so a plain step and a verification block of the same shape compute alike."""
+    gen = torch.Generator().manual_seed(9)
+    k = torch.randn(3, 4100, 64, generator=gen)
+    v = torch.randn(3, 4100, 64, generator=gen)
+    q = torch.randn(9, 9, 64, generator=gen)
+    outs = []
+    for _ in range(5):
+        out = torch.empty(9, 9 * 64)
+        attend.attend(q, k, v, out, 4000, 0.125)
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_kernel
+def test_bad_arguments_are_refused_not_read_out_of_bounds() -> None:
+    k = torch.randn(3, 40, 64)
+    v = torch.randn(3, 40, 64)
+    out = torch.empty(2, 9 * 64)
+    with pytest.raises(ValueError, match="start \\+ n <= cap"):  # past the cache's end
+        attend.attend(torch.randn(2, 9, 64), k, v, out, 39, 0.125)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        attend.attend(torch.randn(2, 9, 60), torch.randn(3, 40, 60), torch.randn(3, 40, 60), torch.empty(2, 540), 0, 0.1)
+    with pytest.raises(ValueError, match="float32"):
+        attend.attend(torch.randn(2, 9, 64, dtype=torch.float64), k, v, out, 0, 0.125)
+    with pytest.raises(ValueError, match="contiguous"):  # a transposed cache: its pointer is not [KV, cap, D]
+        attend.attend(torch.randn(2, 9, 64), k.transpose(1, 2).contiguous().transpose(1, 2), v, out, 0, 0.125)
+    with pytest.raises(ValueError, match="n <="):
+        attend.attend(torch.randn(attend.MAX_ROWS + 1, 9, 64), torch.randn(3, 80, 64), torch.randn(3, 80, 64),
+                      torch.empty(attend.MAX_ROWS + 1, 576), 0, 0.125)
+    assert not attend.serves(attend.MAX_ROWS + 1, 64, torch.float32, torch.device("cpu"))  # a prefill: torch's
+    assert not attend.serves(1, 64, torch.bfloat16, torch.device("cpu"))
+
+
+def test_without_the_kernel_the_forward_keeps_torchs(tmp_path) -> None:
+    """In a fresh process with no usable compiler and an empty cache (or switched off): no crash, the
+    kernel serves nothing, and a forward still runs through torch's attention."""
+    code = (
+        "import torch\n"
+        "from tandem.engine import attend\n"
+        "assert attend.library() is None\n"
+        "assert not attend.serves(1, 64, torch.float32, torch.device('cpu'))\n"
+        "print('torch serves')\n"
+    )
+    for env in ({"CC": str(tmp_path / "no-such-compiler")}, {"TANDEM_ATTENTION": "torch"}):
+        env = {**env, "TANDEM_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert "torch serves" in res.stdout
