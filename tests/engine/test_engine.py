@@ -22,6 +22,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from scipy.stats import chisquare
 
 from conftest import EOS_ID, make_tiny_llama
@@ -931,16 +932,18 @@ def test_probes_back_off_and_reset() -> None:
 
 
 def test_the_native_forwards_fused_norm_and_rope_are_the_spelled_out_arithmetic(tiny_loaded) -> None:
-    """The native forward's RMSNorm (torch's fused op) and RoPE (a roll against a sine with its first
-    half negated) give the bits of the textbook forms (transformers' Llama: rsqrt of the mean square,
-    rotate_half), so swapping them in changed no output anywhere."""
+    """The native forward's RMSNorm without the row kernel (torch's fused op) and RoPE (a roll against
+    a sine with its first half negated) give the bits of the textbook forms (transformers' Llama:
+    rsqrt of the mean square, rotate_half); the row kernel's norm (tests/engine/test_rowops.py) is
+    within float32 rounding of them."""
     native = NativeLlama(tiny_loaded.model)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(64, generator=gen)
     for n in (1, 2, 9, 17, 300):
         x = torch.randn(n, 64, generator=gen) * 3
         spelled = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + native.eps))
-        assert torch.equal(native._rms(x, w), spelled)
+        assert torch.equal(F.rms_norm(x, (64,), w, native.eps), spelled)  # the forward's op without the kernel
+        assert torch.allclose(native._rms(x, w), spelled, rtol=1e-6, atol=1e-6)
         D = native.head_dim
         positions = torch.arange(500, 500 + n)
         cos, signed_sin = native._rope(positions)  # [n, 1, D]
