@@ -150,7 +150,17 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
         const float *vt = vg + (size_t)t0 * D;
         int r0 = 0;
         for (; r0 + RC <= R; r0 += RC) values(V, RC, vt, w, sc + r0 * TILE, corr + r0, acc + (size_t)r0 * D, D);
-        for (; r0 < R; r0++) values(V, 1, vt, w, sc + r0 * TILE, corr + r0, acc + (size_t)r0 * D, D);
+        /* the rest in one block too: a one-row step has R = G rows (3 for SmolLM2), and one pass per
+         * row would put each row's sums on a dependency chain of its own per key */
+        float *const sr = sc + r0 * TILE, *const ar = acc + (size_t)r0 * D;
+        switch (R - r0) {
+        case 1: values(V, 1, vt, w, sr, corr + r0, ar, D); break;
+        case 2: values(V, 2, vt, w, sr, corr + r0, ar, D); break;
+        case 3: values(V, 3, vt, w, sr, corr + r0, ar, D); break;
+        case 4: values(V, 4, vt, w, sr, corr + r0, ar, D); break;
+        case 5: values(V, 5, vt, w, sr, corr + r0, ar, D); break;
+        default: break;
+        }
     }
 }
 
