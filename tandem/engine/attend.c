@@ -29,7 +29,7 @@
 
 #define TILE 64       /* keys scored per pass: the G x n x TILE block of scores stays in L1 */
 #define MAX_VEC 16    /* D / 16 vectors per key: head_dim up to 256 */
-#define MIN_SPAN 256  /* keys per thread's run at least: shorter runs cost more to merge than they save */
+#define SPAN 256      /* keys per run (a unit of a thread's work): shorter runs cost more to merge than they save */
 
 /* e^x for 16 floats, within 2 ulp over the range softmax uses (x <= 0); exactly 0 below -87 and for
  * -inf (a masked key). 2^(x log2 e) with the integer part applied by scalef and the fraction in
@@ -181,11 +181,11 @@ int tandem_attend(const float *restrict q, int q_stride, const float *restrict k
                   float scale, int threads) {
     if (D % 16 || D > 16 * MAX_VEC || H % KV) return -1;
     const int G = H / KV, R = G * n, L = s + n;
-    /* Runs per KV head: enough for every thread to have work, none shorter than MIN_SPAN keys. */
-    int runs = (2 * threads + KV - 1) / KV;
-    if (runs > (L + MIN_SPAN - 1) / MIN_SPAN) runs = (L + MIN_SPAN - 1) / MIN_SPAN;
-    if (runs < 1) runs = 1;
-    const int span = (L + runs - 1) / runs;
+    /* Runs of SPAN keys at fixed positions (0, SPAN, 2 SPAN, ...), whatever the block's length and
+     * the thread count: a row's result then has the same bits whether it is computed alone (a plain
+     * step) or in a block (verification). Keys past a row's position only add exact zeros to its
+     * sums, and a run wholly past it is skipped in the merge. */
+    const int span = SPAN, runs = (L + SPAN - 1) / SPAN;
     const size_t per = (size_t)R * (D + 2); /* m, l, acc of one run */
     float *part = aligned_alloc(64, sizeof(float) * (((size_t)KV * runs * per + 15) / 16 * 16));
     if (!part) return -2;

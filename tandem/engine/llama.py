@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine import attend, rowops
-from tandem.engine.gemm import GemmPlan, TunedLinear, plan_for
+from tandem.engine.gemm import SLOTS, GemmPath, GemmPlan, TunedLinear, parse_choice, plan_for
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -206,6 +206,19 @@ class NativeLlama:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device) / self.head_dim))
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.row_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and rowops.library() is not None
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every decode and verification block (up to attend.MAX_ROWS rows, several sessions'
+        blocks in one call too) computes each row with the bits it would get alone: every GEMM on
+        our streaming kernel (`--gemm tandem_gemv`), our attention kernel and our row kernel. Then
+        a verification block's logits equal plain decoding's bit for bit, so greedy output and
+        logprobs are identical by construction, not only by the shared-path rule
+        (docs/design-notes.md)."""
+        if self.gemm_plan is None or not self.row_kernel or not attend.serves(1, self.head_dim, self.dtype, self.device):
+            return False
+        return all(parse_choice(entry, SLOTS[i])[0] is GemmPath.tandem_gemv
+                   for entries in self.gemm_plan.choice.values() for i, entry in enumerate(entries))
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, capacity)

@@ -114,3 +114,28 @@ def test_without_the_kernel_the_forward_keeps_torchs(tmp_path) -> None:
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert res.returncode == 0, res.stderr
         assert "torch serves" in res.stdout
+
+
+@needs_kernel
+@pytest.mark.parametrize("H, KV, D", [(9, 3, 64), (4, 2, 16)])
+def test_a_rows_result_does_not_depend_on_its_block(H, KV, D) -> None:
+    """Bit for bit: a query row in a block of n rows gives what the same row gives alone, one
+    position at a time (a plain step), at any thread count, so a verification block computes a
+    token's attention exactly as plain decoding does."""
+    gen = torch.Generator().manual_seed(D)
+    for start in (0, 5, 250, 255, 256, 1000, 3000):
+        n = 17
+        k = torch.randn(KV, start + n, D, generator=gen)  # [KV, cap, D]
+        v = torch.randn(KV, start + n, D, generator=gen)
+        q = torch.randn(n, H, D, generator=gen)  # [n, H, D]
+        block = torch.empty(n, H * D)
+        attend.attend(q, k, v, block, start, D**-0.5)
+        threads = torch.get_num_threads()
+        try:
+            for t in range(n):
+                torch.set_num_threads(1 + t % 2)
+                alone = torch.empty(1, H * D)
+                attend.attend(q[t : t + 1], k, v, alone, start + t, D**-0.5)
+                assert torch.equal(alone[0], block[t]), (start, t)
+        finally:
+            torch.set_num_threads(threads)

@@ -201,3 +201,88 @@ def test_timing_rotates_through_enough_weights_to_leave_the_cache(monkeypatch) -
     assert seen and all(n == 10 for (_, path), n in seen.items() if path in (GemmPath.mkl_nt, GemmPath.mkl_nn))
     # the plan of a model is keyed by the bytes it rotates through (a plan measured hot is not reused)
     assert gemm.plan_key([(64, 32)], 1 << 20) != gemm.plan_key([(64, 32)], 600 << 20)
+
+
+# --- the batch-invariant decode path ---------------------------------------------------------------
+
+
+def _invariant_kernels() -> bool:
+    from tandem.engine import attend, gemv, rowops
+
+    return gemv.library() is not None and attend.library() is not None and rowops.library() is not None
+
+
+needs_invariant = pytest.mark.skipif(not _invariant_kernels(), reason="needs our GEMV, attention (AVX-512) and row kernels")
+
+
+@needs_invariant
+def test_on_our_kernels_a_block_computes_each_row_as_plain_decoding_does(tiny_loaded) -> None:
+    """With every GEMM on our streaming kernel, a verification block's logits are the logits of the
+    same tokens fed one at a time, bit for bit, and the KV it writes is the same: the forward is
+    batch-invariant. The measured plan mixes paths by row count and is not (it is lossless by the
+    shared-path rule instead)."""
+    from tandem.engine.llama import NativeLlama
+
+    GemmSettings.configure("tandem_gemv")
+    native = NativeLlama(tiny_loaded.model)
+    assert native.batch_invariant
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, native.vocab, (400,), generator=gen).tolist()
+    for ctx, n in ((5, 9), (250, 17), (300, 32), (380, 2)):
+        block_cache, step_cache = native.new_cache(420), native.new_cache(420)
+        native.forward(ids[:ctx], block_cache, all_logits=False)
+        native.forward(ids[:ctx], step_cache, all_logits=False)
+        block = native.forward(ids[ctx : ctx + n], block_cache)  # [n, vocab]
+        steps = torch.cat([native.forward([t], step_cache) for t in ids[ctx : ctx + n]])  # [n, vocab]
+        assert torch.equal(block, steps), (ctx, n)
+        assert torch.equal(block_cache.k[:, :, : ctx + n], step_cache.k[:, :, : ctx + n])
+        assert torch.equal(block_cache.v[:, :, : ctx + n], step_cache.v[:, :, : ctx + n])
+    # Several sessions' blocks in one batched forward: still each row's own bits.
+    a, b = native.new_cache(420), native.new_cache(420)
+    native.forward(ids[:40], a, all_logits=False)
+    native.forward(ids[:100], b, all_logits=False)
+    la, lb = native.forward_batch([(ids[40:45], a), (ids[100:103], b)])
+    a2, b2 = native.new_cache(420), native.new_cache(420)
+    native.forward(ids[:40], a2, all_logits=False)
+    native.forward(ids[:100], b2, all_logits=False)
+    assert torch.equal(la, torch.cat([native.forward([t], a2) for t in ids[40:45]]))
+    assert torch.equal(lb, torch.cat([native.forward([t], b2) for t in ids[100:103]]))
+    GemmSettings.configure("mkl_nn")
+    assert not NativeLlama(tiny_loaded.model).batch_invariant
+
+
+@needs_invariant
+@pytest.mark.parametrize("strategy", ["ngram", "model"])
+def test_on_our_kernels_logprobs_equal_plain_decodings_bit_for_bit(strategy, tiny_loaded, contexts) -> None:
+    """The logprobs of tokens committed by verification blocks are plain decoding's to the last bit
+    (the measured plan gives them within ~1e-6: tests/engine/test_sampling_controls.py)."""
+    from tandem.engine.config import SamplingParams
+    from tandem.engine.spec import Engine
+
+    GemmSettings.configure("tandem_gemv")
+    draft = None
+    if strategy == "model":
+        import copy
+
+        from tandem.engine.models import LoadedModel
+
+        model = copy.deepcopy(tiny_loaded.model)
+        with torch.no_grad():
+            for name, w in model.named_parameters():
+                if "norm" not in name:
+                    w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(5)) * w.std() * 0.1)
+        draft = LoadedModel(model_id="near", path="", model=model, tokenizer=tiny_loaded.tokenizer)
+    engine = Engine(tiny_loaded, draft)
+    sampling = SamplingParams(max_new_tokens=48, ignore_eos=True, top_logprobs=4)
+    accepted = 0
+    for name in ("code", "json", "chat"):
+        runs = []
+        for spec in (SpecConfig(strategy="none"), SpecConfig(strategy=strategy, adaptive=False, max_draft_tokens=6)):
+            gen = engine.start(contexts[name], sampling, spec)
+            runs.append([lp for step in gen for lp in step.logprobs])
+            accepted += gen.result().stats.accepted
+        plain, fast = runs
+        assert [t.token for t in fast] == [t.token for t in plain]
+        assert [t.logprob for t in fast] == [t.logprob for t in plain], name  # exact floats
+        assert [t.top for t in fast] == [t.top for t in plain], name
+    assert accepted > 0  # blocks were verified, or this compares plain with plain
