@@ -301,6 +301,12 @@ class GatewayCore:
         self._max_context = min(max_context_tokens, settings.max_context_tokens or max_context_tokens)
         self._vocab = len(tokenizer)
         self._clients = clients
+        # How requests with tools are rendered; said once here and in each such response
+        self.tool_format = tools.tool_format(tokenizer)
+        if self.tool_format == tools.HERMES:
+            log.warning("the chat template of %s has no tool support: requests with tools %s", self.model_name,
+                        "get the gateway's Hermes-style <tool_call> convention (tandem.tool_format: hermes in each response)"
+                        if settings.tool_fallback else "are refused (--no-tool-fallback)")
         if index is None and settings.redis_url:
             index = ResidencyIndex(
                 ResidencyConfig(
@@ -503,33 +509,67 @@ class GatewayCore:
 
     MAX_CHOICES = 8
 
-    async def generate_choices(self, req: GenerationRequest, n: int) -> list[list[Chunk]]:
-        """`n` completions of one prompt (OpenAI's `n`), each a list of chunks. The prompt is
-        prefilled once: a one-token warm-up turn leaves its KV resident on a verifier, and the n
-        choices run there concurrently as one-off requests that copy it (the verifier shares a
-        resident prefix of the same tenant). A seeded request gives choice i the seed + i."""
+    async def _choice_requests(self, req: GenerationRequest, n: int) -> list[GenerationRequest]:
+        """The n one-off requests of OpenAI's `n`. The prompt is prefilled once: a one-token warm-up
+        turn leaves its KV resident on a verifier, and the choices go there and copy it (the
+        verifier shares a resident prefix of the same tenant). A seeded request gives choice i the
+        seed + i."""
         if not 1 <= n <= self.MAX_CHOICES:
             raise InvalidRequest(f"n must be 1 to {self.MAX_CHOICES}, got {n}")
         if n > 1 and req.session_id:
             raise InvalidRequest("n > 1 makes several continuations; a session continues one: drop the session id")
+        if n == 1:
+            return [req]
+        warm_id = f"n-{uuid.uuid4().hex}"
+        warm = dataclasses.replace(req, session_id=warm_id, max_tokens=1, strategy="none", stop=(),
+                                   top_logprobs=None, grammar=None, stop_token_ids=(), ignore_eos=True)
+        async with aclosing(self.generate(warm)) as chunks:
+            warmed = [c async for c in chunks]
+        self.sessions.pop(session_key(req.tenant, warm_id))  # the verifier keeps the KV until it evicts it
+        return [dataclasses.replace(req, prefer_verifier=warmed[-1].verifier_id,
+                                    seed=None if req.seed is None else req.seed + i) for i in range(n)]
 
+    async def generate_choices(self, req: GenerationRequest, n: int) -> list[list[Chunk]]:
+        """`n` completions of one prompt (OpenAI's `n`), each a list of chunks (see `_choice_requests`)."""
         async def collect(r: GenerationRequest) -> list[Chunk]:
             async with aclosing(self.generate(r)) as chunks:
                 return [c async for c in chunks]
 
-        if n == 1:
-            return [await collect(req)]
-        warm_id = f"n-{uuid.uuid4().hex}"
-        warm = dataclasses.replace(req, session_id=warm_id, max_tokens=1, strategy="none", stop=(),
-                                   top_logprobs=None, grammar=None, stop_token_ids=(), ignore_eos=True)
-        warmed = await collect(warm)
-        self.sessions.pop(session_key(req.tenant, warm_id))  # the verifier keeps the KV until it evicts it
-        choices = [dataclasses.replace(req, prefer_verifier=warmed[-1].verifier_id,
-                                       seed=None if req.seed is None else req.seed + i) for i in range(n)]
-        tasks = [asyncio.ensure_future(collect(c)) for c in choices]
+        tasks = [asyncio.ensure_future(collect(c)) for c in await self._choice_requests(req, n)]
         try:
             return list(await asyncio.gather(*tasks))
         finally:  # one failed (or the client left): stop the others too
+            for t in tasks:
+                t.cancel()
+
+    async def stream_choices(self, req: GenerationRequest, n: int) -> AsyncIterator[tuple[int, Chunk]]:
+        """`n` completions of one prompt as they are produced: (choice index, chunk), the choices'
+        chunks interleaved in arrival order, each choice's own in order. An error in one choice ends
+        the stream with it (the others are stopped); so does the consumer's leaving."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, r: GenerationRequest) -> None:
+            try:
+                async with aclosing(self.generate(r)) as chunks:
+                    async for chunk in chunks:
+                        await queue.put((i, chunk))
+                await queue.put((i, done))
+            except Exception as exc:  # handed to the consumer, which raises it
+                await queue.put((i, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(await self._choice_requests(req, n))]
+        try:
+            running = len(tasks)
+            while running:
+                i, item = await queue.get()
+                if item is done:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
             for t in tasks:
                 t.cancel()
 
@@ -636,9 +676,12 @@ class GatewayCore:
                     raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
                 if not isinstance(m.get("content"), str):
                     raise InvalidRequest(f"messages[{i}].content must be a string")
+            uses_tools = req.tool_functions or any(m.get("tool_calls") or m.get("role") == "tool" for m in req.messages)
+            if uses_tools and self.tool_format == tools.HERMES and not self.settings.tool_fallback:
+                raise InvalidRequest(
+                    f"the chat template of {self.model_name} has no tool support, and this gateway does not fall back "
+                    "to its <tool_call> convention (started with --no-tool-fallback): send the request without tools")
             try:
-                uses_tools = req.tool_functions or any(m.get("tool_calls") or m.get("role") == "tool"
-                                                       for m in req.messages)
                 context = (tools.render(self.tokenizer, req.messages, list(req.tool_functions), apply_chat_template)
                            if uses_tools else apply_chat_template(self.tokenizer, req.messages))
             except Exception as exc:  # the template's own checks (role order, unknown roles)

@@ -37,8 +37,9 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   "json_schema": {"name", "schema", "strict"}}` (always strict), or Tandem's `grammar`:
   `{"type": "regex" | "ebnf", "value": ...}`. The verifier masks the target to the grammar at every
   position, drafted or not (tandem.engine.grammar): output as constrained plain decoding makes it.
-- `n` (up to 8, without streaming): the prompt is prefilled once and the choices copy its KV on one
-  verifier; a seeded request gives choice i the seed + i.
+- `n` (up to 8, streamed or not): the prompt is prefilled once and the choices copy its KV on one
+  verifier; a seeded request gives choice i the seed + i. Streamed, the choices' chunks interleave
+  (each carries its `index`), and `stream_options.include_usage` sends one usage chunk for all.
 - `tools`, `tool_choice` (auto / none / required / a named function), `parallel_tool_calls`
   (services/gateway/tools.py): calls in `message.tool_calls`, finish_reason "tool_calls"; a stream
   holds the text back and sends `delta.tool_calls` when the calls are complete.
@@ -63,6 +64,7 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 import time
@@ -228,10 +230,6 @@ class _CommonBody(_Strict):
             raise errors.InvalidRequest("response_format json_schema needs its json_schema object")
         return Grammar(kind="json_schema", value=json.dumps(rf.json_schema.schema_, sort_keys=True))
 
-    def check_supported(self) -> None:
-        if self.n not in (None, 1) and self.stream:
-            raise errors.InvalidRequest("n > 1 is served without streaming (set stream to false)")
-
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -342,7 +340,6 @@ async def _parse(request: Request, model: type[T], max_bytes: int) -> T:
         body = model.model_validate(data)
     except ValidationError as exc:
         raise errors.InvalidRequest(_describe(exc)) from None
-    body.check_supported()
     return body
 
 
@@ -435,6 +432,11 @@ class _Format:
         self._before: list[int] = []  # tokens whose logprobs were formatted (the context of the next)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.tool_format: str | None = None  # with tools: how they were rendered (template / hermes)
+
+    def _tandem(self, chunk: Chunk) -> dict:
+        extra = {"tool_format": self.tool_format} if self.tool_format else {}
+        return {**tandem_dict(chunk, self.session_id), **extra}
 
     def _envelope(self, choices: list, *, stream: bool, **extra) -> dict:
         obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
@@ -502,10 +504,8 @@ class _Format:
                     choice["finish_reason"] = "tool_calls"
             out.append({**choice, "index": i})
         last = choices[0][-1]
-        usage = usage_dict(last)
-        completion = sum(c[-1].usage.completion_tokens for c in choices)
-        usage.update(completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
-        return self._envelope(out, stream=False, usage=usage, tandem=tandem_dict(last, self.session_id))
+        return self._envelope(out, stream=False, usage=choices_usage([c[-1] for c in choices]),
+                              tandem=self._tandem(last))
 
     def events(self, chunk: Chunk, *, first: bool) -> list[dict]:
         if self.chat and self.tool_mode != "none":
@@ -521,7 +521,7 @@ class _Format:
             out.append(
                 self._envelope(
                     [self._choice("", chunk.finish_reason.value, stream=True)], stream=True,
-                    tandem=tandem_dict(chunk, self.session_id),
+                    tandem=self._tandem(chunk),
                 )
             )
             if self.include_usage:
@@ -547,10 +547,18 @@ class _Format:
                                       stream=True))
         finish = "tool_calls" if calls else chunk.finish_reason.value
         out.append(self._envelope([self._choice("", finish, stream=True)], stream=True,
-                                  tandem=tandem_dict(chunk, self.session_id)))
+                                  tandem=self._tandem(chunk)))
         if self.include_usage:
             out.append(self._envelope([], stream=True, usage=usage_dict(chunk)))
         return out
+
+
+def choices_usage(lasts: list[Chunk]) -> dict:
+    """The usage of n choices from each one's final chunk: the prompt once, every completion."""
+    usage = usage_dict(lasts[0])
+    completion = sum(c.usage.completion_tokens for c in lasts)
+    usage.update(completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
+    return usage
 
 
 def _call_dict(call: "tools_mod.ToolCall") -> dict:
@@ -588,7 +596,11 @@ async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, 
                    tools: tuple[list, str] = ([], "none")) -> Response:
     fmt = _Format(chat, core.model_name, req.session_id, bool(body.stream_options and body.stream_options.include_usage),
                   core.tokenizer, tools)
+    if tools[0]:
+        fmt.tool_format = core.tool_format
     session_id_var.set(req.session_id)  # before the tasks below copy this request's context
+    if body.stream and (body.n or 1) > 1:
+        return await _stream_choices(request, core, req, body.n, fmt)
     chunks = core.generate(req)
     if not body.stream and (body.n or 1) > 1:
         await chunks.aclose()  # n > 1: the core runs the choices itself
@@ -626,6 +638,50 @@ async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, 
                 status, kind = http_status(exc)
                 yield _sse(_error_body(str(exc), kind, status))
                 return
+            yield _sse("[DONE]")
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+async def _stream_choices(request: Request, core: GatewayCore, req: GenerationRequest, n: int, fmt: "_Format") -> Response:
+    """n > 1 streamed: one formatter per choice (each holds its own text, stop and tool state),
+    under one response id; each event's choices carry their index; usage once, for all, at the end."""
+    fmts = [fmt] + [copy.copy(fmt) for _ in range(n - 1)]
+    for f in fmts[1:]:
+        f._held_text, f._before = [], []
+    items = core.stream_choices(req, n)
+    try:  # the warm-up and the first chunk before answering: errors up to then get a real status
+        first = await _unless_disconnected(request, anext(items))
+    except _ClientGone:
+        await items.aclose()
+        return Response(status_code=499)
+    except BaseException:
+        await items.aclose()
+        raise
+
+    async def events() -> AsyncIterator[str]:
+        started, lasts = [False] * n, [None] * n
+        async with aclosing(items):
+            item = first
+            try:
+                while item is not None:
+                    i, chunk = item
+                    for event in fmts[i].events(chunk, first=not started[i]):
+                        if not event["choices"]:  # a choice's own usage chunk: one for all comes last
+                            continue
+                        for choice in event["choices"]:
+                            choice["index"] = i
+                        yield _sse(event)
+                    started[i], lasts[i] = True, chunk
+                    item = await anext(items, None)
+            except errors.GatewayError as exc:
+                status, kind = http_status(exc)
+                yield _sse(_error_body(str(exc), kind, status))
+                return
+            if fmt.include_usage and all(lasts):
+                yield _sse(fmt._envelope([], stream=True, usage=choices_usage(lasts)))
             yield _sse("[DONE]")
 
     return StreamingResponse(

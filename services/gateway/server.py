@@ -202,12 +202,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             tenant = self._tenant(context)
             fns, mode = tool_setup(request)
             req = unpack_request(request, context.time_remaining(), tenant, fns, mode)
-            text: list[str] = []
-            async for chunk in self._core.generate(req):
+            n = max(1, request.n)
+            texts: list[list[str]] = [[] for _ in range(min(n, self._core.MAX_CHOICES))]
+            stream = (self._core.stream_choices(req, n) if n > 1
+                      else ((0, c) async for c in self._core.generate(req)))
+            async for i, chunk in stream:
                 msg = pack_chunk(chunk)
-                text.append(chunk.text)
+                msg.choice = i
+                texts[i].append(chunk.text)
                 if chunk.finish_reason is not None and mode != "none":
-                    _, calls = tools.parse("".join(text), fns, mode)
+                    _, calls = tools.parse("".join(texts[i]), fns, mode)
                     msg.tool_calls.extend(gateway_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments)
                                           for c in calls)
                 yield msg

@@ -91,6 +91,7 @@ class GenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Ties the turns of one conversation (or agent) together for KV reuse and routing;
     empty = a one-off request, no history kept.
@@ -99,6 +100,11 @@ class GenerateRequest(_message.Message):
     """Model id as listed by ListModels; empty = the gateway's default model."""
     prompt: _builtins.str
     """Raw text, tokenized as is (no chat template)."""
+    n: _builtins.int
+    """Number of choices (OpenAI's n): 0 or 1 = one, at most 8, none with a session_id. The prompt
+    is prefilled once and the choices copy its KV; with SamplingParams.seed, choice i samples with
+    seed + i. Their messages interleave on the stream, each naming its GenerateResponse.choice.
+    """
     @_builtins.property
     def messages(self) -> Global___ChatMessages:
         """A conversation, rendered with the model's chat template plus the assistant turn's opening."""
@@ -132,10 +138,11 @@ class GenerateRequest(_message.Message):
         speculation: _common_pb2.SpeculationParams | None = ...,
         tools: _abc.Iterable[Global___Tool] | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
+        n: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "model", b"model", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "model", b"model", "n", b"n", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "messages"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
@@ -278,6 +285,7 @@ class GenerateResponse(_message.Message):
     VERIFIER_ID_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta of this chunk. It may lag token_ids while a token ends inside a UTF-8 character
     (the text arrives with a later chunk), and it never includes stop tokens.
@@ -289,6 +297,10 @@ class GenerateResponse(_message.Message):
     verifier_id: _builtins.str
     """Id of the verifier that committed this chunk's tokens (it may change if the session was
     resumed on another verifier mid-request).
+    """
+    choice: _builtins.int
+    """Which choice this message belongs to, 0 .. GenerateRequest.n - 1 (0 for a single choice). Each
+    choice's messages arrive in order and it ends with its own last message (finish_reason set).
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -322,10 +334,11 @@ class GenerateResponse(_message.Message):
         verifier_id: _builtins.str = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        choice: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_index", b"first_index", "logprobs", b"logprobs", "stats", b"stats", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage", "verifier_id", b"verifier_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "finish_reason", b"finish_reason", "first_index", b"first_index", "logprobs", b"logprobs", "stats", b"stats", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage", "verifier_id", b"verifier_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

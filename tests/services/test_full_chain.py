@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 import redis
 
@@ -318,5 +319,72 @@ def test_n_choices_share_the_prompts_kv_and_replay_their_seeds(chain, tiny_loade
     assert reply.usage.prompt_tokens_details.cached_tokens >= 32, "the choices reused the warm-up's prompt KV"
     r = gw.http.post("/v1/completions", json={"prompt": "x", "n": 2}, headers={"X-Session-Id": "s"})
     assert r.status_code == 400 and "session" in r.json()["error"]["message"]
-    r = gw.http.post("/v1/completions", json={"prompt": "x", "n": 2, "stream": True})
-    assert r.status_code == 400
+    r = gw.http.post("/v1/completions", json={"prompt": "x", "n": 2, "stream": True}, headers={"X-Session-Id": "s"})
+    assert r.status_code == 400 and "session" in r.json()["error"]["message"]
+
+
+def test_n_choices_streamed_are_the_same_choices_interleaved(chain, tiny_loaded):
+    """n = 3 streamed with the official client, chat and completions: every chunk names its choice,
+    each choice's text is the unstreamed reply's choice with the same seed (speculation on), each
+    choice ends once, and include_usage sends one usage chunk counting the prompt once."""
+    gw, _ = chain
+    extra = {"ignore_eos": True}
+    kw = dict(model="tiny", max_tokens=10, temperature=0.9, seed=11, n=3, extra_body=extra)
+    whole = gw.openai.chat.completions.create(messages=MESSAGES, **kw)
+    stream = gw.openai.chat.completions.create(messages=MESSAGES, stream=True,
+                                               stream_options={"include_usage": True}, **kw)
+    texts, finishes, usages, ids = {0: "", 1: "", 2: ""}, {}, [], set()
+    for event in stream:
+        ids.add(event.id)
+        if event.usage is not None:
+            usages.append(event.usage)
+        for c in event.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                assert c.index not in finishes, "a choice ended twice"
+                finishes[c.index] = c.finish_reason
+    assert len(ids) == 1, "one response id for all choices"
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert len(set(texts.values())) > 1, "different seeds, different samples"
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert len(usages) == 1 and usages[0].completion_tokens == 30
+    assert usages[0].prompt_tokens == whole.usage.prompt_tokens
+    # completions, greedy: three equal choices, each the plain greedy reply
+    ctx = apply_chat_template(tiny_loaded.tokenizer, MESSAGES)
+    expected = tiny_loaded.tokenizer.decode(
+        Engine(tiny_loaded).generate(ctx, SamplingParams(max_new_tokens=10, ignore_eos=True),
+                                     SpecConfig(strategy=DraftStrategy.none)).token_ids, skip_special_tokens=True)
+    got = {0: "", 1: "", 2: ""}
+    for event in gw.openai.completions.create(model="tiny", prompt=ctx, max_tokens=10, temperature=0, n=3,
+                                              stream=True, extra_body=extra):
+        for c in event.choices:
+            got[c.index] += c.text
+    assert got == {0: expected, 1: expected, 2: expected}
+
+
+def test_n_choices_over_grpc(chain, tiny_loaded):
+    """GenerateRequest.n = 3 seeded: the messages name their choice, each choice's tokens are the
+    in-process sampling with seed + i, each ends once; n with a session or above 8 is refused."""
+    gw, _ = chain
+    ctx = apply_chat_template(tiny_loaded.tokenizer, MESSAGES)
+    sampling = common_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, seed=21)
+    msgs = list(gw.stub.Generate(gateway_pb2.GenerateRequest(
+        prompt=tiny_loaded.tokenizer.decode(ctx), sampling=sampling, n=3), timeout=60))
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    ends: dict[int, int] = {}
+    for m in msgs:
+        assert m.first_index == len(tokens[m.choice]), "each choice's messages in order"
+        tokens[m.choice] += list(m.token_ids)
+        if m.finish_reason:
+            ends[m.choice] = ends.get(m.choice, 0) + 1
+    assert ends == {0: 1, 1: 1, 2: 1}
+    prompt_ids = tiny_loaded.tokenizer(tiny_loaded.tokenizer.decode(ctx), add_special_tokens=False)["input_ids"]
+    engine = Engine(tiny_loaded)
+    for i in range(3):
+        expected = engine.generate(prompt_ids, SamplingParams(temperature=0.8, seed=21 + i, max_new_tokens=8, ignore_eos=True),
+                                   SpecConfig(strategy=DraftStrategy.none)).token_ids
+        assert tokens[i] == expected, i
+    for bad, words in ((dict(n=2, session_id="s"), "session"), (dict(n=9), "n must be 1 to 8")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(gw.stub.Generate(gateway_pb2.GenerateRequest(prompt="x", **bad), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
