@@ -105,6 +105,26 @@ def _as_text(message: dict) -> dict:
     return out
 
 
+HERMES = "hermes"  # tool_format: our <tool_call> convention, for a template without tool support
+TEMPLATE = "template"  # tool_format: the chat template renders the tools itself
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "", "parameters": {"type": "object", "properties": {}}}}
+
+
+def tool_format(tokenizer) -> str:
+    """Whether the model's chat template renders tools (TEMPLATE: it changes its output when given
+    one) or requests with tools get our Hermes-style convention (HERMES)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return HERMES
+    chat = [{"role": "user", "content": "hi"}]
+    try:
+        with_tools = tokenizer.apply_chat_template(chat, tools=[_PROBE_TOOL], add_generation_prompt=True, tokenize=False)
+        without = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return HERMES
+    return TEMPLATE if with_tools != without else HERMES
+
+
 def render(tokenizer, messages: list[dict], fns: list[dict], apply) -> list[int]:
     """Token ids of the chat with the tools, by the template's own tool support when it has one."""
     if fns and getattr(tokenizer, "chat_template", None):

@@ -69,6 +69,42 @@ def test_rendering_by_a_template_that_knows_tools(tiny_tokenizer):
     plain = apply_chat_template(tok, [{"role": "user", "content": "hi"}])
     assert ids != plain and tok.decode(ids).startswith("<|system|>")
     assert "call" not in tok.decode(ids)  # the template's own rendering, not the convention's preamble
+    assert tools.tool_format(tok) == tools.TEMPLATE and tools.tool_format(tiny_tokenizer) == tools.HERMES
+
+
+def test_a_template_without_tool_support_is_said_or_refused(tiny_tokenizer):
+    """The tiny model's template has no tool support: by default each response with tools says
+    tandem.tool_format "hermes" (the convention was used); with tool_fallback off the request is
+    refused with the reason over HTTP and gRPC, and never reaches a verifier."""
+    import grpc
+
+    from test_gateway import FakeVerifier, Gateway
+    from tandem.v1 import gateway_pb2
+
+    v = FakeVerifier("va", tiny_tokenizer)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [FN], "max_tokens": 4}
+    gw = Gateway(tiny_tokenizer, verifiers=(v.address,))
+    try:
+        reply = gw.http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200 and reply.json()["tandem"]["tool_format"] == "hermes"
+        plain = gw.http.post("/v1/chat/completions", json={**body, "tools": None})
+        assert "tool_format" not in plain.json()["tandem"]  # said only where tools were rendered
+    finally:
+        gw.close()
+    seen = len(v.requests)
+    gw = Gateway(tiny_tokenizer, verifiers=(v.address,), tool_fallback=False)
+    try:
+        reply = gw.http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400 and "has no tool support" in reply.json()["error"]["message"]
+        chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="hi")])
+        with pytest.raises(grpc.RpcError) as err:
+            list(gw.stub.Generate(gateway_pb2.GenerateRequest(messages=chat, tools=[gateway_pb2.Tool(name="f")]),
+                                  timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no tool support" in err.value.details()
+        assert gw.http.post("/v1/chat/completions", json={**body, "tools": None}).status_code == 200
+        assert len(v.requests) == seen + 1  # only the request without tools went on
+    finally:
+        gw.close()
 
 
 def test_grpc_tool_requests_are_checked(tiny_tokenizer):
