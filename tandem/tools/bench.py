@@ -58,6 +58,9 @@ MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model": DraftS
 PEER_MODES = ("hf-ar", "hf-prompt-lookup", "hf-assisted")
 ALL_MODES = (*MODES, *PEER_MODES)
 HF_LOOKUP_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens
+# How a record's functions (BFCL) reach the model: "prompt", as a tool list in its system message;
+# "auto" / "required", as the API's tools with that tool_choice (rendered as the gateway renders them)
+TOOL_MODES = ("prompt", "auto", "required")
 WARMUP_TOKENS = 16  # enough steps to touch every code path (prefill, draft, verify, rollback) once
 LOSSLESS_NOTE = (
     "sampling with temperature > 0: outputs are equal to ar's in distribution, not token for token, "
@@ -166,12 +169,15 @@ class EngineTarget:
 
     modes = ALL_MODES
 
-    def __init__(self, engine: Engine, tokenizer, *, hf_lookup_tokens: int = HF_LOOKUP_TOKENS):
+    def __init__(self, engine: Engine, tokenizer, *, hf_lookup_tokens: int = HF_LOOKUP_TOKENS, tools: str = "prompt"):
         if hf_lookup_tokens < 1:
             raise ValueError(f"hf_lookup_tokens must be >= 1, got {hf_lookup_tokens}")
+        if tools not in TOOL_MODES:
+            raise ValueError(f"tools must be one of {', '.join(TOOL_MODES)}, got {tools!r}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.hf_lookup_tokens = hf_lookup_tokens
+        self.tools = tools
         self.model_id = engine.target.model_id
         self.draft_id = engine.draft.model_id if engine.draft is not None else None
 
@@ -180,7 +186,16 @@ class EngineTarget:
         return ids, len(ids)
 
     def context_ids(self, rec: PromptRecord, messages: list[dict]) -> list[int]:
-        ids = apply_chat_template(self.tokenizer, messages)
+        if self.tools != "prompt" and rec.functions:
+            # the record's functions as the API's tools, rendered as the gateway renders them (the
+            # template's tool support, or its Hermes-style convention), instead of its tool list text
+            from tandem.services.gateway import tools as tools_mod
+
+            rest = messages[1:] if rec.system else messages
+            head = [{"role": "system", "content": rec.system_without_tools}] if rec.system_without_tools else []
+            ids = tools_mod.render(self.tokenizer, head + rest, rec.functions, apply_chat_template)
+        else:
+            ids = apply_chat_template(self.tokenizer, messages)
         if len(ids) >= self.engine.target.max_context:
             raise ValueError(
                 f"prompt {rec.id!r} of {rec.dataset} has {len(ids)} tokens and does not fit the "
@@ -190,6 +205,15 @@ class EngineTarget:
 
     def conversation(self, rec: PromptRecord, mode: str) -> "Conversation":
         return Conversation(self, rec, mode)
+
+    def record_sampling(self, rec: PromptRecord, sampling: SamplingParams) -> SamplingParams:
+        """With `tools="required"`, a record with functions is generated under the call grammar (one
+        call object of its functions, as `tool_choice: required` at the gateway)."""
+        if self.tools != "required" or not rec.functions:
+            return sampling
+        from tandem.services.gateway import tools as tools_mod
+
+        return sampling.model_copy(update={"grammar": tools_mod.call_grammar(rec.functions)})
 
     def run(self, ids: list[int], sampling: SamplingParams, mode: str, sequence) -> GenerationResult:
         if mode in MODES:
@@ -260,7 +284,8 @@ class Conversation:
 
     def turn(self, t: int, sampling: SamplingParams) -> GenerationResult:
         messages = to_chat(self.rec, t, self.history if t > 0 else None)
-        res = self.target.run(self.target.context_ids(self.rec, messages), sampling, self.mode, self.sequence)
+        res = self.target.run(self.target.context_ids(self.rec, messages), self.target.record_sampling(self.rec, sampling),
+                              self.mode, self.sequence)
         reply = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         head = 1 if self.rec.system else 0
         self.history = messages[head:] + [{"role": "assistant", "content": reply}]
@@ -318,6 +343,7 @@ def run_bench(
     repeats: int = 1,
     turns: int = 1,
     hf_lookup_tokens: int = HF_LOOKUP_TOKENS,
+    tools: str = "prompt",
 ) -> dict:
     """Run the first `turns` turns of every record in every mode, interleaved; return the JSON-able
     report.
@@ -333,9 +359,15 @@ def run_bench(
     its median-time repeat; equality with the baseline is required of every repeat.
     """
     target = (
-        EngineTarget(engine, tokenizer, hf_lookup_tokens=hf_lookup_tokens) if isinstance(engine, Engine) else engine
+        EngineTarget(engine, tokenizer, hf_lookup_tokens=hf_lookup_tokens, tools=tools)
+        if isinstance(engine, Engine) else engine
     )
     modes = _check_modes(target, modes)
+    if tools != "prompt":
+        if not isinstance(target, EngineTarget):
+            raise ValueError("tools as API tools need an in-process engine; a remote target gets the record's tool list text")
+        if tools == "required" and any(m in PEER_MODES for m in modes):
+            raise ValueError("tools 'required' runs under a call grammar, which transformers' modes (hf-*) cannot; leave them out")
     if not records:
         raise ValueError("no prompts to benchmark")
     if repeats < 1:
@@ -457,6 +489,7 @@ def run_bench(
         "machine": target.machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sampling": sampling.model_dump(mode="json"),
+        "tools": tools,
     }
     return result
 

@@ -40,7 +40,8 @@ def _global(
                           "(cached; `tandem calibrate` shows the choice) and picks the fastest per weight shape and "
                           "row count; or force one everywhere: mkl_nt, mkl_nn, onednn_b1, onednn_b4, onednn_b16, "
                           "gemv_rows, tandem_gemv (our streaming kernel, built with the host's C compiler). Output is lossless with any of them (plain and speculative decoding share "
-                          "the path for each row count)."),
+                          "the path for each row count); tandem_gemv, with our attention kernel (AVX-512), also makes every "
+                          "block batch-invariant, so logprobs equal plain decoding's bit for bit (slower: 9-token blocks ~1.4x)."),
     ] = "auto",
 ) -> None:
     """Options that apply to every command (set before the command: `tandem --gemm onednn_b4 bench ...`)."""
@@ -314,6 +315,7 @@ def bench(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write PNG plots (speedup, acceptance by position, accepted length, tokens/s) into this directory.", file_okay=False)] = None,
     endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="Benchmark a running stack through its gateway's gRPC address (HOST:PORT) instead of in process.")] = None,
     response_format: Annotated[Optional[str], typer.Option("--response-format", help="Constrain every output: 'json_object' (any JSON), or a JSON schema file (strict). Speculation runs under the grammar; the hf-* modes cannot.")] = None,
+    tools: Annotated[str, typer.Option("--tools", help="How a record's functions (BFCL sets) reach the model: 'prompt' (a tool list in the system message), or as the API's tools with tool_choice 'auto' or 'required' (rendered as the gateway renders them; 'required' runs under the call grammar, as the gateway does). In process only.")] = "prompt",
     ca: Annotated[Optional[Path], typer.Option("--ca", exists=True, dir_okay=False, help="With --endpoint: the gateway speaks TLS with a certificate from this CA (`tandem up --tls` prints it).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TANDEM_API_KEY", help="With --endpoint: the gateway's API key.")] = None,
     curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Measure the machine's cost curve (`tandem calibrate`, 100 and 1,000 tokens of context) before the run and record it in the report (in process only).")] = True,
@@ -335,8 +337,14 @@ def bench(
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     try:
+        if tools not in ("prompt", "auto", "required"):
+            raise ValueError(f"--tools is 'prompt', 'auto' or 'required', not {tools!r}")
+        if tools != "prompt" and endpoint:
+            raise ValueError("--tools auto/required runs in process; through --endpoint the records' tool lists go as text")
         records = load_prompts(resolve_dataset(dataset), limit)
         grammar = _grammar_option(response_format)
+        if grammar is not None and tools == "required":
+            raise ValueError("--tools required brings its own grammar (one call of the record's functions); leave out --response-format")
         if grammar is not None and any(m.startswith("hf-") for m in mode_list):
             raise ValueError("--response-format: transformers' modes (hf-*) run without a grammar; leave them out")
         sampling = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, grammar=grammar)
@@ -362,7 +370,8 @@ def bench(
                 # before the run, alone on the machine: the same conditions as the run's figures
                 machine_curve = measure(impl, contexts=(100, 1000))
             result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
-                               sampling=sampling, repeats=repeats, turns=turns, hf_lookup_tokens=hf_lookup_tokens)
+                               sampling=sampling, repeats=repeats, turns=turns, hf_lookup_tokens=hf_lookup_tokens,
+                               tools=tools)
             if machine_curve is not None:
                 result["config"]["machine"]["cost_curve"] = machine_curve.as_dict()
     except ValueError as exc:
@@ -759,6 +768,7 @@ def gateway(
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED).", min=1024)] = 4 * 1024 * 1024,
     max_input_tokens: Annotated[Optional[int], typer.Option("--max-input-tokens", help="Largest prompt (whole session history) per request, every tenant.", min=1)] = None,
     grpc_reflection: Annotated[bool, typer.Option("--grpc-reflection/--no-grpc-reflection", help="gRPC server reflection on the public port (off: it lists the whole API to anyone).")] = False,
+    tool_fallback: Annotated[bool, typer.Option("--tool-fallback/--no-tool-fallback", help="Where the model's chat template has no tool support (the embedded SmolLM2's), give requests with tools the gateway's Hermes-style <tool_call> convention (each response says tandem.tool_format: hermes), or refuse them with a clear 400.")] = True,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -781,6 +791,7 @@ def gateway(
             redis_url=redis_url, max_tokens_cap=max_tokens_cap, max_concurrent_requests=max_concurrent_requests,
             metrics_port=metrics_port, api_keys_file=api_keys, allow_unauthenticated=allow_unauthenticated,
             max_body_bytes=max_body_bytes, max_input_tokens=max_input_tokens, grpc_reflection=grpc_reflection,
+            tool_fallback=tool_fallback,
             redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),
             tls=_tls(tls_cert, tls_key, tls_ca), public_tls=_public_tls(public_cert, public_key),
         )

@@ -29,6 +29,11 @@ class PromptRecord:
     # The full chat when the record gives one, without its system message (that is `system`). Its user
     # messages are `turns`; assistant messages between them are the record's own earlier replies.
     messages: list[dict] | None = None
+    # BFCL: the functions offered, as the API's tools take them ({name, description, parameters} in
+    # JSON Schema terms), and the system message without the tool list that `system` carries; a
+    # benchmark may pass the functions as tools instead (`tandem bench --tools`).
+    functions: list[dict] | None = None
+    system_without_tools: str | None = None
 
 
 # HumanEval is a base-model completion set, but the default target is a chat model: given the bare
@@ -144,6 +149,8 @@ def _record(obj: dict, *, dataset: str, default_id: str) -> PromptRecord:
     category = obj.get("category")
     system = _optional_str(obj, "system")
     messages: list[dict] | None = None
+    api_functions: list[dict] | None = None
+    without: str | None = None
 
     if "question" in obj and "function" in obj:  # BFCL
         question = obj["question"]
@@ -153,8 +160,12 @@ def _record(obj: dict, *, dataset: str, default_id: str) -> PromptRecord:
         functions = obj["function"]
         if not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions):
             raise ValueError("'function' must be a list of tool schemas")
-        system = "\n\n".join(s for s in (tools_system_prompt(functions), own_system, system) if s)
+        without = "\n\n".join(s for s in (own_system, system) if s) or None
+        system = "\n\n".join(s for s in (tools_system_prompt(functions), without) if s)
         turns = _user_turns(messages, "question[0]")
+        api_functions = [{"name": f.get("name"), "description": f.get("description", ""),
+                          "parameters": bfcl_schema(f.get("parameters") or {"type": "object", "properties": {}})}
+                         for f in functions]
     elif "turns" in obj:
         turns = obj["turns"]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
@@ -180,6 +191,8 @@ def _record(obj: dict, *, dataset: str, default_id: str) -> PromptRecord:
         system=system,
         turns=turns,
         messages=messages,
+        functions=api_functions,
+        system_without_tools=without,
     )
 
 

@@ -509,3 +509,36 @@ def test_a_mode_that_drafted_almost_nothing_is_marked_and_tables_fit_80_columns(
     text = console.file.getvalue()
     assert "1.15x" in text and DID_NOT_SPECULATE.split()[0] in text
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_bfcl_functions_as_api_tools_under_the_call_grammar(tiny_loaded, tmp_path: Path) -> None:
+    """--tools required: a BFCL record's functions go to the model as the gateway renders tools (not
+    as its tool-list text), every mode generates under the one-call grammar, and speculation stays
+    lossless there; hf-* modes and a remote target are refused with the reason."""
+    path = tmp_path / "BFCL_mini.json"
+    fn = {"name": "math.area", "description": "Area of a shape.", "parameters": {
+        "type": "dict", "properties": {"shape": {"type": "string"}, "size": {"type": "float"}}, "required": ["shape"]}}
+    rows = [{"id": f"q{i}", "question": [[{"role": "user", "content": f"area of a square of side {i}?"}]],
+             "function": [fn]} for i in range(2)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    records = load_prompts(path)
+    assert records[0].functions[0]["parameters"]["properties"]["size"]["type"] == "number"  # BFCL's names mapped
+    assert records[0].system_without_tools is None and "math.area" in records[0].system
+    engine = Engine(tiny_loaded, spec=SpecConfig(adaptive=False, max_draft_tokens=4))
+    as_text = run_bench(engine, records, ["ar", "ngram"], 24, tokenizer=tiny_loaded.tokenizer, progress=False)
+    required = run_bench(engine, records, ["ar", "ngram"], 24, tokenizer=tiny_loaded.tokenizer, progress=False,
+                         tools="required")
+    assert required["config"]["tools"] == "required" and as_text["config"]["tools"] == "prompt"
+    assert [p["prompt_tokens"] for p in required["prompts"]] != [p["prompt_tokens"] for p in as_text["prompts"]]
+    assert required["modes"]["ngram"]["lossless"] == 1.0
+    # the grammar was on: every reply is a prefix of one call object of the record's functions
+    target = EngineTarget(engine, tiny_loaded.tokenizer, tools="required")
+    rec = records[0]
+    ids = target.context_ids(rec, to_chat(rec, 0))
+    text = tiny_loaded.tokenizer.decode(
+        target.run(ids, target.record_sampling(rec, SamplingParams(max_new_tokens=24)), "ar", None).token_ids)
+    assert text.lstrip().startswith("{"), text
+    with pytest.raises(ValueError, match="hf-"):
+        run_bench(engine, records, ["ar", "hf-ar"], 8, tokenizer=tiny_loaded.tokenizer, progress=False, tools="required")
+    with pytest.raises(ValueError, match="tools must be one of"):
+        EngineTarget(engine, tiny_loaded.tokenizer, tools="sometimes")
