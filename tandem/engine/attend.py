@@ -2,59 +2,39 @@
 
 Built like gemv.c (tandem.engine.gemv.build: the host's compiler, `-march=native`, cached per source,
 flags and CPU). It needs AVX-512; on a CPU without it, without a compiler, or where the build fails,
-`available()` is False and the native forward keeps torch's `scaled_dot_product_attention`.
+`library()` is None and the native forward keeps torch's `scaled_dot_product_attention`.
 `TANDEM_ATTENTION=torch` keeps torch's kernel everywhere (for comparison).
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
 from tandem.engine import gemv
 
-log = logging.getLogger("tandem.engine.attend")
-
 SOURCE = Path(__file__).with_name("attend.c")
 MAX_ROWS = 32  # query rows per block it serves (decode and verification); a prefill goes to torch
 MAX_HEAD_DIM = 256
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 
-
-def _build() -> ctypes.CDLL | bool:
-    if os.environ.get("TANDEM_ATTENTION", "auto") == "torch":
-        return False
-    lib = gemv.build(SOURCE, "CPU attention kernel")
-    if lib is None:
-        return False
+def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.tandem_attend
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                    + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
     fn.restype = ctypes.c_int
-    return lib
+
+
+_kernel = gemv.Kernel(SOURCE, "CPU attention kernel", _bind,
+                      enabled=lambda: os.environ.get("TANDEM_ATTENTION", "auto") != "torch")
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it cannot be built (or is switched off) here."""
-    global _lib
-    if _lib is not None:
-        return _lib or None
-    with _lock:
-        if _lib is None:
-            try:
-                _lib = _build()
-            except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("the CPU attention kernel is not available: %s", exc)
-                _lib = False
-    return _lib or None
+    return _kernel.library()
 
 
 def serves(n: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

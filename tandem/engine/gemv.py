@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,10 +25,6 @@ log = logging.getLogger("tandem.engine.gemv")
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 MAX_ROWS = 32  # the kernel keeps the activation rows in cache; beyond this a library GEMM wins
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
-
 
 def _key(source: Path) -> str:
     return hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
@@ -65,29 +62,45 @@ def build(source: Path, label: str) -> ctypes.CDLL | None:
         return None
 
 
-def _build() -> ctypes.CDLL | bool:
-    lib = build(SOURCE, "streaming GEMV kernel")
-    if lib is None:
-        return False
+class Kernel:
+    """A C source of ours compiled at first use (`build`), its functions typed by `bind`: `library()`
+    is the loaded library, or None where it cannot be built here or `enabled()` says no. Decided
+    once per process; asked on every call of the path, so no lock once it is known."""
+
+    def __init__(self, source: Path, label: str, bind: Callable[[ctypes.CDLL], None],
+                 enabled: Callable[[], bool] = lambda: True):
+        self.source, self.label, self.bind, self.enabled = source, label, bind, enabled
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
+
+    def library(self) -> ctypes.CDLL | None:
+        if self._lib is not None:
+            return self._lib or None
+        with self._lock:
+            if self._lib is None:
+                try:
+                    lib = build(self.source, self.label) if self.enabled() else None
+                    if lib is not None:
+                        self.bind(lib)
+                    self._lib = lib or False
+                except (OSError, subprocess.SubprocessError) as exc:
+                    log.warning("the %s is not available: %s", self.label, exc)
+                    self._lib = False
+        return self._lib or None
+
+
+def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.tandem_gemv_rows
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
     fn.restype = None
-    return lib
+
+
+_kernel = Kernel(SOURCE, "streaming GEMV kernel", _bind)
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it cannot be built here."""
-    global _lib
-    if _lib is not None:  # decided: every GEMM call of the path asks, so no lock once it is known
-        return _lib or None
-    with _lock:
-        if _lib is None:
-            try:
-                _lib = _build()
-            except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("the streaming GEMV kernel is not available: %s", exc)
-                _lib = False
-    return _lib or None
+    return _kernel.library()
 
 
 def gemv_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

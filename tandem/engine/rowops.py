@@ -7,47 +7,28 @@ Without a compiler, or where the build fails, `library()` is None and the forwar
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
 from tandem.engine import gemv
 
-log = logging.getLogger("tandem.engine.rowops")
-
 SOURCE = Path(__file__).with_name("rowops.c")
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 
-
-def _build() -> ctypes.CDLL | bool:
-    lib = gemv.build(SOURCE, "row-wise CPU kernels")
-    if lib is None:
-        return False
+def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.tandem_rms_norm
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 3 + [
         ctypes.c_float, ctypes.c_int]
     fn.restype = None
-    return lib
+
+
+_kernel = gemv.Kernel(SOURCE, "row-wise CPU kernels", _bind)
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built here."""
-    global _lib
-    if _lib is not None:  # decided: asked on every norm, so no lock once it is known
-        return _lib or None
-    with _lock:
-        if _lib is None:
-            try:
-                _lib = _build()
-            except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("the row-wise CPU kernels are not available: %s", exc)
-                _lib = False
-    return _lib or None
+    return _kernel.library()
 
 
 def serves(x: torch.Tensor) -> bool:

@@ -73,8 +73,9 @@ def test_without_a_compiler_the_path_is_not_offered(tmp_path) -> None:
     """In a fresh process with no usable compiler and an empty cache: no crash, no candidate, and
     forcing the path says why."""
     code = (
-        "from tandem.engine import gemv, gemm\n"
+        "from tandem.engine import gemv, gemm, rowops\n"
         "assert gemv.library() is None\n"
+        "assert rowops.library() is None  # the RMSNorm kernel too: the forward keeps torch's\n"
         "assert gemm.GemmPath.tandem_gemv not in gemm.candidates()\n"
         "try:\n"
         "    gemm.GemmSettings.configure('tandem_gemv')\n"
