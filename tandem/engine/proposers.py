@@ -272,6 +272,10 @@ class DraftModelProposer(Proposer):
     name = "model"
     costly = True
     STEP_LIKE = 3  # feeds of up to this many tokens count as one drafting step
+    # Under a grammar (SamplingParams.grammar: structured output, a required tool call) its drafts
+    # follow the grammar too: the draft's logits are masked like the target's, from a matcher of
+    # its own kept at the tokens generated so far. Only speed depends on it: the verifier masks
+    # the target and cuts refused drafts whatever a drafter sends.
     # A block stops early when the draft's probability for its next token falls below this: the
     # step after a hesitation is mostly rejected, and each extra draft costs a draft step and a
     # verified position. (Stopping on the draft's own numbers keeps sampling exact.)
@@ -295,6 +299,7 @@ class DraftModelProposer(Proposer):
         self._ids: list[int] = []  # tokens whose KV is in the draft's cache
         self.feed_seconds: list[float] = []  # short feeds of this step (its per-token cost)
         self._peeked: torch.Tensor | None = None  # next-token logits after self._ids, from peek
+        self._grammar: _DraftGrammar | None = None  # the grammar state of the sequence, when it has one
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Feed tokens; return the logits after the last one `# [head_rows]`, ids outside the
@@ -346,10 +351,15 @@ class DraftModelProposer(Proposer):
             return Draft(tokens=[], proposer=self.name)
         logits = self._sync(ids)
         self._peeked = None
+        grammar = self._grammar_at(ids, sampling)
         tokens: list[int] = []
         supports, sprobs = [], []
         bucket = 0
         for i in range(k):
+            if grammar is not None:
+                logits = grammar.masked(logits, self.head_vocab)
+                if logits is None:  # the grammar is complete, or allows nothing this head can write
+                    break
             p_top = float(torch.softmax(logits, -1).max())
             if i == 0:
                 bucket = confidence_bucket(p_top)
@@ -367,18 +377,107 @@ class DraftModelProposer(Proposer):
                 supports.append(support)
                 sprobs.append(q)
             tokens.append(tok)
+            if grammar is not None and not grammar.accept(tok):
+                break
             if i + 1 < k:
                 logits = self._feed([tok])
+        if grammar is not None:
+            grammar.rewind()
         draft = Draft(tokens=tokens, proposer=self.name, bucket=bucket, seconds=time.perf_counter() - start)
         if supports:
             draft.support = torch.stack(supports).long()  # [k, s]
             draft.support_probs = torch.stack(sprobs).float()  # [k, s]
         return draft
 
+    def _grammar_at(self, ids: list[int], sampling: SamplingParams) -> "_DraftGrammar | None":
+        """The grammar state after `ids`, or None (no grammar; or it could not follow this sequence).
+
+        The grammar covers generated tokens, and a sequence's first propose comes right after its
+        context, so that call fixes where generation starts; later calls bring the tokens committed
+        since (and, drafting ahead, the anchor's drafts), which the matcher follows, rolling back to
+        the common prefix first. Tokens it cannot follow mean another generation began (a new turn
+        on a reused proposer): the next call starts over there. Wrong guesses cost speed only."""
+        if sampling.grammar is None:
+            self._grammar = None
+            return None
+        g = self._grammar
+        if (g is None or g.broken or g.grammar != sampling.grammar or len(ids) < g.start
+                or (g.start and ids[g.start - 1] != g.anchor)):
+            stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.loaded.eos_token_ids))
+            vocab = self.vocab_limit or self.loaded.vocab_size
+            try:
+                g = self._grammar = _DraftGrammar(sampling.grammar, self.loaded.tokenizer, vocab, sorted(stop),
+                                                  start=len(ids), anchor=ids[-1] if ids else -1)
+            except Exception:  # a grammar the target compiled is not ours to refuse: draft without it
+                self._grammar = None
+                return None
+        return g if g.follow(ids[g.start :]) else None
+
     def per_token_seconds(self) -> float | None:
         """Cost of one drafted token in the last propose: its short feeds (catching up on a
         longer stretch of context is a one-off, not a per-token cost)."""
         return sum(self.feed_seconds) / len(self.feed_seconds) if self.feed_seconds else None
+
+
+class _DraftGrammar:
+    """A draft model's own grammar matcher, at the generated tokens of its sequence."""
+
+    def __init__(self, grammar, tokenizer, vocab_size: int, stop_ids: list[int], *, start: int, anchor: int):
+        from tandem.engine.grammar import Constraint
+
+        self.grammar, self.start, self.anchor = grammar, start, anchor
+        self.vocab_size = vocab_size
+        self.constraint = Constraint(grammar, tokenizer, vocab_size, stop_ids)
+        self.fed: list[int] = []  # generated tokens the matcher has accepted
+        self.walked = 0  # drafts accepted on top of them in the current propose
+        self.broken = False  # it refused a committed token: this sequence is not the one it knows
+
+    def follow(self, generated: list[int]) -> bool:
+        if self.broken:
+            return False
+        m = self.constraint.matcher
+        common = 0
+        while common < min(len(self.fed), len(generated)) and self.fed[common] == generated[common]:
+            common += 1
+        if len(self.fed) > common:
+            m.rollback(len(self.fed) - common)
+            del self.fed[common:]
+        for tok in generated[common:]:
+            if m.is_terminated() or not m.accept_token(tok):
+                self.broken = True
+                return False
+            self.fed.append(tok)
+        return True
+
+    def masked(self, logits: torch.Tensor, head_vocab: torch.Tensor | None) -> torch.Tensor | None:
+        """`logits # [head_rows]` with the rows the grammar refuses next at -inf; None when it allows
+        none of them (or is complete)."""
+        m = self.constraint.matcher
+        if m.is_terminated():
+            return None
+        bitmask = self.constraint._xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, words] int32
+        m.fill_next_token_bitmask(bitmask, 0)
+        bits = ((bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()  # [words*32]
+        allowed = bits[head_vocab] if head_vocab is not None else bits[: logits.shape[0]]  # [head_rows]
+        if allowed.shape[0] < logits.shape[0]:  # head rows past the target's vocabulary: never allowed
+            allowed = torch.cat([allowed, allowed.new_zeros(logits.shape[0] - allowed.shape[0])])
+        if not bool(allowed.any()):
+            return None
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def accept(self, tok: int) -> bool:
+        """Walk the matcher through a draft; False when nothing may follow it (it completed the grammar)."""
+        m = self.constraint.matcher
+        if not m.accept_token(tok):  # cannot happen after masking; stop drafting if it does
+            return False
+        self.walked += 1
+        return not m.is_terminated()
+
+    def rewind(self) -> None:
+        """Back to the committed tokens after a propose."""
+        if self.walked:
+            self.constraint.matcher.rollback(self.walked)
+        self.walked = 0
 
 
 class HybridProposer(Proposer):

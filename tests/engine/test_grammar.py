@@ -114,3 +114,47 @@ def test_sampled_speculation_under_a_grammar_follows_the_constrained_target(shar
     p1, joint = _masked_first_two(sharp.model, sharp.tokenizer, sharp.vocab_size, ctx, grammar, 4)
     p_first, p_joint = chi_square_p_values(firsts, pairs, p1, joint)
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+def test_a_draft_model_drafts_inside_the_grammar(kind, sharp, near, contexts, monkeypatch):
+    """Told the request's grammar, the draft model masks its own logits like the target's: every
+    block it proposes is in the grammar (without the mask, some are not), drafting ahead past an
+    uncommitted guess and back included; greedy output stays constrained plain decoding's, and more
+    drafts are accepted than without the mask."""
+    from tandem.engine.proposers import DraftModelProposer
+
+    grammar = GRAMMARS[kind]
+    sampling = SamplingParams(max_new_tokens=48, grammar=grammar)
+    stop = sorted(set(sharp.eos_token_ids))
+
+    def in_grammar(generated: list[int], block: list[int]) -> bool:
+        c = Constraint(grammar, sharp.tokenizer, sharp.vocab_size, stop)
+        c.advance(generated)
+        return all(c.matcher.accept_token(t) for t in block)
+
+    engine = Engine(sharp)
+    outside = 0
+    for ctx in contexts.values():
+        out = engine.generate(ctx, sampling, SpecConfig(strategy="none")).token_ids
+        masked = DraftModelProposer(near, vocab_limit=sharp.vocab_size, stop_below=0.0)
+        free = DraftModelProposer(near, vocab_limit=sharp.vocab_size, stop_below=0.0)
+        for cut in (0, 3, 9, 5, len(out) - 2):  # forward, and back (a guess that failed)
+            ids = ctx + out[:cut]
+            block = masked.propose(ids, 6, sampling, None).tokens
+            assert block and in_grammar(out[:cut], block), (kind, cut, block)
+            outside += not in_grammar(out[:cut], free.propose(ids, 6, SamplingParams(max_new_tokens=48), None).tokens)
+    assert outside > 0, "unmasked drafts leave the grammar: otherwise this test shows nothing"
+
+    def run() -> tuple[list[list[int]], int]:
+        eng = Engine(sharp, near)
+        results = [eng.generate(ctx, sampling, SpecConfig(strategy="model", adaptive=False, max_draft_tokens=4))
+                   for ctx in contexts.values()]
+        return [r.token_ids for r in results], sum(r.stats.accepted for r in results)
+
+    told, accepted_told = run()
+    monkeypatch.setattr(DraftModelProposer, "_grammar_at", lambda self, ids, sampling: None)
+    untold, accepted_untold = run()
+    assert told == untold == [engine.generate(ctx, sampling, SpecConfig(strategy="none")).token_ids
+                              for ctx in contexts.values()]
+    assert accepted_told > accepted_untold

@@ -189,6 +189,39 @@ def test_sampled_model_blocks_carry_their_proposals(model_drafter, tiny_draft_lo
     assert core.stats()["active_sessions"] == 0
 
 
+def test_model_blocks_follow_the_requests_grammar(model_drafter, tiny_draft_loaded) -> None:
+    """The verifier passes the request's grammar in OpenSession.sampling: the drafter's model masks
+    its drafts by it, so its regular block and the block it drafts ahead (after the regular
+    block's drafts) are both inside the grammar, and after a commit the next block continues it."""
+    from tandem.engine.config import Grammar
+    from tandem.engine.grammar import Constraint
+
+    core, channel = model_drafter
+    regex = r"(yes|no|maybe)(,(yes|no|maybe)){2,6}"
+    stream = DraftStream(channel)
+    stream.open("g", CONTEXT, strategy=common_pb2.DRAFT_STRATEGY_MODEL, next_block_len=4,
+                sampling=common_pb2.SamplingParams(grammar=common_pb2.GrammarConstraint(regex=regex)))
+    regular, ahead = stream.next(), stream.next()
+
+    def inside(generated: list[int], block: list[int]) -> bool:
+        c = Constraint(Grammar(kind="regex", value=regex), tiny_draft_loaded.tokenizer, VOCAB,
+                       sorted(tiny_draft_loaded.eos_token_ids))
+        c.advance(generated)
+        return all(c.matcher.accept_token(t) for t in block)
+
+    assert regular.token_ids and inside([], list(regular.token_ids))
+    assert ahead.speculative and inside(list(regular.token_ids), list(ahead.token_ids))
+    free = DraftModelProposer(tiny_draft_loaded, vocab_limit=VOCAB, stop_below=0.0).propose(CONTEXT, 4, SamplingParams(), None)
+    assert not inside([], free.tokens), "unmasked, the draft model leaves the grammar: else this shows nothing"
+    first = list(regular.token_ids[:1])
+    stream.commit("g", len(CONTEXT) + 1, first)  # only the first draft accepted: the guess failed
+    after = stream.next()
+    while after.speculative or after.base_len != len(CONTEXT) + 1:
+        after = stream.next()
+    assert inside(first, list(after.token_ids))
+    stream.end()
+
+
 def test_hybrid_blocks_come_from_lookup_on_long_matches_else_the_model(model_drafter, tiny_draft_loaded) -> None:
     core, channel = model_drafter
     assert common_pb2.DRAFT_STRATEGY_HYBRID in drafter_pb2_grpc.DrafterStub(channel).GetInfo(
