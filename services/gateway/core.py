@@ -812,7 +812,7 @@ class GatewayCore:
         self.stats.routed[decision.reason] += 1
         # Stop tokens are committed (they belong to the history) but never shown; a stop id can only
         # be the last token, so leaving these ids out of the text is exact.
-        hidden = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self._eos_ids)
+        hidden = sampling.stop_ids(self._eos_ids)
         detok = Detokenizer(self.tokenizer)
         cut = TextCut(sampling.stop)
         generated: list[int] = []

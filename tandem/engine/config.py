@@ -88,6 +88,11 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def stop_ids(self, eos_token_ids) -> set[int]:
+        """The token ids that end generation: the request's own, and the model's EOS ids unless
+        ignore_eos."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+
     @property
     def adjusts_logits(self) -> bool:
         """Whether the raw logits are changed before temperature (see adjust_logits)."""

@@ -201,7 +201,7 @@ class Generation:
         self.spec = spec
         self.proposer = proposer
         self.gen = None if sampling.greedy else make_generator(sampling.seed)
-        self.stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+        self.stop_ids = sampling.stop_ids(eos_token_ids)
         # Stop strings are matched on the output's text as each token is committed, in order, so the
         # token that completes one is the same with speculation as without.
         self._stop_text = StopStrings(sampling.stop, runner.loaded.tokenizer) if sampling.stop else None

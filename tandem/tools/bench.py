@@ -230,7 +230,7 @@ class EngineTarget:
         reports no speculation figures: the result's stats are None."""
         target = self.engine.target
         model = target.model
-        stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(target.eos_token_ids))
+        stop = sampling.stop_ids(target.eos_token_ids)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         kwargs: dict = {
             "max_new_tokens": min(sampling.max_new_tokens, target.max_context - len(ids)),
