@@ -403,10 +403,10 @@ class DraftModelProposer(Proposer):
         g = self._grammar
         if (g is None or g.broken or g.grammar != sampling.grammar or len(ids) < g.start
                 or (g.start and ids[g.start - 1] != g.anchor)):
-            stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.loaded.eos_token_ids))
+            stop = sorted(sampling.stop_ids(self.loaded.eos_token_ids))
             vocab = self.vocab_limit or self.loaded.vocab_size
             try:
-                g = self._grammar = _DraftGrammar(sampling.grammar, self.loaded.tokenizer, vocab, sorted(stop),
+                g = self._grammar = _DraftGrammar(sampling.grammar, self.loaded.tokenizer, vocab, stop,
                                                   start=len(ids), anchor=ids[-1] if ids else -1)
             except Exception:  # a grammar the target compiled is not ours to refuse: draft without it
                 self._grammar = None
@@ -426,8 +426,10 @@ class _DraftGrammar:
         from tandem.engine.grammar import Constraint
 
         self.grammar, self.start, self.anchor = grammar, start, anchor
-        self.vocab_size = vocab_size
         self.constraint = Constraint(grammar, tokenizer, vocab_size, stop_ids)
+        # one row of the matcher's bitmask, filled per drafted position; its bit order, for unpacking
+        self._bitmask = self.constraint._xgr.allocate_token_bitmask(1, vocab_size)  # [1, words] int32
+        self._bit = torch.arange(32, dtype=torch.int32)  # [32]
         self.fed: list[int] = []  # generated tokens the matcher has accepted
         self.walked = 0  # drafts accepted on top of them in the current propose
         self.broken = False  # it refused a committed token: this sequence is not the one it knows
@@ -455,9 +457,8 @@ class _DraftGrammar:
         m = self.constraint.matcher
         if m.is_terminated():
             return None
-        bitmask = self.constraint._xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, words] int32
-        m.fill_next_token_bitmask(bitmask, 0)
-        bits = ((bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()  # [words*32]
+        m.fill_next_token_bitmask(self._bitmask, 0)
+        bits = ((self._bitmask[0].unsqueeze(-1) >> self._bit) & 1).bool().flatten()  # [words*32]
         allowed = bits[head_vocab] if head_vocab is not None else bits[: logits.shape[0]]  # [head_rows]
         if allowed.shape[0] < logits.shape[0]:  # head rows past the target's vocabulary: never allowed
             allowed = torch.cat([allowed, allowed.new_zeros(logits.shape[0] - allowed.shape[0])])

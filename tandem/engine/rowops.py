@@ -31,11 +31,6 @@ def library() -> ctypes.CDLL | None:
     return _kernel.library()
 
 
-def serves(x: torch.Tensor) -> bool:
-    """Whether `x` (an activation about to be normalized) goes through the kernel."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and library() is not None
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x `# [n, d]` float32 CPU (rows may be strided), w `# [d]` -> `# [n, d]`:
     w * (x * rsqrt(mean(x^2) + eps)) per row, each row on its own (row-invariant bit for bit)."""
