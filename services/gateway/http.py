@@ -434,6 +434,13 @@ class _Format:
         self.created = int(time.time())
         self.tool_format: str | None = None  # with tools: how they were rendered (template / hermes)
 
+    def sibling(self) -> "_Format":
+        """A formatter for another choice of the same response: the same settings and id, its own
+        text, logprob and tool state."""
+        other = copy.copy(self)
+        other._held_text, other._before, other.offset = [], [], 0
+        return other
+
     def _tandem(self, chunk: Chunk) -> dict:
         extra = {"tool_format": self.tool_format} if self.tool_format else {}
         return {**tandem_dict(chunk, self.session_id), **extra}
@@ -648,9 +655,7 @@ async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, 
 async def _stream_choices(request: Request, core: GatewayCore, req: GenerationRequest, n: int, fmt: "_Format") -> Response:
     """n > 1 streamed: one formatter per choice (each holds its own text, stop and tool state),
     under one response id; each event's choices carry their index; usage once, for all, at the end."""
-    fmts = [fmt] + [copy.copy(fmt) for _ in range(n - 1)]
-    for f in fmts[1:]:
-        f._held_text, f._before = [], []
+    fmts = [fmt] + [fmt.sibling() for _ in range(n - 1)]
     items = core.stream_choices(req, n)
     try:  # the warm-up and the first chunk before answering: errors up to then get a real status
         first = await _unless_disconnected(request, anext(items))
