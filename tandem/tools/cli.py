@@ -331,15 +331,15 @@ def bench(
     _setup(threads)
     from rich.console import Console
 
-    from tandem.tools.bench import format_category_table, format_table, run_bench
+    from tandem.tools.bench import TOOL_MODES, format_category_table, format_table, run_bench
     from tandem.tools.datasets import load_prompts, resolve_dataset
     from tandem.engine.spec import Engine
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     try:
-        if tools not in ("prompt", "auto", "required"):
-            raise ValueError(f"--tools is 'prompt', 'auto' or 'required', not {tools!r}")
-        if tools != "prompt" and endpoint:
+        if tools not in TOOL_MODES:  # before any model loads
+            raise ValueError(f"--tools is one of {', '.join(TOOL_MODES)}, not {tools!r}")
+        if tools != "prompt" and endpoint:  # before connecting (run_bench refuses it too, after)
             raise ValueError("--tools auto/required runs in process; through --endpoint the records' tool lists go as text")
         records = load_prompts(resolve_dataset(dataset), limit)
         grammar = _grammar_option(response_format)

@@ -224,6 +224,20 @@ def test_bench_under_a_grammar(tiny_dir, tmp_path) -> None:
     assert res.exit_code == 2 and "json_object" in res.stderr
 
 
+def test_bench_refuses_bad_tools_options(tiny_dir, tmp_path) -> None:
+    """--tools: an unknown value, a grammar of its own beside --response-format, and API tools
+    through a remote stack are each refused with the reason (before any request is sent)."""
+    dataset = tmp_path / "p.jsonl"
+    dataset.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    base = ("bench", "-m", str(tiny_dir), "-d", str(dataset), "--no-curve", *THREADS)
+    res = invoke(*base, "--tools", "sometimes")
+    assert res.exit_code == 2 and "--tools is one of prompt, auto, required" in res.stderr
+    res = invoke(*base, "--tools", "required", "--response-format", "json_object")
+    assert res.exit_code == 2 and "brings its own grammar" in res.stderr
+    res = invoke(*base, "--tools", "auto", "--endpoint", "127.0.0.1:9")
+    assert res.exit_code == 2 and "runs in process" in res.stderr
+
+
 def test_bench_refuses_an_unknown_mode(tiny_dir, tmp_path) -> None:
     dataset = tmp_path / "p.jsonl"
     dataset.write_text(json.dumps({"prompt": "hi"}) + "\n")
