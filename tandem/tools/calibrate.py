@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -174,6 +174,8 @@ def markdown_curve(curve: dict) -> list[str]:
         "",
     ]
     kv = bool(curve.get("kv_mb"))
+    names = {f.name for f in fields(MachineCurve)}
+    record = MachineCurve(**{k: v for k, v in curve.items() if k in names})  # a report may add keys
     head = "| context | " + " | ".join(f"{n} tok" for n in rows) + " | 1 tok / bound | 9 tok / 1 tok |"
     lines += [head + (" 1 tok / bound with KV |" if kv else ""), "|---:|" + "---:|" * (len(rows) + 2 + kv)]
     ratios = curve.get("ratios", {})
@@ -182,8 +184,8 @@ def markdown_curve(curve: dict) -> list[str]:
         cells = [f"{row[str(n)]:.1f}" if str(n) in row else "" for n in rows]
         line = f"| {ctx} | " + " | ".join(cells) + f" | {r.get('one_over_bound', '')}x | {r.get('nine_over_one', '')}x |"
         if kv:
-            with_kv = (curve["weight_mb"] + curve["kv_mb"][ctx]) / curve["read_gbs"] if ctx in curve["kv_mb"] else None
-            line += f" {r['one_over_kv_bound']}x ({with_kv:.1f} ms) |" if with_kv and "one_over_kv_bound" in r else " |"
+            line += (f" {r['one_over_kv_bound']}x ({record.kv_bound_ms(ctx):.1f} ms) |" if "one_over_kv_bound" in r
+                     else " |")
         lines.append(line)
     return lines
 
