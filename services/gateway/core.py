@@ -302,11 +302,14 @@ class GatewayCore:
         self._vocab = len(tokenizer)
         self._clients = clients
         # How requests with tools are rendered; said once here and in each such response
-        self.tool_format = tools.tool_format(tokenizer)
-        if self.tool_format == tools.HERMES:
-            log.warning("the chat template of %s has no tool support: requests with tools %s", self.model_name,
-                        "get the gateway's Hermes-style <tool_call> convention (tandem.tool_format: hermes in each response)"
-                        if settings.tool_fallback else "are refused (--no-tool-fallback)")
+        self.tool_support = tools.detect(tokenizer)
+        if self.tool_support.renderer == tools.GATEWAY:
+            log.warning("the chat template of %s %s: requests with tools %s", self.model_name, self.tool_support.why,
+                        "get the gateway's Hermes-style <tool_call> convention (tandem.tool_format: gateway/hermes "
+                        "in each response)" if settings.tool_fallback else "are refused (--no-tool-fallback)")
+        else:
+            log.info("the chat template of %s renders tools; calls are parsed in its family's dialect (%s)",
+                     self.model_name, self.tool_support.dialect.name)
         if index is None and settings.redis_url:
             index = ResidencyIndex(
                 ResidencyConfig(
@@ -677,12 +680,13 @@ class GatewayCore:
                 if not isinstance(m.get("content"), str):
                     raise InvalidRequest(f"messages[{i}].content must be a string")
             uses_tools = req.tool_functions or any(m.get("tool_calls") or m.get("role") == "tool" for m in req.messages)
-            if uses_tools and self.tool_format == tools.HERMES and not self.settings.tool_fallback:
+            if uses_tools and self.tool_support.renderer == tools.GATEWAY and not self.settings.tool_fallback:
                 raise InvalidRequest(
-                    f"the chat template of {self.model_name} has no tool support, and this gateway does not fall back "
-                    "to its <tool_call> convention (started with --no-tool-fallback): send the request without tools")
+                    f"the chat template of {self.model_name} {self.tool_support.why}, and this gateway does not fall "
+                    "back to its <tool_call> convention (started with --no-tool-fallback): send the request without tools")
             try:
-                context = (tools.render(self.tokenizer, req.messages, list(req.tool_functions), apply_chat_template)
+                context = (tools.render(self.tokenizer, req.messages, list(req.tool_functions), apply_chat_template,
+                                        self.tool_support)
                            if uses_tools else apply_chat_template(self.tokenizer, req.messages))
             except Exception as exc:  # the template's own checks (role order, unknown roles)
                 raise InvalidRequest(f"the model's chat template cannot render these messages: {exc}") from None

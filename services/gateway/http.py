@@ -41,8 +41,9 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   verifier; a seeded request gives choice i the seed + i. Streamed, the choices' chunks interleave
   (each carries its `index`), and `stream_options.include_usage` sends one usage chunk for all.
 - `tools`, `tool_choice` (auto / none / required / a named function), `parallel_tool_calls`
-  (services/gateway/tools.py): calls in `message.tool_calls`, finish_reason "tool_calls"; a stream
-  holds the text back and sends `delta.tool_calls` when the calls are complete.
+  (services/gateway/tools.py), parsed in the model family's dialect: calls in `message.tool_calls`,
+  finish_reason "tool_calls"; a stream sends text as content up to where a call may begin, holds
+  the rest, and sends `delta.tool_calls` when the calls are complete.
 - Refused with 400 and a message saying so, rather than silently ignored: any other field this
   server does not know (`functions`, ...).
 - `usage` adds `prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused) and
@@ -212,12 +213,12 @@ class _CommonBody(_Strict):
     response_format: ResponseFormat | None = None
     grammar: GrammarOption | None = None  # Tandem's extension
 
-    def grammar_constraint(self, tool_mode: str = "none", fns: list | None = None) -> Grammar | None:
+    def grammar_constraint(self, plan: "tools_mod.ToolPlan" = tools_mod.NO_TOOLS) -> Grammar | None:
         rf = self.response_format
-        if tool_mode == "required":
+        if plan.mode == "required":
             if (rf is not None and rf.type != "text") or self.grammar is not None:
                 raise errors.InvalidRequest("a required tool call is its own grammar: drop response_format / grammar")
-            return tools_mod.call_grammar(fns)
+            return tools_mod.call_grammar(list(plan.fns), plan.dialect)
         if rf is not None and rf.type != "text" and self.grammar is not None:
             raise errors.InvalidRequest("give response_format or grammar, not both")
         if self.grammar is not None:
@@ -251,13 +252,14 @@ class ChatCompletionBody(_CommonBody):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # accepted: "auto" parses every call the model writes
+    parallel_tool_calls: bool | None = None  # false: the first call the model writes, no more
 
-    def tool_setup(self) -> tuple[list[dict], str]:
-        """(the functions the model may call, "none" | "auto" | "required")."""
+    def tool_plan(self, support: "tools_mod.ToolSupport") -> "tools_mod.ToolPlan":
+        """What this request may call and how its calls are parsed, for the gateway's model."""
         if not self.tools and self.tool_choice in (None, "none", "auto"):
-            return [], "none"
-        return tools_mod.chosen(self.tools or [], self.tool_choice)
+            return tools_mod.NO_TOOLS
+        fns, mode = tools_mod.chosen(self.tools or [], self.tool_choice)
+        return tools_mod.ToolPlan(tuple(fns), mode, support.dialect, self.parallel_tool_calls is not False)
 
     def logprob_count(self) -> int | None:
         """OpenAI's chat form: logprobs true, with top_logprobs alternatives (0 to 20)."""
@@ -353,8 +355,8 @@ def _session_id(request: Request, body: _CommonBody) -> str | None:
     return sid
 
 
-def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, *, tool_mode: str = "none",
-                    fns: list | None = None, **input_fields) -> GenerationRequest:
+def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, *,
+                    plan: "tools_mod.ToolPlan" = tools_mod.NO_TOOLS, **input_fields) -> GenerationRequest:
     max_tokens = body.max_tokens
     extra_max = getattr(body, "max_completion_tokens", None)
     if extra_max is not None:
@@ -379,8 +381,8 @@ def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, *, tool
         min_p=body.min_p,
         stop=body.stop_strings(),
         top_logprobs=body.logprob_count(),
-        grammar=body.grammar_constraint(tool_mode, fns),
-        tool_functions=tuple(fns or ()),
+        grammar=body.grammar_constraint(plan),
+        tool_functions=plan.fns,
         strategy=spec.strategy,
         max_draft_tokens=spec.max_draft_tokens,
         adaptive=spec.adaptive,
@@ -423,22 +425,23 @@ class _Format:
     """OpenAI's shapes for one endpoint: chat.completion(.chunk) or text_completion."""
 
     def __init__(self, chat: bool, model: str, session_id: str | None, include_usage: bool, tokenizer=None,
-                 tools: tuple[list, str] = ([], "none")):
+                 tools: "tools_mod.ToolPlan" = tools_mod.NO_TOOLS):
         self.chat, self.model, self.session_id, self.include_usage = chat, model, session_id, include_usage
-        self.fns, self.tool_mode = tools  # with tools, the text is parsed for calls at the end
-        self._held_text: list[str] = []  # streamed text held back until the calls are known
+        self.tools = tools  # with tools, the text is parsed for calls
+        self._text: list[str] = []  # a stream's text so far (with tools)
+        self._sent = 0  # characters of it sent as content (with tools: those no call can begin in)
         self.tokenizer = tokenizer  # for the text of tokens in logprobs
         self.offset = 0  # characters of text before the next chunk (completions' text_offset)
         self._before: list[int] = []  # tokens whose logprobs were formatted (the context of the next)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.tool_format: str | None = None  # with tools: how they were rendered (template / hermes)
+        self.tool_format: str | None = None  # with tools: how they were rendered and parsed (ToolSupport.label)
 
     def sibling(self) -> "_Format":
         """A formatter for another choice of the same response: the same settings and id, its own
         text, logprob and tool state."""
         other = copy.copy(self)
-        other._held_text, other._before, other.offset = [], [], 0
+        other._text, other._sent, other._before, other.offset = [], 0, [], 0
         return other
 
     def _tandem(self, chunk: Chunk) -> dict:
@@ -503,8 +506,8 @@ class _Format:
             self._before, self.offset = [], 0
             logprobs = self._logprobs([t for c in chunks for t in c.logprobs or ()], text) if asked else None
             choice = self._choice(text, chunks[-1].finish_reason.value, stream=False, logprobs=logprobs)
-            if self.tool_mode != "none":
-                content, calls = tools_mod.parse(text, self.fns, self.tool_mode)
+            if self.tools.mode != "none":
+                content, calls = tools_mod.parse(text, self.tools)
                 if calls:
                     choice["message"] = {"role": "assistant", "content": content,
                                          "tool_calls": [_call_dict(c) for c in calls]}
@@ -515,7 +518,7 @@ class _Format:
                               tandem=self._tandem(last))
 
     def events(self, chunk: Chunk, *, first: bool) -> list[dict]:
-        if self.chat and self.tool_mode != "none":
+        if self.chat and self.tools.mode != "none":
             return self._tool_events(chunk, first=first)
         out = []
         if first and self.chat:
@@ -537,15 +540,25 @@ class _Format:
 
 
     def _tool_events(self, chunk: Chunk, *, first: bool) -> list[dict]:
-        """With tools the text is held until the end, where the calls in it are known: then the
-        content left (if any) and `delta.tool_calls` go out, and finish_reason tool_calls."""
+        """With tools, text streams as content up to where a call may begin (the dialect says
+        where: a `<tool_call>` arriving, a response opening with `{`); the rest is held until the
+        end, where the calls are known: then the content left (if any) and `delta.tool_calls` go
+        out, and finish_reason tool_calls. A required call is all held (the whole text is it)."""
         out = []
         if first:
             out.append(self._envelope([self._choice("", None, stream=True, role=True)], stream=True))
-        self._held_text.append(chunk.text)
+        self._text.append(chunk.text)
+        text = "".join(self._text)
         if chunk.finish_reason is None:
+            safe = self.tools.dialect.hold_from(text) if self.tools.mode == "auto" else 0
+            if safe > self._sent:
+                out.append(self._envelope([self._choice(text[self._sent:safe], None, stream=True)], stream=True))
+                self._sent = safe
             return out
-        content, calls = tools_mod.parse("".join(self._held_text), self.fns, self.tool_mode)
+        spans, calls = tools_mod.calls_in(text, self.tools)
+        content = tools_mod.without(text, spans, self._sent) if calls else text[self._sent:]
+        if calls:  # as the whole response's content is: without the space the calls leave
+            content = content.rstrip() if self._sent else content.strip()
         if content:
             out.append(self._envelope([self._choice(content, None, stream=True)], stream=True))
         if calls:
@@ -600,11 +613,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, body: _CommonBody, chat: bool,
-                   tools: tuple[list, str] = ([], "none")) -> Response:
+                   tools: "tools_mod.ToolPlan" = tools_mod.NO_TOOLS) -> Response:
     fmt = _Format(chat, core.model_name, req.session_id, bool(body.stream_options and body.stream_options.include_usage),
                   core.tokenizer, tools)
-    if tools[0]:
-        fmt.tool_format = core.tool_format
+    if tools.fns:
+        fmt.tool_format = core.tool_support.label
     session_id_var.set(req.session_id)  # before the tasks below copy this request's context
     if body.stream and (body.n or 1) > 1:
         return await _stream_choices(request, core, req, body.n, fmt)
@@ -717,9 +730,9 @@ def create_app(core: GatewayCore) -> FastAPI:
         tenant = tenant_of(request)  # before the body is read: an anonymous caller costs nothing
         body = await _parse(request, ChatCompletionBody, max_bytes)
         messages = [m.as_template_dict() for m in body.messages]
-        fns, mode = body.tool_setup()
-        req = _domain_request(request, body, tenant, tool_mode=mode, fns=fns, messages=messages)
-        return await _respond(request, core, req, body, chat=True, tools=(fns, mode))
+        plan = body.tool_plan(core.tool_support)
+        req = _domain_request(request, body, tenant, plan=plan, messages=messages)
+        return await _respond(request, core, req, body, chat=True, tools=plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

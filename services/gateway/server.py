@@ -57,10 +57,10 @@ def _grammar(s):
         raise errors.InvalidRequest(f"sampling.grammar: {exc}") from None
 
 
-def tool_setup(msg: gateway_pb2.GenerateRequest) -> tuple[list[dict], str]:
-    """(the functions the model may call, "none" | "auto" | "required") of a request."""
+def tool_plan(msg: gateway_pb2.GenerateRequest, support: tools.ToolSupport) -> tools.ToolPlan:
+    """What a request may call and how its calls are parsed, for the gateway's model."""
     if not msg.tools and not msg.HasField("tool_choice"):
-        return [], "none"
+        return tools.NO_TOOLS
     listed = []
     for i, t in enumerate(msg.tools):
         try:
@@ -72,11 +72,13 @@ def tool_setup(msg: gateway_pb2.GenerateRequest) -> tuple[list[dict], str]:
     which = msg.tool_choice.WhichOneof("choice") if msg.HasField("tool_choice") else None
     choice = (None if which is None else msg.tool_choice.mode if which == "mode"
               else {"type": "function", "function": {"name": msg.tool_choice.function}})
-    return tools.chosen(listed, choice)
+    fns, mode = tools.chosen(listed, choice)
+    parallel = not msg.HasField("parallel_tool_calls") or msg.parallel_tool_calls
+    return tools.ToolPlan(tuple(fns), mode, support.dialect, parallel)
 
 
 def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | None,
-                   tenant: Tenant = OPEN, tool_fns: list[dict] | None = None, tool_mode: str = "none") -> GenerationRequest:
+                   tenant: Tenant = OPEN, plan: tools.ToolPlan = tools.NO_TOOLS) -> GenerationRequest:
     which = msg.WhichOneof("input")
     fields: dict = {
         "session_id": msg.session_id or None,
@@ -107,14 +109,14 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
             top_logprobs=s.top_logprobs if s.HasField("top_logprobs") else None,
             grammar=_grammar(s),
         )
-    if tool_fns:
+    if plan.fns:
         if which != "messages":
             raise errors.InvalidRequest("tools need a chat (messages), not a raw prompt")
-        fields["tool_functions"] = tuple(tool_fns)
-        if tool_mode == "required":
+        fields["tool_functions"] = plan.fns
+        if plan.mode == "required":
             if fields.get("grammar") is not None:
                 raise errors.InvalidRequest("a required tool call is its own grammar: drop sampling.grammar")
-            fields["grammar"] = tools.call_grammar(tool_fns)
+            fields["grammar"] = tools.call_grammar(list(plan.fns), plan.dialect)
     if msg.HasField("speculation"):
         p = msg.speculation
         if p.strategy and p.strategy not in STRATEGY_FROM_PB:
@@ -200,8 +202,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _NOT_A_MESSAGE.format("tandem.v1.GenerateRequest"))
         try:
             tenant = self._tenant(context)
-            fns, mode = tool_setup(request)
-            req = unpack_request(request, context.time_remaining(), tenant, fns, mode)
+            plan = tool_plan(request, self._core.tool_support)
+            req = unpack_request(request, context.time_remaining(), tenant, plan)
             n = max(1, request.n)
             texts: list[list[str]] = [[] for _ in range(min(n, self._core.MAX_CHOICES))]
             stream = (self._core.stream_choices(req, n) if n > 1
@@ -210,8 +212,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 msg = pack_chunk(chunk)
                 msg.choice = i
                 texts[i].append(chunk.text)
-                if chunk.finish_reason is not None and mode != "none":
-                    _, calls = tools.parse("".join(texts[i]), fns, mode)
+                if chunk.finish_reason is not None and plan.mode != "none":
+                    _, calls = tools.parse("".join(texts[i]), plan)
                     msg.tool_calls.extend(gateway_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments)
                                           for c in calls)
                 yield msg

@@ -80,7 +80,8 @@ class GatewaySettings(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger HTTP bodies / gRPC messages: 413
     max_input_tokens: int | None = Field(None, ge=1)  # per request, every tenant (a tenant may set less)
     grpc_reflection: bool = False  # reflection on the public gRPC port reveals the whole API surface
-    # A model whose chat template has no tool support: True = requests with tools get the gateway's
+    # A model whose chat template has no tool support (or writes calls in a dialect the gateway
+    # does not parse, services/gateway/tools.py): True = requests with tools get the gateway's
     # Hermes-style <tool_call> convention (said in every such response, `tandem.tool_format`);
     # False = they are refused with a clear 400 / INVALID_ARGUMENT.
     tool_fallback: bool = True

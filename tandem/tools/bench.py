@@ -193,7 +193,8 @@ class EngineTarget:
 
             rest = messages[1:] if rec.system else messages
             head = [{"role": "system", "content": rec.system_without_tools}] if rec.system_without_tools else []
-            ids = tools_mod.render(self.tokenizer, head + rest, rec.functions, apply_chat_template)
+            ids = tools_mod.render(self.tokenizer, head + rest, rec.functions, apply_chat_template,
+                                   tools_mod.detect(self.tokenizer))
         else:
             ids = apply_chat_template(self.tokenizer, messages)
         if len(ids) >= self.engine.target.max_context:
@@ -213,7 +214,8 @@ class EngineTarget:
             return sampling
         from tandem.services.gateway import tools as tools_mod
 
-        return sampling.model_copy(update={"grammar": tools_mod.call_grammar(rec.functions)})
+        return sampling.model_copy(update={"grammar": tools_mod.call_grammar(
+            rec.functions, tools_mod.detect(self.tokenizer).dialect)})
 
     def run(self, ids: list[int], sampling: SamplingParams, mode: str, sequence) -> GenerationResult:
         if mode in MODES:

@@ -768,7 +768,7 @@ def gateway(
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED).", min=1024)] = 4 * 1024 * 1024,
     max_input_tokens: Annotated[Optional[int], typer.Option("--max-input-tokens", help="Largest prompt (whole session history) per request, every tenant.", min=1)] = None,
     grpc_reflection: Annotated[bool, typer.Option("--grpc-reflection/--no-grpc-reflection", help="gRPC server reflection on the public port (off: it lists the whole API to anyone).")] = False,
-    tool_fallback: Annotated[bool, typer.Option("--tool-fallback/--no-tool-fallback", help="Where the model's chat template has no tool support (the embedded SmolLM2's), give requests with tools the gateway's Hermes-style <tool_call> convention (each response says tandem.tool_format: hermes), or refuse them with a clear 400.")] = True,
+    tool_fallback: Annotated[bool, typer.Option("--tool-fallback/--no-tool-fallback", help="Where the model's chat template has no tool support (the embedded SmolLM2's) or a call format the gateway does not parse (it knows hermes, llama3 and mistral), give requests with tools the gateway's Hermes-style <tool_call> convention (each response says tandem.tool_format: gateway/hermes), or refuse them with a clear 400.")] = True,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,

@@ -92,6 +92,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Ties the turns of one conversation (or agent) together for KV reuse and routing;
     empty = a one-off request, no history kept.
@@ -105,6 +106,8 @@ class GenerateRequest(_message.Message):
     is prefilled once and the choices copy its KV; with SamplingParams.seed, choice i samples with
     seed + i. Their messages interleave on the stream, each naming its GenerateResponse.choice.
     """
+    parallel_tool_calls: _builtins.bool
+    """OpenAI's parallel_tool_calls: unset or true = every call the model writes; false = the first."""
     @_builtins.property
     def messages(self) -> Global___ChatMessages:
         """A conversation, rendered with the model's chat template plus the assistant turn's opening."""
@@ -139,13 +142,19 @@ class GenerateRequest(_message.Message):
         tools: _abc.Iterable[Global___Tool] | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
         n: _builtins.int = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation", "tool_choice", b"tool_choice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "input", b"input", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "model", b"model", "n", b"n", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "input", b"input", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "messages"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015

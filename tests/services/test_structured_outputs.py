@@ -126,6 +126,37 @@ def test_required_and_named_tool_calls_with_speculation_equal_plain(stack):
         assert calls[0] == calls[1], "speculation changed the call"
 
 
+def test_a_required_call_in_the_llama3_dialect_with_speculation_equals_plain(stack, smollm):
+    """The model's template in Llama 3's style: tools rendered by it, and the required call's grammar
+    puts the arguments under "parameters" as that family writes them; the same call with and
+    without speculation."""
+    import copy
+
+    from test_tool_dialects import LLAMA3_TEMPLATE
+
+    tok = copy.deepcopy(smollm.tokenizer)
+    tok.chat_template = LLAMA3_TEMPLATE
+    gw = Gateway(tok, model_id=smollm.model_id, verifiers=stack.settings.verifiers, drafters=stack.settings.drafters,
+                 poll_interval_s=0.3)
+    try:
+        time.sleep(0.5)
+        calls = []
+        for strategy in ("none", "ngram"):
+            reply = gw.openai.chat.completions.with_raw_response.create(
+                model="default", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0,
+                extra_body=_spec(strategy))
+            assert json.loads(reply.text)["tandem"]["tool_format"] == "template/llama3"
+            choice = reply.parse().choices[0]
+            assert choice.finish_reason == "tool_calls", choice.message
+            call = choice.message.tool_calls[0]
+            assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+            assert reply.parse().usage.model_extra["speculation"]["drafted"] > 0 or strategy == "none"
+            calls.append(call.function.arguments)
+        assert calls[0] == calls[1], "speculation changed the call"
+    finally:
+        gw.close()
+
+
 def test_streamed_tool_call_and_a_second_turn_with_its_result(stack):
     stream = stack.openai.chat.completions.create(model="default", messages=ASK, tools=[WEATHER],
                                                   tool_choice="required", max_tokens=60, temperature=0, stream=True)

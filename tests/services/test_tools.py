@@ -32,17 +32,73 @@ def test_call_grammar_allows_exactly_the_functions():
     g = tools.call_grammar(tools.chosen([FN, OTHER], "required")[0])
     schema = json.loads(g.value)
     assert g.kind == "json_schema" and [o["properties"]["name"]["const"] for o in schema["anyOf"]] == ["get_weather", "get_time"]
+    assert all(o["required"] == ["name", "arguments"] for o in schema["anyOf"])
+    llama = json.loads(tools.call_grammar(tools.chosen([FN], "required")[0], tools.DIALECTS["llama3"]).value)
+    assert llama["required"] == ["name", "parameters"] and "arguments" not in llama["properties"]  # the family's key
 
 
 def test_parse_calls_out_of_text():
-    fns, _ = tools.chosen([FN, OTHER], "auto")
+    plan = _plan([FN, OTHER], "auto")
+    unknown = '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
     content, calls = tools.parse('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-                                 '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', fns, "auto")
-    assert content.startswith("Let me check.") and [c.name for c in calls] == ["get_weather"]
+                                 + unknown, plan)
+    assert content == "Let me check. " + unknown and [c.name for c in calls] == ["get_weather"]  # not a call: left as text
     assert json.loads(calls[0].arguments) == {"city": "Paris"} and calls[0].id.startswith("call_")
-    assert tools.parse("no calls here", fns, "auto") == ("no calls here", [])
-    content, calls = tools.parse('{"name": "get_time", "arguments": {}}', fns, "required")
+    assert tools.parse("no calls here", plan) == ("no calls here", [])
+    assert tools.parse("<tool_call>{not json</tool_call>", plan) == ("<tool_call>{not json</tool_call>", [])
+    content, calls = tools.parse('{"name": "get_time", "arguments": {}}', _plan([FN, OTHER], "required"))
     assert content is None and calls[0].name == "get_time"
+
+
+def _plan(fns, mode, dialect="hermes", parallel=True):
+    return tools.ToolPlan(tuple(tools.chosen(fns, mode)[0]), mode, tools.DIALECTS[dialect], parallel)
+
+
+TWO_CALLS = {  # how each family writes two calls (get_weather for Paris, then get_time)
+    "hermes": 'On it. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    "llama3": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+    "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+}
+
+
+@pytest.mark.parametrize("dialect", sorted(TWO_CALLS))
+def test_each_familys_calls_are_parsed_in_its_dialect(dialect):
+    content, calls = tools.parse(TWO_CALLS[dialect], _plan([FN, OTHER], "auto", dialect))
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}, {}]
+    assert content == ("On it." if dialect == "hermes" else None)
+    _, first = tools.parse(TWO_CALLS[dialect], _plan([FN, OTHER], "auto", dialect, parallel=False))
+    assert [c.name for c in first] == ["get_weather"]  # parallel_tool_calls false: the first call only
+    prose = "Paris is sunny [citation needed]; {braces} too."
+    assert tools.parse(prose, _plan([FN, OTHER], "auto", dialect)) == (prose, [])
+
+
+def test_llama3_and_mistral_calls_without_their_special_tokens():
+    """Text decoded without special tokens loses <|python_tag|> and [TOOL_CALLS]: the call object
+    (array) opening the response is still the call; prose after a Llama 3 call stays content."""
+    content, calls = tools.parse(' {"name": "get_time", "parameters": {"city": "Oslo"}} Done.', _plan([FN, OTHER], "auto", "llama3"))
+    assert [c.name for c in calls] == ["get_time"] and json.loads(calls[0].arguments) == {"city": "Oslo"} and content == "Done."
+    content, calls = tools.parse('[{"name": "get_time", "arguments": {"city": "Oslo"}}]', _plan([FN, OTHER], "auto", "mistral"))
+    assert [c.name for c in calls] == ["get_time"] and content is None
+    assert tools.parse('I said {"name": "get_time"} once.', _plan([FN, OTHER], "auto", "llama3"))[1] == []  # not at the start
+
+
+@pytest.mark.parametrize("dialect", sorted(TWO_CALLS))
+def test_a_stream_never_sends_part_of_a_call_as_content(dialect):
+    """hold_from, character by character: what it lets out is content in the finished text, and
+    text before the first call gets out before the end (where the family allows prose first)."""
+    d = tools.DIALECTS[dialect]
+    text = TWO_CALLS[dialect]
+    spans, _ = tools.calls_in(text, _plan([FN, OTHER], "auto", dialect))
+    first_call = spans[0][0]
+    sent = 0
+    for i in range(len(text) + 1):
+        sent = max(sent, d.hold_from(text[:i]))
+        assert sent <= first_call, (text[:i], sent)
+    assert sent == first_call
+    prose = "The weather is fine."
+    assert d.hold_from(prose) == len(prose)
 
 
 def test_rendering_by_the_hermes_convention_without_template_support(tiny_tokenizer):
@@ -51,7 +107,9 @@ def test_rendering_by_the_hermes_convention_without_template_support(tiny_tokeni
             {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
                 "name": "get_weather", "arguments": "{\"city\": \"paris\"}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    ids = tools.render(tiny_tokenizer, msgs, fns, apply_chat_template)
+    support = tools.detect(tiny_tokenizer)
+    assert (support.renderer, support.label, support.why) == (tools.GATEWAY, "gateway/hermes", "has no tool support")
+    ids = tools.render(tiny_tokenizer, msgs, fns, apply_chat_template, support)
     text = tiny_tokenizer.decode(ids)  # (this small test vocabulary spells unknown words as <unk>)
     assert text.startswith("<|system|>") and '" function "' in text  # the preamble lists the function
     assert "< tool _ call > {" in text  # the earlier call, in the convention
@@ -64,17 +122,20 @@ def test_rendering_by_a_template_that_knows_tools(tiny_tokenizer):
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = ("{% if tools %}<|system|> tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
                          "<|end|> {% endif %}" + tiny_tokenizer.chat_template)
+    assert tools.detect(tok).renderer == tools.GATEWAY and "does not parse" in tools.detect(tok).why  # no known dialect
+    tok.chat_template = tok.chat_template.replace("tools: ", "tools ( answer with <tool_call> ): ")
+    support = tools.detect(tok)
+    assert (support.renderer, support.label) == (tools.TEMPLATE, "template/hermes")
     fns, _ = tools.chosen([FN], "auto")
-    ids = tools.render(tok, [{"role": "user", "content": "hi"}], fns, apply_chat_template)
+    ids = tools.render(tok, [{"role": "user", "content": "hi"}], fns, apply_chat_template, support)
     plain = apply_chat_template(tok, [{"role": "user", "content": "hi"}])
     assert ids != plain and tok.decode(ids).startswith("<|system|>")
-    assert "call" not in tok.decode(ids)  # the template's own rendering, not the convention's preamble
-    assert tools.tool_format(tok) == tools.TEMPLATE and tools.tool_format(tiny_tokenizer) == tools.HERMES
+    assert "signatures" not in tok.decode(ids)  # the template's own rendering, not the convention's preamble
 
 
 def test_a_template_without_tool_support_is_said_or_refused(tiny_tokenizer):
     """The tiny model's template has no tool support: by default each response with tools says
-    tandem.tool_format "hermes" (the convention was used); with tool_fallback off the request is
+    tandem.tool_format "gateway/hermes" (the convention was used); with tool_fallback off the request is
     refused with the reason over HTTP and gRPC, and never reaches a verifier."""
     import grpc
 
@@ -86,7 +147,7 @@ def test_a_template_without_tool_support_is_said_or_refused(tiny_tokenizer):
     gw = Gateway(tiny_tokenizer, verifiers=(v.address,))
     try:
         reply = gw.http.post("/v1/chat/completions", json=body)
-        assert reply.status_code == 200 and reply.json()["tandem"]["tool_format"] == "hermes"
+        assert reply.status_code == 200 and reply.json()["tandem"]["tool_format"] == "gateway/hermes"
         plain = gw.http.post("/v1/chat/completions", json={**body, "tools": None})
         assert "tool_format" not in plain.json()["tandem"]  # said only where tools were rendered
     finally:
