@@ -33,6 +33,7 @@ import platform
 import statistics
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -365,6 +366,24 @@ def _plan_for(shapes: list[tuple[int, int]], rotate_bytes: int) -> GemmPlan:
     return plan
 
 
+_ALONE = threading.local()  # .on: this thread's calls compute each row as it would be alone
+
+
+@contextmanager
+def rows_alone():
+    """Within (on this thread): every TunedLinear call goes through our streaming kernel, which
+    computes each row with the bits it gets alone, at any row count; the plan is set aside. For
+    forwards whose numbers must equal plain decoding's exactly (a request that asks for logprobs):
+    9-row blocks cost ~1.4x the plan's (docs/design-notes.md, "A batch-invariant decode path").
+    The caller checks that the kernel loads (`gemv.library()`)."""
+    before = getattr(_ALONE, "on", False)
+    _ALONE.on = True
+    try:
+        yield
+    finally:
+        _ALONE.on = before
+
+
 class TunedLinear:
     """A linear layer's weight `# [out, in]`, applied as x @ W.T `# [n, in] -> [n, out]` through the
     plan's path for its shape and the call's row count. Holds only the layouts its plan uses."""
@@ -379,6 +398,8 @@ class TunedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
+        if getattr(_ALONE, "on", False):
+            return apply(GemmPath.tandem_gemv, x, self.w)
         path, rows = self.by_slot[slot_of(n)]
         if rows > n and n <= ROWS[-1]:  # zero rows: each output row depends on its own input row only
             return apply(path, torch.cat([x, x.new_zeros(rows - n, x.shape[1])]), self.layouts[path])[:n]

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tandem.engine import attend, rowops
+from tandem.engine import attend, gemv, rowops
 from tandem.engine.gemm import SLOTS, GemmPath, GemmPlan, TunedLinear, parse_choice, plan_for
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -219,6 +219,13 @@ class NativeLlama:
             return False
         return all(parse_choice(entry, SLOTS[i])[0] is GemmPath.tandem_gemv
                    for entries in self.gemm_plan.choice.values() for i, entry in enumerate(entries))
+
+    @property
+    def can_run_rows_alone(self) -> bool:
+        """Whether a forward under `gemm.rows_alone()` is batch-invariant whatever the plan: our
+        streaming kernel, attention and row kernels all serve this model on this machine."""
+        return (self.gemm_plan is not None and self.row_kernel and gemv.library() is not None
+                and attend.serves(1, self.head_dim, self.dtype, self.device))
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, capacity)

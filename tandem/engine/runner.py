@@ -16,6 +16,7 @@ the cache is cropped to 3 entries [5, 9, 7]. The pending token is 4.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -27,6 +28,7 @@ import logging
 import torch
 from transformers import DynamicCache
 
+from tandem.engine.gemm import rows_alone
 from tandem.engine.ids import common_prefix_len
 from tandem.engine.models import LoadedModel
 
@@ -117,6 +119,7 @@ class HFBackend:
 
     batched = False  # one sequence per forward: a batch runs its blocks one after another
     shares_prefix = False  # no KV copy between sequences: each prefills its own
+    rows_alone = False  # no forward whose rows get the bits they would alone (see NativeBackend)
 
     @torch.inference_mode()
     def forward(self, cache: DynamicCache, input_ids: list[int], all_logits: bool) -> torch.Tensor | None:
@@ -159,11 +162,18 @@ class NativeBackend:
     batched = True  # ragged blocks of many sequences in one forward
     shares_prefix = True  # a sequence can start from a copy of another's KV prefix
 
-    def forward(self, cache, input_ids: list[int], all_logits: bool) -> torch.Tensor | None:
-        return self.impl.forward(input_ids, cache, all_logits=all_logits)
+    @property
+    def rows_alone(self) -> bool:
+        """Whether `alone=True` forwards are batch-invariant: each row's logits and KV the bits a
+        one-token step gets (gemm.rows_alone with our attention and row kernels)."""
+        return self.impl.can_run_rows_alone
 
-    def forward_batch(self, blocks: list[tuple], need: list[bool]) -> list[torch.Tensor | None]:
-        return self.impl.forward_batch([(ids, cache) for cache, ids in blocks], need)
+    def forward(self, cache, input_ids: list[int], all_logits: bool, alone: bool = False) -> torch.Tensor | None:
+        return self.forward_batch([(cache, input_ids)], [all_logits], alone)[0]
+
+    def forward_batch(self, blocks: list[tuple], need: list[bool], alone: bool = False) -> list[torch.Tensor | None]:
+        with rows_alone() if alone and self.rows_alone else contextlib.nullcontext():
+            return self.impl.forward_batch([(ids, cache) for cache, ids in blocks], need)
 
 
 def make_backend(model: torch.nn.Module, choice: str = "auto"):
@@ -199,17 +209,22 @@ class TargetRunner:
     def new_sequence(self) -> "Sequence":
         return Sequence(self)
 
-    def forward(self, cache, input_ids: list[int], *, all_logits: bool = True) -> torch.Tensor | None:
+    def forward(self, cache, input_ids: list[int], *, all_logits: bool = True, alone: bool = False) -> torch.Tensor | None:
         """Run `input_ids` on top of `cache` (which grows by len(input_ids)).
 
         Returns logits `# [len(input_ids), vocab]` float32 when `all_logits`, else None (prefill
-        skips the LM head, ~20% of a small model's cost per token).
+        skips the LM head, ~20% of a small model's cost per token). `alone`: where the backend can
+        (`backend.rows_alone`), each row is computed with the bits it would get in a one-token
+        step, whatever the batch (for logprobs equal to plain decoding's); such forwards are slower
+        and left out of the cost model.
         """
+        alone = alone and self.backend.rows_alone
         if self.executor is not None:
-            return self.executor.forward(cache, input_ids, all_logits)
+            return self.executor.forward(cache, input_ids, all_logits, alone)
         start = time.perf_counter()
-        logits = self.backend.forward(cache, input_ids, all_logits)
-        if all_logits:
+        logits = self.backend.forward(cache, input_ids, all_logits, alone) if alone else \
+            self.backend.forward(cache, input_ids, all_logits)
+        if all_logits and not alone:
             self.costs.observe(len(input_ids), time.perf_counter() - start)
         return logits
 
@@ -226,6 +241,7 @@ class _Job:
     ids: list[int]
     all_logits: bool
     done: threading.Event
+    alone: bool = False  # computed as rows alone (TargetRunner.forward): batched only with its kind
     result: torch.Tensor | None = None
     error: BaseException | None = None
 
@@ -261,8 +277,8 @@ class BatchExecutor:
             self._busy += delta
             self._cond.notify_all()
 
-    def forward(self, cache, ids: list[int], all_logits: bool) -> torch.Tensor | None:
-        job = _Job(cache, list(ids), all_logits, threading.Event())
+    def forward(self, cache, ids: list[int], all_logits: bool, alone: bool = False) -> torch.Tensor | None:
+        job = _Job(cache, list(ids), all_logits, threading.Event(), alone=alone)
         with self._cond:
             self._queue.append(job)
             self._cond.notify_all()
@@ -279,24 +295,33 @@ class BatchExecutor:
                 deadline = time.monotonic() + self.max_wait_s
                 while len(self._queue) < self._busy and time.monotonic() < deadline:
                     self._cond.wait(max(0.0, deadline - time.monotonic()))
-                jobs, self._queue = self._queue, []
-            start = time.perf_counter()
-            try:
-                outs = self.runner.backend.forward_batch([(j.cache, j.ids) for j in jobs], [j.all_logits for j in jobs])
-            except BaseException as exc:  # every waiting session learns of it
-                for j in jobs:
-                    j.error = exc
-                    j.done.set()
-                continue
-            seconds = time.perf_counter() - start
-            total = sum(len(j.ids) for j in jobs)
-            if all(j.all_logits for j in jobs):
-                self.runner.costs.observe(total, seconds)
-            self.last_batch_tokens, self.last_batch_size = total, len(jobs)
-            self.batches += 1
-            for j, out in zip(jobs, outs):
-                j.result = out
+                queued, self._queue = self._queue, []
+            # Rows-alone jobs run as their own batch: the others keep the plan's (faster) paths.
+            for alone in (False, True):
+                jobs = [j for j in queued if j.alone == alone]
+                if jobs:
+                    self._run(jobs, alone)
+
+    def _run(self, jobs: list[_Job], alone: bool) -> None:
+        start = time.perf_counter()
+        try:
+            blocks, need = [(j.cache, j.ids) for j in jobs], [j.all_logits for j in jobs]
+            outs = (self.runner.backend.forward_batch(blocks, need, True) if alone
+                    else self.runner.backend.forward_batch(blocks, need))
+        except BaseException as exc:  # every waiting session learns of it
+            for j in jobs:
+                j.error = exc
                 j.done.set()
+            return
+        seconds = time.perf_counter() - start
+        total = sum(len(j.ids) for j in jobs)
+        if all(j.all_logits for j in jobs) and not alone:
+            self.runner.costs.observe(total, seconds)
+        self.last_batch_tokens, self.last_batch_size = total, len(jobs)
+        self.batches += 1
+        for j, out in zip(jobs, outs):
+            j.result = out
+            j.done.set()
 
 
 class Sequence:
@@ -332,10 +357,11 @@ class Sequence:
         self.ids = list(context_ids)
         return PrefillStats(reused=keep, computed=len(todo))
 
-    def forward_block(self, drafts: list[int]) -> torch.Tensor:
-        """One target forward over the pending token and `drafts`; logits `# [k+1, vocab]`."""
+    def forward_block(self, drafts: list[int], *, alone: bool = False) -> torch.Tensor:
+        """One target forward over the pending token and `drafts`; logits `# [k+1, vocab]`.
+        `alone`: each row as a one-token step computes it (TargetRunner.forward)."""
         assert self.cached_len == len(self.ids) - 1, "cache must hold ids[:-1] between steps"
-        return self.runner.forward(self.cache, [self.ids[-1], *drafts])
+        return self.runner.forward(self.cache, [self.ids[-1], *drafts], alone=alone)
 
     def commit(self, tokens: list[int]) -> None:
         """Append the step's committed tokens (accepted drafts + one recovered/bonus token) and drop

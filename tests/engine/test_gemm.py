@@ -286,3 +286,45 @@ def test_on_our_kernels_logprobs_equal_plain_decodings_bit_for_bit(strategy, tin
         assert [t.logprob for t in fast] == [t.logprob for t in plain], name  # exact floats
         assert [t.top for t in fast] == [t.top for t in plain], name
     assert accepted > 0  # blocks were verified, or this compares plain with plain
+
+
+@needs_invariant
+@pytest.mark.parametrize("path", ["mkl_nn", "auto"])
+def test_logprobs_requests_equal_plain_decodings_bit_for_bit_on_any_plan(path, tiny_loaded, contexts) -> None:
+    """A request that asks for logprobs has its blocks computed with each row's one-token bits
+    (gemm.rows_alone), whatever plan serves the others: its logprobs with speculation equal plain
+    decoding's exactly, batched with other sessions or not. Without logprobs the same plan's block
+    rows differ from one-token steps in the last bits (the witness that rows_alone is what makes
+    them equal)."""
+    from tandem.engine.config import SamplingParams
+
+    GemmSettings.configure(path, cache=None, progress=False)
+    native = NativeLlama(tiny_loaded.model)
+    assert native.can_run_rows_alone
+    engine = Engine(tiny_loaded, None)
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True, top_logprobs=3)
+    accepted = 0
+    for name in ("code", "json"):
+        runs = []
+        for spec in (SpecConfig(strategy="none"), SpecConfig(strategy="ngram", adaptive=False, max_draft_tokens=6)):
+            gen = engine.start(contexts[name], sampling, spec)
+            runs.append([lp for step in gen for lp in step.logprobs])
+            accepted += gen.result().stats.accepted
+        plain, fast = runs
+        assert [(t.token, t.logprob, t.top) for t in fast] == [(t.token, t.logprob, t.top) for t in plain], name
+    assert accepted > 0
+    if path == "mkl_nn":  # the witness: this plan's 9-row block is not its one-token steps' bits
+        ids = (contexts["code"] * 20)[:60]
+
+        def block_and_steps():
+            block_cache, step_cache = native.new_cache(100), native.new_cache(100)
+            native.forward(ids[:50], block_cache, all_logits=False)
+            native.forward(ids[:50], step_cache, all_logits=False)
+            block = native.forward(ids[50:59], block_cache)  # [9, vocab]
+            return block, torch.cat([native.forward([t], step_cache) for t in ids[50:59]])  # [9, vocab]
+
+        block, steps = block_and_steps()
+        assert not torch.equal(block, steps)
+        with gemm.rows_alone():
+            block, steps = block_and_steps()
+        assert torch.equal(block, steps)
