@@ -229,6 +229,7 @@ class DrafterCore:
                 next_block_len=next_block_len,
                 max_id=max(ids, default=-1),
             )
+            session.proposer.begin(len(ids))
             self._sessions[key] = session
         with self._stats_lock:
             self._stats.sessions_opened += 1

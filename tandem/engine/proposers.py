@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from tandem.engine.config import SamplingParams, SpecConfig
 from tandem.engine.ids import common_prefix_len
 from tandem.engine.models import LoadedModel
+from tandem.engine.sampling import adjust_logits
 
 
 @dataclass
@@ -115,6 +116,10 @@ class Proposer(ABC):
 
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         """A step committed `appended` (now the tail of `ids`); `next_k` drafts are wanted next."""
+
+    def begin(self, context_len: int) -> None:
+        """A generation starts after the first `context_len` tokens (the prompt): what follows
+        is generated (penalties count it)."""
 
     def reset(self) -> None:
         """Forget per-sequence state (a new, unrelated sequence follows)."""
@@ -274,8 +279,11 @@ class DraftModelProposer(Proposer):
     STEP_LIKE = 3  # feeds of up to this many tokens count as one drafting step
     # Under a grammar (SamplingParams.grammar: structured output, a required tool call) its drafts
     # follow the grammar too: the draft's logits are masked like the target's, from a matcher of
-    # its own kept at the tokens generated so far. Only speed depends on it: the verifier masks
-    # the target and cuts refused drafts whatever a drafter sends.
+    # its own kept at the tokens generated so far. Likewise logit_bias and the presence, frequency
+    # and repetition penalties: the draft's logits get the target's adjustments (sampling.
+    # adjust_logits, with its own drafts counted as generated), so it does not keep proposing a
+    # banned or penalized token the target will refuse. Only speed depends on either: the
+    # verifier applies them to the target whatever a drafter sends.
     # A block stops early when the draft's probability for its next token falls below this: the
     # step after a hesitation is mostly rejected, and each extra draft costs a draft step and a
     # verified position. (Stopping on the draft's own numbers keeps sampling exact.)
@@ -300,6 +308,24 @@ class DraftModelProposer(Proposer):
         self.feed_seconds: list[float] = []  # short feeds of this step (its per-token cost)
         self._peeked: torch.Tensor | None = None  # next-token logits after self._ids, from peek
         self._grammar: _DraftGrammar | None = None  # the grammar state of the sequence, when it has one
+        self._prompt_len: int | None = None  # where generation began (begin); None: at the first propose
+
+    def begin(self, context_len: int) -> None:
+        self._prompt_len = context_len
+
+    def _adjusted(self, logits: torch.Tensor, sampling: SamplingParams, ids: list[int], drafted: list[int]) -> torch.Tensor:
+        """`logits # [head_rows]` after the request's logit_bias and penalties at the position after
+        `ids + drafted`, as the target's are adjusted there (tokens after the prompt count as generated)."""
+        if self._prompt_len is None or self._prompt_len > len(ids):
+            self._prompt_len = len(ids)
+        prompt, generated = ids[: self._prompt_len], ids[self._prompt_len:] + drafted
+        if self.head_vocab is None:
+            return adjust_logits(logits[None], sampling, prompt, generated)[0]
+        # A reduced head: its rows placed at their ids in a full row, adjusted there, read back.
+        vocab = max(self.vocab_limit or self.loaded.vocab_size, int(self.head_vocab.max()) + 1)
+        full = logits.new_full((1, vocab), float("-inf"))  # [1, vocab]
+        full[0, self.head_vocab] = logits.float()
+        return adjust_logits(full, sampling, prompt, generated)[0, self.head_vocab]  # [head_rows]
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Feed tokens; return the logits after the last one `# [head_rows]`, ids outside the
@@ -356,6 +382,8 @@ class DraftModelProposer(Proposer):
         supports, sprobs = [], []
         bucket = 0
         for i in range(k):
+            if sampling.adjusts_logits:
+                logits = self._adjusted(logits, sampling, ids, tokens)
             if grammar is not None:
                 logits = grammar.masked(logits, self.head_vocab)
                 if logits is None:  # the grammar is complete, or allows nothing this head can write
@@ -539,6 +567,9 @@ class HybridProposer(Proposer):
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self.ngram.on_commit(ids, appended, next_k)
         self.model.on_commit(ids, appended, next_k)
+
+    def begin(self, context_len: int) -> None:
+        self.model.begin(context_len)
 
     def reset(self) -> None:
         self.ngram.reset()

@@ -200,6 +200,8 @@ class Generation:
         self.sampling = sampling
         self.spec = spec
         self.proposer = proposer
+        if proposer is not None:
+            proposer.begin(len(context_ids))
         self.gen = None if sampling.greedy else make_generator(sampling.seed)
         self.stop_ids = sampling.stop_ids(eos_token_ids)
         # Stop strings are matched on the output's text as each token is committed, in order, so the
@@ -326,7 +328,10 @@ class Generation:
                 self.finish_reason = FinishReason.error
                 self.error = "no token of this model's vocabulary can continue the grammar"
                 return StepOutput(tokens=[], first_index=len(self.output), drafted=0, accepted=0)
-        logits = self.seq.forward_block(draft.tokens if draft else [])  # [k+1, vocab]
+        # With logprobs, every row is computed as a one-token step would (where the backend can):
+        # the numbers are then plain decoding's to the bit, not only within rounding.
+        logits = self.seq.forward_block(draft.tokens if draft else [],
+                                        alone=self.sampling.top_logprobs is not None)  # [k+1, vocab]
         raw = logits
         if self.constraint is not None:
             logits = self.constraint.mask(logits, bitmask)

@@ -186,3 +186,57 @@ def test_logprobs_are_the_targets_at_each_committed_position(strategy, sharp, ne
             assert [a for a, _ in t.top] == top.indices.tolist(), (name, i)
             assert [b for _, b in t.top] == pytest.approx(top.values.tolist(), abs=1e-4)
     assert engine.generate(ctx, SamplingParams(max_new_tokens=4), SpecConfig(strategy="none")).token_ids  # no logprobs: fine
+
+
+# -- the drafter is told the controls, to draft better ------------------------------------------------
+
+
+@pytest.mark.parametrize("reduced_head", [False, True])
+def test_a_draft_model_drafts_under_the_requests_bias_and_penalties(reduced_head, sharp, contexts, monkeypatch):
+    """The target itself as the draft model (float weights): with the request's logit_bias and
+    penalties applied to its own logits too, every draft is what the penalised target picks, so all
+    are accepted; drafting from the raw logits (the adjustment switched off) loses drafts to the
+    penalties, and a banned id is then proposed. Output is plain decoding's either way (only speed
+    depends on the drafter). A reduced LM head (`tandem distill`'s) maps its rows the same way."""
+    import copy
+
+    from tandem.engine import proposers
+    from tandem.engine.models import LoadedModel
+
+    draft = sharp
+    if reduced_head:  # the whole vocabulary, as a permuted head: each row stands for head_vocab[row]
+        model = copy.deepcopy(sharp.model)
+        perm = torch.randperm(sharp.vocab_size, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            head = model.get_output_embeddings()
+            head.weight = torch.nn.Parameter(head.weight[perm].clone())
+        draft = LoadedModel(model_id="permuted", path="", model=model, tokenizer=sharp.tokenizer, head_vocab=perm)
+    ctx = contexts["code"]
+    plain = Engine(sharp).generate(ctx, SamplingParams(max_new_tokens=40, ignore_eos=True), SpecConfig(strategy="none"))
+    banned = plain.token_ids[3]  # a token plain decoding writes, banned below
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.3,
+                            repetition_penalty=1.2, logit_bias=((banned, -100.0),))
+    spec = SpecConfig(strategy="model", adaptive=False, max_draft_tokens=4)
+    target_only = Engine(sharp).generate(ctx, params, SpecConfig(strategy="none")).token_ids
+    assert target_only != plain.token_ids and banned not in target_only  # the controls matter here
+
+    proposed: list[int] = []
+    original = proposers.DraftModelProposer.propose
+
+    def recording(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        proposed.extend(out.tokens)
+        return out
+
+    monkeypatch.setattr(proposers.DraftModelProposer, "propose", recording)
+    engine = Engine(sharp, draft)
+    engine.factory.draft_int8 = False
+    told = engine.generate(ctx, params, spec)
+    assert told.token_ids == target_only
+    assert told.stats.drafted > 0 and told.stats.accepted == told.stats.drafted and banned not in proposed
+
+    proposed.clear()
+    monkeypatch.setattr(proposers.DraftModelProposer, "_adjusted", lambda self, logits, *a: logits)
+    untold = engine.generate(ctx, params, spec)
+    assert untold.token_ids == target_only
+    assert untold.stats.accepted < untold.stats.drafted and banned in proposed
