@@ -128,3 +128,31 @@ def test_the_rule_catches_a_violation(tmp_path, monkeypatch) -> None:
     (pkg / "x" / "helper.py").write_text("def f():\n    import grpc\n")
     monkeypatch.setitem(ROOTS, "tandem.services", pkg)
     assert hits(reach("tandem.services.x.core"), WIRE) == ["grpc (imported by tandem.services.x.helper)"]
+
+
+def test_the_wheel_carries_every_file_the_code_reads(tmp_path) -> None:
+    """An installed package (the container image's `pip install .`, not this editable checkout) has
+    the C sources of our CPU kernels, which are compiled on first use, and the bundled prompt sets.
+    A C file missing from the wheel once meant the image's services could not start."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    # From a copy of what the image's build context holds: setuptools builds in-tree (build/), and
+    # a stale build/ in the checkout would hide a file the package data no longer names.
+    src = tmp_path / "src"
+    for name in ("pyproject.toml", "README.md"):
+        src.mkdir(exist_ok=True)
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("tandem", "services", "kernels"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (wheel,) = tmp_path.glob("tandem_spec-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tandem" / "engine").glob("*.c"))
+    assert sources and all(s in names for s in sources), sorted(set(sources) - names)
+    assert any(n.startswith("tandem/tools/prompts/") and n.endswith(".jsonl") for n in names)
+    assert "tandem/kernels/reference.py" in names and "tandem/services/gateway/tools.py" in names
