@@ -15,7 +15,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install demo test draft protos clean
+.PHONY: install demo test draft protos clean image image-test
 
 install: $(STAMP)
 
@@ -42,6 +42,14 @@ draft: install
 
 protos: install
 	$(PY) scripts/gen_protos.py
+
+# The container image (deploy/k8s/Dockerfile) built with buildah, and exercised from its filesystem
+# as the Helm chart runs it. As root; minutes each; not part of `make test` (deploy/k8s/README.md).
+image:
+	scripts/image.sh
+
+image-test: install
+	$(PY) scripts/image_test.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

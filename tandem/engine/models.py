@@ -134,10 +134,26 @@ def resolve_model_path(name_or_path: str | None) -> tuple[str, Path]:
     return model_id, path
 
 
+def prebuilt_dirs() -> list[Path]:
+    """Read-only caches searched before `cache_dir()` for a converted model: `TANDEM_PREBUILT`,
+    paths separated by ':'. The container image ships the embedded model converted at build time
+    there, so a pod starts without converting (its writable cache is an empty volume)."""
+    return [Path(p) for p in os.environ.get("TANDEM_PREBUILT", "").split(":") if p]
+
+
+def _converted(out: Path) -> bool:
+    return (out / "config.json").exists() and any(out.glob("*.safetensors"))
+
+
 def _gguf_cache_for(gguf: Path) -> Path:
     """The conversion's cache directory, keyed by the GGUF file's content: the same model file
-    installed in several virtualenvs (or copied elsewhere) converts once and shares one copy."""
-    return cache_dir() / "models" / f"{gguf.stem}-{_content_key(gguf)}"
+    installed in several virtualenvs (or copied elsewhere) converts once and shares one copy. A
+    prebuilt conversion of the same content (prebuilt_dirs) is used where there is one."""
+    name = f"{gguf.stem}-{_content_key(gguf)}"
+    for base in prebuilt_dirs():
+        if _converted(base / "models" / name):
+            return base / "models" / name
+    return cache_dir() / "models" / name
 
 
 def _content_key(gguf: Path) -> str:
@@ -171,7 +187,7 @@ def convert_gguf(gguf: Path, out: Path | None = None, *, progress: bool = True) 
     renamed at the end, so an interrupted conversion never leaves a half-written cache behind.
     """
     out = out or _gguf_cache_for(gguf)
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+    if _converted(out):
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

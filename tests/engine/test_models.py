@@ -249,3 +249,26 @@ def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) ->
     before = models._gguf_cache_for(a)
     a.write_bytes(b"new weights, new size")
     assert models._gguf_cache_for(a) != before
+
+
+def test_a_prebuilt_conversion_is_used_without_converting(tmp_path, monkeypatch) -> None:
+    """TANDEM_PREBUILT (the image's read-only cache): a conversion of the same content there is
+    what loads, the writable cache stays empty; another file's conversion is not taken for it."""
+    from tandem.engine import models
+
+    gguf = tmp_path / "venv" / "m.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"weights")
+    prebuilt = tmp_path / "prebuilt"
+    monkeypatch.setenv("TANDEM_CACHE", str(prebuilt))  # as at build time: convert into it
+    name = models._gguf_cache_for(gguf).name
+    (prebuilt / "models" / name).mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        (prebuilt / "models" / name / f).write_text("{}")
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "pod-cache"))
+    monkeypatch.setenv("TANDEM_PREBUILT", f"{tmp_path / 'elsewhere'}:{prebuilt}")
+    assert models.convert_gguf(gguf) == prebuilt / "models" / name  # returned at once: nothing converted
+    assert not (tmp_path / "pod-cache" / "models" / name).exists()
+    other = tmp_path / "venv" / "other.gguf"
+    other.write_bytes(b"other weights")
+    assert models._gguf_cache_for(other).parent == tmp_path / "pod-cache" / "models"
