@@ -153,6 +153,7 @@ class Chunk:
     stats: SpecStats | None = None  # last chunk only: the verifier's counters of the request
     routing: RoutingDecision | None = None  # last chunk only: where and why
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked for
+    prompt_tokens: int = 0  # the prompt's length, on every chunk (usage so far, for streams that ask)
 
 
 @dataclass(frozen=True)
@@ -845,7 +846,7 @@ class GatewayCore:
                 text = cut.push(detok.push([t for t in ids if t not in hidden], final=final), final=final)
                 if not final:
                     if ids:
-                        yield Chunk(text, ids, msg.first_index, vid, logprobs=msg.logprobs)
+                        yield Chunk(text, ids, msg.first_index, vid, logprobs=msg.logprobs, prompt_tokens=len(context))
                     msg = await anext(stream, None)
                     continue
                 stats = msg.stats or SpecStats()
@@ -854,7 +855,7 @@ class GatewayCore:
                          "drafted %d, accepted %d in %d steps", vid, decision.reason, len(context), cached,
                          len(generated), finish.value, stats.drafted, stats.accepted, stats.steps)
                 yield Chunk(
-                    text, ids, msg.first_index, vid, logprobs=msg.logprobs,
+                    text, ids, msg.first_index, vid, logprobs=msg.logprobs, prompt_tokens=len(context),
                     finish_reason=finish,
                     usage=Usage(len(context), len(generated), cached),
                     stats=stats,

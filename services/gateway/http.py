@@ -49,7 +49,11 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
 - `usage` adds `prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused) and
   `speculation` {drafted, accepted, recovered, bonus, steps, mean_accepted_len, acceptance_rate,
   plain_steps, fallback_steps, rejected_blocks}. Streams send it in a last chunk when
-  `stream_options.include_usage` is true, as OpenAI does.
+  `stream_options.include_usage` is true, as OpenAI does; with vLLM's
+  `stream_options.continuous_usage_stats` (load generators such as guidellm send it) every chunk
+  also carries the usage so far (prompt, completion and total tokens).
+- A request without `speculation` gets the gateway's default (`tandem gateway --speculation`,
+  ngram unless set), for clients that cannot add a field (lm-eval).
 - Responses (and the last chunk of a stream) carry `tandem`: {verifier_id, routing ("session" |
   "prefix" | "load" | "redis-unavailable"), matched_tokens, session_id}.
 - Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad request, 401
@@ -166,6 +170,9 @@ class GrammarOption(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extension, sent by load generators (guidellm) to count tokens per chunk: every chunk
+    # carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class TextPart(_Strict):
@@ -430,6 +437,8 @@ class _Format:
         self.tools = tools  # with tools, the text is parsed for calls
         self._text: list[str] = []  # a stream's text so far (with tools)
         self._sent = 0  # characters of it sent as content (with tools: those no call can begin in)
+        self.continuous_usage = False  # stream_options.continuous_usage_stats: usage on every chunk
+        self._completion = 0  # tokens streamed so far (for continuous usage)
         self.tokenizer = tokenizer  # for the text of tokens in logprobs
         self.offset = 0  # characters of text before the next chunk (completions' text_offset)
         self._before: list[int] = []  # tokens whose logprobs were formatted (the context of the next)
@@ -441,7 +450,7 @@ class _Format:
         """A formatter for another choice of the same response: the same settings and id, its own
         text, logprob and tool state."""
         other = copy.copy(self)
-        other._text, other._sent, other._before, other.offset = [], 0, [], 0
+        other._text, other._sent, other._before, other.offset, other._completion = [], 0, [], 0, 0
         return other
 
     def _tandem(self, chunk: Chunk) -> dict:
@@ -518,8 +527,18 @@ class _Format:
                               tandem=self._tandem(last))
 
     def events(self, chunk: Chunk, *, first: bool) -> list[dict]:
-        if self.chat and self.tools.mode != "none":
-            return self._tool_events(chunk, first=first)
+        self._completion += len(chunk.token_ids)
+        out = (self._tool_events(chunk, first=first) if self.chat and self.tools.mode != "none"
+               else self._events(chunk, first=first))
+        if self.continuous_usage:
+            so_far = {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": self._completion,
+                      "total_tokens": chunk.prompt_tokens + self._completion}
+            for event in out:
+                if event["choices"] and "usage" not in event:
+                    event["usage"] = so_far
+        return out
+
+    def _events(self, chunk: Chunk, *, first: bool) -> list[dict]:
         out = []
         if first and self.chat:
             out.append(self._envelope([self._choice("", None, stream=True, role=True)], stream=True))
@@ -618,6 +637,7 @@ async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, 
                   core.tokenizer, tools)
     if tools.fns:
         fmt.tool_format = core.tool_support.label
+    fmt.continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     session_id_var.set(req.session_id)  # before the tasks below copy this request's context
     if body.stream and (body.n or 1) > 1:
         return await _stream_choices(request, core, req, body.n, fmt)

@@ -157,6 +157,13 @@ def _load(model: str, draft_model: str | None, *, needs_draft: bool = False):
     return target, draft
 
 
+# The strategy of requests that do not choose one (a client that cannot send Tandem's
+# `speculation` field: lm-eval, load generators): `none` serves plain decoding.
+SpeculationOpt = Annotated[DraftStrategy, typer.Option(
+    "--speculation", help="Speculation for requests that do not set their own (`speculation.strategy`): "
+    "none (plain decoding), ngram (prompt lookup), model, hybrid.")]
+
+
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The user message (chat template applied).")],
@@ -768,6 +775,7 @@ def gateway(
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED).", min=1024)] = 4 * 1024 * 1024,
     max_input_tokens: Annotated[Optional[int], typer.Option("--max-input-tokens", help="Largest prompt (whole session history) per request, every tenant.", min=1)] = None,
     grpc_reflection: Annotated[bool, typer.Option("--grpc-reflection/--no-grpc-reflection", help="gRPC server reflection on the public port (off: it lists the whole API to anyone).")] = False,
+    speculation: SpeculationOpt = DraftStrategy.ngram,
     tool_fallback: Annotated[bool, typer.Option("--tool-fallback/--no-tool-fallback", help="Where the model's chat template has no tool support (the embedded SmolLM2's) or a call format the gateway does not parse (it knows hermes, llama3 and mistral), give requests with tools the gateway's Hermes-style <tool_call> convention (each response says tandem.tool_format: gateway/hermes), or refuse them with a clear 400.")] = True,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -792,6 +800,8 @@ def gateway(
             metrics_port=metrics_port, api_keys_file=api_keys, allow_unauthenticated=allow_unauthenticated,
             max_body_bytes=max_body_bytes, max_input_tokens=max_input_tokens, grpc_reflection=grpc_reflection,
             tool_fallback=tool_fallback,
+            default_speculation=GatewaySettings.model_fields["default_speculation"].default.model_copy(
+                update={"strategy": speculation}),
             redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),
             tls=_tls(tls_cert, tls_key, tls_ca), public_tls=_public_tls(public_cert, public_key),
         )
@@ -821,6 +831,7 @@ def up(
     tls: Annotated[bool, typer.Option("--tls", help="Mutual TLS between all services and HTTPS / gRPC TLS at the gateway, with development certificates (see --certs-dir); prints what a client needs.")] = False,
     certs_dir: Annotated[Optional[Path], typer.Option("--certs-dir", help="Where --tls keeps its development CA and certificates (made once, reused). Default: <tandem cache>/certs.", file_okay=False)] = None,
     api_keys: Annotated[Optional[Path], typer.Option("--api-keys", exists=True, dir_okay=False, help="The gateway's API key file (docs/security.md): clients must then send 'Authorization: Bearer KEY'.")] = None,
+    speculation: SpeculationOpt = DraftStrategy.ngram,
 ) -> None:
     """Start the whole stack on this machine: embedded Valkey (unless --redis-url; it gets a
     generated password), a drafter, verifier(s) and the gateway, as separate processes. Prints the
@@ -834,7 +845,8 @@ def up(
         tls_dir = certs_dir or cache_dir() / "certs"
     _run_stack(StackConfig(model=model, draft_model=draft_model, redis_url=redis_url, host=host, http_port=http_port,
                            grpc_port=grpc_port, verifiers=verifiers, verifier_threads=verifier_threads,
-                           log_level=log_level, tls_dir=tls_dir, api_keys_file=api_keys), demo_request=False)
+                           log_level=log_level, tls_dir=tls_dir, api_keys_file=api_keys, speculation=speculation.value),
+               demo_request=False)
 
 
 @app.command()

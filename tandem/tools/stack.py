@@ -150,6 +150,7 @@ class StackConfig:
     # certificates kept in this directory (made by `tandem certs` logic when it holds none yet).
     tls_dir: Path | None = None
     api_keys_file: Path | None = None  # the gateway's API keys (none: open, on loopback only)
+    speculation: str = "ngram"  # the gateway's strategy for requests that do not set one
 
 
 @dataclass
@@ -247,7 +248,7 @@ class Stack:
             for health, proc in verifier_procs:
                 wait_grpc_healthy(health, c.startup_timeout_s, proc)
             args = ["gateway", "--host", c.host, "--http-port", str(c.http_port), "--grpc-port", str(c.grpc_port),
-                    "--model", c.model, "--drafter", self.drafter_address]
+                    "--model", c.model, "--drafter", self.drafter_address, "--speculation", c.speculation]
             for address in self.verifier_addresses:
                 args += ["--verifier", address]
             args += self._metrics_args("gateway") + self._tls_args("gateway")
