@@ -271,6 +271,7 @@ def test_objects_validate_against_kubernetes_schemas(rendered, values):
         (("auth.apiKey=x",), "apiKey"),
         (("tls.certManager.enabled=true",), "issuerRef.name"),  # cert-manager without an issuer
         (("gateway.maxBodyBytes=10",), "maxBodyBytes"),
+        (("gateway.speculation=fast",), "speculation"),
     ],
 )
 def test_bad_values_fail_at_install_time(helm, sets, message):
@@ -978,3 +979,11 @@ def test_dockerfile_builds_the_one_image_the_chart_runs():
     assert all(f"!{p}" in ignore or f"!{p}/" in ignore for p in needed), "the build context filter drops a needed path"
     env = dict(re.findall(r"(\w+)=(\S+)", text[text.rindex("\nFROM "):]))
     assert env["HOME"] == "/tmp" and env["TANDEM_CACHE"] == "/cache"  # the chart's writable mounts
+
+
+def test_the_gateways_default_speculation_and_tool_fallback_reach_its_args(helm):
+    out = helm.template([CHART / "values-local.yaml"], ("gateway.speculation=none", "gateway.toolFallback=false"))
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (args,) = [c["args"] for _, _, c in _tandem_containers(docs) if c["args"][0] == "gateway"]
+    assert "--speculation=none" in args and "--no-tool-fallback" in args
