@@ -147,8 +147,8 @@ class Mistral(Dialect):
         calls = value if isinstance(value, list) else [value] if isinstance(value, dict) else []
         if not calls or not all(isinstance(c, dict) and "name" in c for c in calls):
             return []
-        # One span for the marker and the array; its calls share it (only the first carries it).
-        return [(start, end, calls[0])] + [(end, end, c) for c in calls[1:]]
+        # The marker and the array are one span, which every call of it shares.
+        return [(start, end, c) for c in calls]
 
     def hold_from(self, text):
         at = text.find(self._MARK)

@@ -82,6 +82,11 @@ def test_llama3_and_mistral_calls_without_their_special_tokens():
     content, calls = tools.parse('[{"name": "get_time", "arguments": {"city": "Oslo"}}]', _plan([FN, OTHER], "auto", "mistral"))
     assert [c.name for c in calls] == ["get_time"] and content is None
     assert tools.parse('I said {"name": "get_time"} once.', _plan([FN, OTHER], "auto", "llama3"))[1] == []  # not at the start
+    # A Mistral array whose first call names no tool: the known one is still a call, and the
+    # array (one span for all its calls) is not left in the content.
+    content, calls = tools.parse('[TOOL_CALLS] [{"name": "nope", "arguments": {}}, {"name": "get_time", "arguments": {}}]',
+                                 _plan([FN, OTHER], "auto", "mistral"))
+    assert [c.name for c in calls] == ["get_time"] and content is None
 
 
 @pytest.mark.parametrize("dialect", sorted(TWO_CALLS))
