@@ -19,6 +19,7 @@ logits with `transformers` on identical inputs.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -220,10 +221,11 @@ class NativeLlama:
         return all(parse_choice(entry, SLOTS[i])[0] is GemmPath.tandem_gemv
                    for entries in self.gemm_plan.choice.values() for i, entry in enumerate(entries))
 
-    @property
+    @functools.cached_property
     def can_run_rows_alone(self) -> bool:
         """Whether a forward under `gemm.rows_alone()` is batch-invariant whatever the plan: our
-        streaming kernel, attention and row kernels all serve this model on this machine."""
+        streaming kernel, attention and row kernels all serve this model on this machine. Fixed
+        for the model's life, so asked once (the first request with logprobs builds the kernel)."""
         return (self.gemm_plan is not None and self.row_kernel and gemv.library() is not None
                 and attend.serves(1, self.head_dim, self.dtype, self.device))
 

@@ -300,6 +300,8 @@ class DraftModelProposer(Proposer):
         self.vocab_limit = vocab_limit
         if vocab_limit is not None and self.head_vocab is not None:
             self._keep = self.head_vocab < vocab_limit  # [head_rows] bool
+        # A reduced head's logits are adjusted (logit_bias, penalties) in a row this wide
+        self._id_width = max(vocab_limit or 0, loaded.id_limit)
         self.reset()
 
     def reset(self) -> None:
@@ -322,8 +324,7 @@ class DraftModelProposer(Proposer):
         if self.head_vocab is None:
             return adjust_logits(logits[None], sampling, prompt, generated)[0]
         # A reduced head: its rows placed at their ids in a full row, adjusted there, read back.
-        vocab = max(self.vocab_limit or self.loaded.vocab_size, int(self.head_vocab.max()) + 1)
-        full = logits.new_full((1, vocab), float("-inf"))  # [1, vocab]
+        full = logits.new_full((1, self._id_width), float("-inf"))  # [1, vocab]
         full[0, self.head_vocab] = logits.float()
         return adjust_logits(full, sampling, prompt, generated)[0, self.head_vocab]  # [head_rows]
 

@@ -122,12 +122,13 @@ class HFBackend:
     rows_alone = False  # no forward whose rows get the bits they would alone (see NativeBackend)
 
     @torch.inference_mode()
-    def forward(self, cache: DynamicCache, input_ids: list[int], all_logits: bool) -> torch.Tensor | None:
+    def forward(self, cache: DynamicCache, input_ids: list[int], all_logits: bool, alone: bool = False) -> torch.Tensor | None:
+        # `alone` cannot be honoured here (rows_alone is False): TargetRunner never asks for it.
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         return out.logits[0].float() if all_logits else None  # [n, vocab]
 
-    def forward_batch(self, blocks: list[tuple], need: list[bool]) -> list[torch.Tensor | None]:
+    def forward_batch(self, blocks: list[tuple], need: list[bool], alone: bool = False) -> list[torch.Tensor | None]:
         return [self.forward(cache, ids, n) for (cache, ids), n in zip(blocks, need)]
 
 
@@ -222,8 +223,7 @@ class TargetRunner:
         if self.executor is not None:
             return self.executor.forward(cache, input_ids, all_logits, alone)
         start = time.perf_counter()
-        logits = self.backend.forward(cache, input_ids, all_logits, alone) if alone else \
-            self.backend.forward(cache, input_ids, all_logits)
+        logits = self.backend.forward(cache, input_ids, all_logits, alone)
         if all_logits and not alone:
             self.costs.observe(len(input_ids), time.perf_counter() - start)
         return logits
@@ -306,8 +306,7 @@ class BatchExecutor:
         start = time.perf_counter()
         try:
             blocks, need = [(j.cache, j.ids) for j in jobs], [j.all_logits for j in jobs]
-            outs = (self.runner.backend.forward_batch(blocks, need, True) if alone
-                    else self.runner.backend.forward_batch(blocks, need))
+            outs = self.runner.backend.forward_batch(blocks, need, alone)
         except BaseException as exc:  # every waiting session learns of it
             for j in jobs:
                 j.error = exc
