@@ -8,12 +8,14 @@ A Verifier.Generate failure means different things depending on when it happens:
   request carries the whole context;
 - RESOURCE_EXHAUSTED before the first message: that verifier's KV cache is full, try another;
 - INVALID_ARGUMENT: the request itself is bad, retrying elsewhere cannot help;
-- anything after the first message: the stream was cut mid-way. Tokens already streamed stand, but
-  the client must learn that the rest is missing (never a silent truncation).
+- anything after the first message: the stream was cut mid-way (`StreamCut`): the core resumes
+  it on another verifier from the tokens already streamed, or, when it cannot, the client learns
+  that the rest is missing (never a silent truncation).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -24,6 +26,8 @@ from tandem.serving.tls import DRAFTER_NAME, VERIFIER_NAME, TlsConfig, channel_c
 from tandem.services.gateway.errors import (
     DeadlineExceeded,
     InvalidRequest,
+    ShuttingDown,
+    StreamCut,
     UpstreamFailed,
     VerifierBusy,
     VerifierUnreachable,
@@ -62,6 +66,7 @@ class VerifierStream:
         self.address = address
         self.received = 0  # messages read so far
         self._span = span  # the call's client span, ended with the call
+        self._cut: str | None = None  # why the gateway itself ended the call (cut())
 
     def _end_span(self, error: grpc.aio.AioRpcError | None = None) -> None:
         span, self._span = self._span, trace.INVALID_SPAN
@@ -79,7 +84,13 @@ class VerifierStream:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             self._end_span(exc)
+            if self._cut is not None:
+                raise ShuttingDown(self._cut) from None
             raise self._translate(exc) from None
+        except asyncio.CancelledError:
+            if self._cut is None:
+                raise
+            raise ShuttingDown(self._cut) from None
         if msg is grpc.aio.EOF:
             self._end_span()
             raise StopAsyncIteration
@@ -89,6 +100,11 @@ class VerifierStream:
     def cancel(self) -> None:
         self._call.cancel()
         self._end_span()
+
+    def cut(self, reason: str) -> None:
+        """End the call from the gateway's side (its own shutdown): the reader gets ShuttingDown(reason)."""
+        self._cut = reason
+        self.cancel()
 
     def _translate(self, exc: grpc.aio.AioRpcError) -> Exception:
         code, details = exc.code(), exc.details() or ""
@@ -101,7 +117,7 @@ class VerifierStream:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return DeadlineExceeded("the request's deadline passed while the verifier was generating")
         if self.received:
-            return UpstreamFailed(
+            return StreamCut(
                 f"the verifier's stream broke after {self.received} messages ({code.name}); "
                 "the completion is incomplete"
             )

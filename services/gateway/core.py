@@ -16,6 +16,14 @@ Invariants the client can rely on: every generated token is yielded exactly once
 (first_index is checked); a stream that ends without a finish reason, reports an error, or breaks
 raises `UpstreamFailed` (never a silent truncation); a verifier that cannot be reached before
 anything streamed is replaced by the next candidate (safe, since the context travels whole).
+
+Failover mid-stream: when a verifier's stream breaks at the transport after tokens went out (the
+process died, or it drained at shutdown), the request continues on another verifier with
+context + the tokens streamed so far, marked `resumed_tokens` so that penalties, grammar and stop
+strings count them as output; the client sees one uninterrupted stream. Greedy output is the
+same tokens; sampled output keeps the target's distribution (a seeded request continues with a
+seed derived from its seed and the resume point, so it does not reuse the random draws that made
+the tokens before it; a replay of a seeded request that failed over is therefore not bit-identical).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import itertools
 import logging
 import time
@@ -47,10 +56,13 @@ from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingPolic
 from tandem.services.gateway import tools
 from tandem.services.gateway.auth import OPEN, KeyringFile, Tenant, TenantLimiter, bearer_key
 from tandem.services.gateway.errors import (
+    DeadlineExceeded,
     InvalidRequest,
     NoVerifierAvailable,
     Overloaded,
     SessionConflict,
+    ShuttingDown,
+    StreamCut,
     Unauthenticated,
     UnknownSession,
     UpstreamFailed,
@@ -79,6 +91,8 @@ class CommittedStream(Protocol):
     async def __anext__(self) -> CommittedTokens: ...
 
     def cancel(self) -> None: ...
+
+    def cut(self, reason: str) -> None: ...
 
 
 class Upstream(Protocol):
@@ -154,6 +168,7 @@ class Chunk:
     routing: RoutingDecision | None = None  # last chunk only: where and why
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked for
     prompt_tokens: int = 0  # the prompt's length, on every chunk (usage so far, for streams that ask)
+    resumed: int = 0  # last chunk only: times the stream moved to another verifier mid-way (failover)
 
 
 @dataclass(frozen=True)
@@ -222,6 +237,8 @@ class GatewayStats:
     routed: Counter = field(default_factory=lambda: Counter(dict.fromkeys(get_args(RoutingReason), 0)))
     failed: Counter = field(default_factory=Counter)  # error class -> requests
     connect_failures: int = 0  # verifiers found unreachable at connect (then the next one tried)
+    resumed: int = 0  # streams cut mid-way and continued on another verifier
+    cut_at_shutdown: int = 0  # streams this gateway ended itself at the end of its drain grace
 
 
 @dataclass(frozen=True)
@@ -342,6 +359,10 @@ class GatewayCore:
         self._inflight: Counter[str] = Counter()  # verifier id -> this gateway's requests on it
         self._active = 0
         self._poller: asyncio.Task | None = None
+        self.draining = False  # SIGTERM: refuse new requests, let running ones finish (serve.py)
+        self._streams: set[CommittedStream] = set()  # verifier calls in flight, cut at the drain's end
+        self.metrics.read("tandem_streams_resumed", "Verifier streams cut mid-way and continued on another verifier.",
+                          lambda: self.stats.resumed, kind="counter")
         eos = getattr(tokenizer, "eos_token_id", None)
         self._eos_ids = frozenset() if eos is None else frozenset([int(eos)])
 
@@ -410,9 +431,9 @@ class GatewayCore:
 
     def health(self) -> dict:
         redis = "disabled" if self._index is None else ("ok" if self._index.redis_ok else "unavailable")
-        live = len(self.live_verifiers())
+        live = len([r for r in self.live_verifiers() if not r.draining])
         return {
-            "status": "ok" if live else "unavailable",
+            "status": "draining" if self.draining else "ok" if live else "unavailable",
             "model": self.model_name,
             "verifiers": live,
             "redis": redis,
@@ -423,6 +444,7 @@ class GatewayCore:
             "routed": dict(self.stats.routed),
             "failed": dict(self.stats.failed),
             "connect_failures": self.stats.connect_failures,
+            "resumed": self.stats.resumed,
         }
 
     def authenticate(self, authorization: str | None) -> Tenant:
@@ -454,6 +476,30 @@ class GatewayCore:
         if self.sessions.pop(key) is None:
             raise UnknownSession(f"no session {clip(session_id)} on this gateway (never seen, or expired)")
 
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """SIGTERM: from now on new requests are refused (ShuttingDown: 503 / UNAVAILABLE, and
+        /health answers 503 so balancers stop sending); running ones go on."""
+        self.draining = True
+        log.info("draining: %d requests in flight", self._active)
+
+    @property
+    def in_flight(self) -> int:
+        return self._active
+
+    def cut_streams(self) -> int:
+        """The drain grace is over: end every running request with ShuttingDown (an SSE error
+        event / UNAVAILABLE status, never a silent end). Returns how many were cut."""
+        streams = list(self._streams)
+        for stream in streams:
+            stream.cut("the gateway is shutting down and its drain grace ended: the completion is incomplete; "
+                       "retry the turn (the session keeps what streamed)")
+        self.stats.cut_at_shutdown += len(streams)
+        if streams:
+            log.warning("drain grace over: cut %d streams", len(streams))
+        return len(streams)
+
     # -- generation -------------------------------------------------------------------------
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Chunk]:
@@ -466,6 +512,8 @@ class GatewayCore:
         try:
             if log_prompts_enabled():
                 log.info("prompt: %r", req.messages if req.messages is not None else req.prompt)
+            if self.draining:
+                raise ShuttingDown("this gateway is shutting down; send the request again (to another replica)")
             prep = await self._prepare(req)
             if prep.key is not None and prep.key in self._busy:
                 raise SessionConflict(
@@ -734,10 +782,11 @@ class GatewayCore:
         return offering[next(self._next_drafter) % len(offering)]
 
     async def _connect(
-        self, prep: _Prepared, request: VerifierRequest, deadline: float
+        self, prep: _Prepared, request: VerifierRequest, deadline: float, exclude: frozenset[str] = frozenset()
     ) -> tuple[RoutingDecision, CommittedStream, CommittedTokens]:
-        """Open the stream on the best verifier that answers; the first message proves it did."""
-        tried: set[str] = set()
+        """Open the stream on the best verifier that answers; the first message proves it did.
+        `exclude`: verifiers not to try (one that just failed mid-stream)."""
+        tried: set[str] = set(exclude)
         failures: list[str] = []
         busy = 0  # verifiers that refused for lack of KV cache (the other failures: unreachable)
         while True:
@@ -745,6 +794,8 @@ class GatewayCore:
                 decision = await self._route(prep, tried)
                 self._trace_route(span, prep, decision, tried)
             if decision is None:
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded("the request's deadline passed before a verifier could take it")
                 if failures and busy == len(failures):
                     raise Overloaded(f"every verifier's KV cache is full ({'; '.join(failures)}); retry later")
                 known = {r.model_id for r in [*self._registered, *self._static.values()] if r is not None}
@@ -753,9 +804,14 @@ class GatewayCore:
                     + (f" (live ones serve: {sorted(known)})" if known else "")
                 )
                 raise NoVerifierAvailable(f"no verifier available: {detail}")
-            stream = self._clients.generate(decision.address, request, deadline - time.monotonic())
+            stream = self._clients.generate(decision.address, request, max(0.001, deadline - time.monotonic()))
+            self._streams.add(stream)  # from now on a shutdown's cut reaches it
             try:
-                first = await stream.__anext__()
+                try:
+                    first = await stream.__anext__()
+                except BaseException:
+                    self._streams.discard(stream)
+                    raise
                 return decision, stream, first
             except StopAsyncIteration:
                 raise UpstreamFailed(f"verifier {decision.verifier_id} ended the stream without a message") from None
@@ -811,8 +867,9 @@ class GatewayCore:
         sid, context, sampling = prep.key, prep.context_ids, prep.sampling
         session = self.sessions.get(sid) if sid else None
         drafter = self._drafter_for(session, prep.spec.strategy)
+        deadline = time.monotonic() + prep.timeout_s
         request = VerifierRequest(sid or "", context, sampling, prep.spec, drafter, cache_salt=prep.tenant.name)
-        decision, stream, msg = await self._connect(prep, request, time.monotonic() + prep.timeout_s)
+        decision, stream, msg = await self._connect(prep, request, deadline)
         vid = decision.verifier_id
         self.stats.routed[decision.reason] += 1
         # Stop tokens are committed (they belong to the history) but never shown; a stop id can only
@@ -821,54 +878,49 @@ class GatewayCore:
         detok = Detokenizer(self.tokenizer)
         cut = TextCut(sampling.stop)
         generated: list[int] = []
+        offset = 0  # tokens streamed before the current verifier's call (earlier verifiers, failover)
+        resumes = 0
         self._inflight[vid] += 1
         try:
-            while msg is not None:
-                if msg.first_index != len(generated):
-                    raise UpstreamFailed(
-                        f"verifier {vid} broke the protocol: a chunk starts at output index "
-                        f"{msg.first_index}, expected {len(generated)}"
-                    )
-                ids = msg.token_ids
-                generated.extend(ids)
-                if len(generated) > sampling.max_new_tokens:
-                    raise UpstreamFailed(
-                        f"verifier {vid} broke the protocol: {len(generated)} tokens for max_tokens "
-                        f"{sampling.max_new_tokens}"
-                    )
-                finish = msg.finish_reason
-                final = finish is not None
-                if final and finish not in (FinishReason.stop, FinishReason.length):
-                    raise UpstreamFailed(
-                        f"verifier {vid} stopped with {finish.value} after "
-                        f"{len(generated)} tokens; the completion is incomplete"
-                    )
-                text = cut.push(detok.push([t for t in ids if t not in hidden], final=final), final=final)
-                if not final:
-                    if ids:
-                        yield Chunk(text, ids, msg.first_index, vid, logprobs=msg.logprobs, prompt_tokens=len(context))
-                    msg = await anext(stream, None)
-                    continue
-                stats = msg.stats or SpecStats()
-                cached = min(stats.prefill_reused_tokens, len(context))
-                log.info("completed on %s (routed by %s): %d prompt tokens (%d cached) + %d generated, finish %s; "
-                         "drafted %d, accepted %d in %d steps", vid, decision.reason, len(context), cached,
-                         len(generated), finish.value, stats.drafted, stats.accepted, stats.steps)
-                yield Chunk(
-                    text, ids, msg.first_index, vid, logprobs=msg.logprobs, prompt_tokens=len(context),
-                    finish_reason=finish,
-                    usage=Usage(len(context), len(generated), cached),
-                    stats=stats,
-                    routing=decision,
-                )
-                await self._drain(stream, vid)
-                return
-            raise UpstreamFailed(
-                f"verifier {vid} ended the stream after {len(generated)} tokens without a finish reason; "
-                "the completion is incomplete"
-            )
+            while True:
+                try:
+                    async for chunk in self._read(stream, msg, vid, decision, prep, generated, offset,
+                                                  hidden, detok, cut):
+                        yield dataclasses.replace(chunk, resumed=resumes) if chunk.finish_reason else chunk
+                    return
+                except StreamCut as exc:
+                    if resumes >= self.settings.resume_attempts or self.draining or time.monotonic() >= deadline:
+                        raise
+                    resumes += 1
+                    stream.cancel()
+                    self._streams.discard(stream)
+                    log.warning("verifier %s cut the stream after %d tokens (%s); resuming on another verifier",
+                                vid, len(generated), exc)
+                    trace.get_current_span().add_event("stream_resumed", {
+                        "tandem.verifier_id": vid, "tandem.streamed_tokens": len(generated), "tandem.error": str(exc)})
+                    left = sampling.max_new_tokens - len(generated)
+                    if left <= 0:  # every token streamed; only the final message was lost
+                        yield dataclasses.replace(self._final(vid, decision, prep, generated, offset, detok, cut,
+                                                              FinishReason.length, SpecStats()), resumed=resumes)
+                        return
+                    resumed = VerifierRequest(
+                        sid or "", context + generated, self._resumed_sampling(sampling, len(generated), left),
+                        prep.spec, drafter, cache_salt=prep.tenant.name, resumed_tokens=len(generated))
+                    try:
+                        decision, stream, msg = await self._connect(
+                            dataclasses.replace(prep, context_ids=context + generated), resumed, deadline,
+                            exclude=frozenset({vid}))
+                    except (NoVerifierAvailable, Overloaded, DeadlineExceeded) as again:
+                        raise StreamCut(f"{exc}; no other verifier could continue it ({again})") from None
+                    self.stats.resumed += 1
+                    self._inflight[vid] -= 1
+                    if not self._inflight[vid]:
+                        del self._inflight[vid]
+                    vid, offset = decision.verifier_id, len(generated)
+                    self._inflight[vid] += 1
         finally:
             stream.cancel()
+            self._streams.discard(stream)
             self._inflight[vid] -= 1
             if not self._inflight[vid]:
                 del self._inflight[vid]
@@ -879,3 +931,75 @@ class GatewayCore:
                 if drafter:
                     item.drafters[prep.spec.strategy] = drafter
                 self.sessions.put(sid, item)
+
+    @staticmethod
+    def _resumed_sampling(sampling: SamplingParams, streamed: int, left: int) -> SamplingParams:
+        """The sampling of a request continued after `streamed` tokens: `left` more at most, and a
+        seeded request's seed moved to a stream of its own (the original seed would replay the
+        random draws that already chose the streamed tokens, correlating the rest with them)."""
+        update: dict = {"max_new_tokens": left}
+        if sampling.seed is not None:
+            digest = hashlib.sha256(f"tandem-resume:{sampling.seed}:{streamed}".encode()).digest()
+            update["seed"] = int.from_bytes(digest[:7], "little")
+        return sampling.model_copy(update=update)
+
+    async def _read(self, stream: CommittedStream, msg: CommittedTokens | None, vid: str, decision: RoutingDecision,
+                    prep: _Prepared, generated: list[int], offset: int, hidden, detok: Detokenizer,
+                    cut: TextCut) -> AsyncIterator[Chunk]:
+        """The chunks of one verifier call, from its first message `msg`; appends to `generated`
+        (the request's whole output so far, `offset` of it from earlier calls)."""
+        context, sampling = prep.context_ids, prep.sampling
+        while msg is not None:
+            if msg.first_index != len(generated) - offset:
+                raise UpstreamFailed(
+                    f"verifier {vid} broke the protocol: a chunk starts at output index "
+                    f"{msg.first_index}, expected {len(generated) - offset}"
+                )
+            ids = msg.token_ids
+            generated.extend(ids)
+            if len(generated) > sampling.max_new_tokens:
+                raise UpstreamFailed(
+                    f"verifier {vid} broke the protocol: {len(generated)} tokens for max_tokens "
+                    f"{sampling.max_new_tokens}"
+                )
+            finish = msg.finish_reason
+            final = finish is not None
+            if final and finish not in (FinishReason.stop, FinishReason.length):
+                raise UpstreamFailed(
+                    f"verifier {vid} stopped with {finish.value} after "
+                    f"{len(generated)} tokens; the completion is incomplete"
+                )
+            if not final:
+                text = cut.push(detok.push([t for t in ids if t not in hidden], final=False), final=False)
+                if ids:
+                    yield Chunk(text, ids, offset + msg.first_index, vid, logprobs=msg.logprobs,
+                                prompt_tokens=len(context))
+                msg = await anext(stream, None)
+                continue
+            yield self._final(vid, decision, prep, generated, offset, detok, cut, finish, msg.stats or SpecStats(),
+                              ids=ids, first_index=offset + msg.first_index, logprobs=msg.logprobs)
+            await self._drain(stream, vid)
+            return
+        raise UpstreamFailed(
+            f"verifier {vid} ended the stream after {len(generated)} tokens without a finish reason; "
+            "the completion is incomplete"
+        )
+
+    def _final(self, vid: str, decision: RoutingDecision, prep: _Prepared, generated: list[int], offset: int,
+               detok: Detokenizer, cut: TextCut, finish: FinishReason, stats: SpecStats, *,
+               ids: tuple[int, ...] = (), first_index: int | None = None, logprobs=None) -> Chunk:
+        """The last chunk: the rest of the text, the finish reason, usage and the verifier's figures."""
+        context = prep.context_ids
+        hidden = prep.sampling.stop_ids(self._eos_ids)
+        text = cut.push(detok.push([t for t in ids if t not in hidden], final=True), final=True)
+        cached = min(stats.prefill_reused_tokens, len(context))
+        log.info("completed on %s (routed by %s): %d prompt tokens (%d cached) + %d generated%s, finish %s; "
+                 "drafted %d, accepted %d in %d steps", vid, decision.reason, len(context), cached,
+                 len(generated), f" ({offset} before a failover)" if offset else "", finish.value,
+                 stats.drafted, stats.accepted, stats.steps)
+        return Chunk(
+            text, tuple(ids), len(generated) - len(ids) if first_index is None else first_index, vid,
+            logprobs=logprobs, prompt_tokens=len(context), finish_reason=finish,
+            usage=Usage(len(context), len(generated), cached if not offset else 0),
+            stats=stats, routing=decision,
+        )

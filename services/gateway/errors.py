@@ -57,6 +57,17 @@ class UpstreamFailed(GatewayError):
     protocol). Tokens already streamed stand; the rest never came. (ABORTED, 502)"""
 
 
+class StreamCut(UpstreamFailed):
+    """The verifier's stream broke mid-way at the transport (the process died, or it drained): the
+    core resumes the request on another verifier from what streamed (`resume_attempts`), and
+    raises this only when it cannot."""
+
+
+class ShuttingDown(GatewayError):
+    """The gateway is shutting down (SIGTERM): new requests are refused, and streams still running
+    when the drain grace ends are cut with this error. (UNAVAILABLE, 503 with Retry-After)"""
+
+
 # Raised by client.py before anything streamed, and handled by the core (next candidate); never
 # seen by clients.
 

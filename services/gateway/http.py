@@ -5,6 +5,7 @@
     GET    /v1/models             the served model, its context window, live verifiers, strategies
     GET    /v1/sessions/{id}      a session's history length and verifier; DELETE forgets it
     GET    /health                readiness: 200 while a verifier of the model is live, else 503
+                                  (also 503, status "draining", once SIGTERM arrived)
     GET    /healthz               liveness: 200 while the process serves HTTP
     GET    /metrics               Prometheus metrics of this gateway (tandem.serving.metrics); not
                                   here when the gateway serves them on their own port (metrics_port)
@@ -20,6 +21,13 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   session ties a conversation's turns together: they are routed to the verifier that holds its KV
   cache. OpenAI's `user` is accepted and ignored: it names an end user, who may run several
   conversations at once, so it cannot stand for one.
+- Deadline: header `X-Request-Timeout: SECONDS` (gRPC: the call's deadline). Past it the request
+  ends with 504 (streams: an SSE error event) and the verifier frees its state; without it the
+  gateway's request_timeout_s applies.
+- Failover: a verifier that dies or shuts down mid-stream is replaced by another from the tokens
+  already streamed; the client sees one stream (the response's `tandem.resumed` counts such handovers).
+- Shutdown: after SIGTERM new requests get 503 (Retry-After); a stream still running when the
+  drain grace ends gets an SSE error event of type service_unavailable_error, never a silent end.
 - `speculation`: {"strategy": "none" | "ngram" | "model" | "hybrid", "max_draft_tokens": 1..64,
   "adaptive": bool}, each optional (the gateway's defaults fill the rest). It changes speed, never
   the output.
@@ -93,6 +101,9 @@ from tandem.services.gateway import tools as tools_mod
 from tandem.serving.telemetry import instrument_http_app
 
 SESSION_HEADER = "X-Session-Id"
+# The client's deadline for the whole request, in seconds (as gRPC's deadline does over gRPC): past
+# it the request ends with 504 (or an SSE error event) and its verifier frees the request's state.
+TIMEOUT_HEADER = "X-Request-Timeout"
 
 _HTTP: dict[type[errors.GatewayError], tuple[int, str]] = {
     errors.InvalidRequest: (400, "invalid_request_error"),
@@ -105,6 +116,7 @@ _HTTP: dict[type[errors.GatewayError], tuple[int, str]] = {
     errors.UpstreamFailed: (502, "upstream_error"),
     errors.NoVerifierAvailable: (503, "service_unavailable_error"),
     errors.DeadlineExceeded: (504, "timeout_error"),
+    errors.ShuttingDown: (503, "service_unavailable_error"),
 }
 
 T = TypeVar("T")
@@ -362,6 +374,19 @@ def _session_id(request: Request, body: _CommonBody) -> str | None:
     return sid
 
 
+def _timeout(request: Request) -> float | None:
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < 1e7:  # also refuses nan and inf
+        raise errors.InvalidRequest(f"the {TIMEOUT_HEADER} header is a number of seconds above 0, got {clip(value, 40)}")
+    return seconds
+
+
 def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, *,
                     plan: "tools_mod.ToolPlan" = tools_mod.NO_TOOLS, **input_fields) -> GenerationRequest:
     max_tokens = body.max_tokens
@@ -393,6 +418,7 @@ def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, *,
         strategy=spec.strategy,
         max_draft_tokens=spec.max_draft_tokens,
         adaptive=spec.adaptive,
+        timeout_s=_timeout(request),
         tenant=tenant,
         **input_fields,
     )
@@ -425,7 +451,8 @@ def usage_dict(chunk: Chunk) -> dict:
 
 def tandem_dict(chunk: Chunk, session_id: str | None) -> dict:
     r = chunk.routing
-    return {"verifier_id": chunk.verifier_id, "routing": r.reason, "matched_tokens": r.matched_tokens, "session_id": session_id}
+    return {"verifier_id": chunk.verifier_id, "routing": r.reason, "matched_tokens": r.matched_tokens,
+            "session_id": session_id, "resumed": chunk.resumed}
 
 
 class _Format:

@@ -1,6 +1,8 @@
 """Run the gateway: the OpenAI HTTP API (uvicorn) and the gRPC Gateway service in one event loop,
-over one GatewayCore. SIGTERM / SIGINT stop it gracefully: stop accepting, let in-flight requests
-finish for `shutdown_grace_s`, then cancel what is left (which cancels the verifier calls)."""
+over one GatewayCore. SIGTERM / SIGINT drain it: readiness turns 503 / NOT_SERVING and new requests
+get 503 / UNAVAILABLE (ShuttingDown) while the ports stay open, in-flight requests get
+`shutdown_grace_s` to finish, and those still running then end with an explicit error (an SSE
+error event, or UNAVAILABLE on gRPC), never a silent truncation; then the servers stop."""
 
 from __future__ import annotations
 
@@ -66,14 +68,33 @@ async def run_gateway(
                 stop_task = asyncio.create_task(stop.wait())
                 await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
                 stop_task.cancel()
-                log.info("gateway stopping (grace %.1f s)", settings.shutdown_grace_s)
+                await drain(core, settings.shutdown_grace_s)
                 http.should_exit = True
-                await asyncio.gather(http_task, grpc_server.stop(settings.shutdown_grace_s), return_exceptions=True)
+                await asyncio.gather(http_task, grpc_server.stop(_CUT_WAIT_S), return_exceptions=True)
             finally:
                 await grpc_server.stop(0)
     finally:
         core.metrics.close()
         await core.close()
+
+
+_CUT_WAIT_S = 3.0  # after the cut, how long the cut requests get to send their error
+
+
+async def drain(core: GatewayCore, grace_s: float) -> None:
+    """Refuse new requests, wait up to `grace_s` for the running ones, cut what is left."""
+    core.begin_drain()
+    log.info("gateway draining: %d requests in flight (grace %.1f s)", core.in_flight, grace_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while core.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if core.in_flight:
+        core.cut_streams()
+        cut_at = loop.time()
+        while core.in_flight and loop.time() - cut_at < _CUT_WAIT_S:
+            await asyncio.sleep(0.05)
+    log.info("gateway stopping")
 
 
 def serve(settings: GatewaySettings) -> None:

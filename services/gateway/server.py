@@ -33,6 +33,7 @@ _STATUS: dict[type[errors.GatewayError], grpc.StatusCode] = {
     errors.NoVerifierAvailable: grpc.StatusCode.UNAVAILABLE,
     errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     # The stream was cut after tokens went out: the client should retry the turn (its history
     # already holds the streamed prefix), as ABORTED tells it.
     errors.UpstreamFailed: grpc.StatusCode.ABORTED,
@@ -90,6 +91,10 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
         fields["prompt"] = msg.prompt
     elif which == "messages":
         fields["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+    elif which == "prompt_ids":
+        if not msg.prompt_ids.ids:
+            raise errors.InvalidRequest("prompt_ids is empty")
+        fields["prompt"] = list(msg.prompt_ids.ids)
     if msg.HasField("sampling"):
         s = msg.sampling
         fields.update(
@@ -139,6 +144,7 @@ def pack_chunk(chunk: Chunk) -> gateway_pb2.GenerateResponse:
         finish_reason=FINISH_TO_PB[chunk.finish_reason],
         verifier_id=chunk.verifier_id,
         logprobs=logprobs_to_proto(chunk.logprobs),
+        resumed=chunk.resumed,
     )
     if chunk.usage is not None:
         msg.usage.CopyFrom(
@@ -251,7 +257,7 @@ class _Health(health.aio.HealthServicer):
 
     async def Check(self, request, context):
         if request.service == _GATEWAY_SERVICE and not self._gracefully_shutting_down:
-            live = bool(self._core.live_verifiers())
+            live = bool(self._core.live_verifiers()) and not self._core.draining
             return health_pb2.HealthCheckResponse(
                 status=health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING
             )

@@ -68,7 +68,10 @@ class GatewaySettings(BaseModel):
     down_backoff_s: float = Field(2.0, ge=0)  # a verifier that refused a connection is skipped this long
     max_sessions: int = Field(100_000, ge=1)  # session histories kept (least recently used dropped)
     session_idle_s: float = Field(3600.0, gt=0)  # a history unused this long is dropped
-    shutdown_grace_s: float = Field(5.0, ge=0)  # in-flight calls get this long at SIGTERM
+    shutdown_grace_s: float = Field(20.0, ge=0)  # in-flight requests get this long at SIGTERM, then are cut
+    # A verifier stream cut mid-way (the verifier died or drained) continues on another verifier
+    # from the tokens already streamed, at most this many times per request (0: fail it instead).
+    resume_attempts: int = Field(3, ge=0, le=16)
     # Prometheus /metrics on its own port; when set, the public HTTP port does not serve it.
     metrics_port: int | None = Field(None, ge=0, le=65535)
 

@@ -47,6 +47,11 @@ class SessionBusy(RuntimeError):
     """Another request of the same session is still generating (ABORTED: retry after it ends)."""
 
 
+class Draining(RuntimeError):
+    """The verifier is shutting down (UNAVAILABLE): a new request belongs on another verifier, and a
+    stream cut at the end of the drain grace continues there (the gateway resumes it)."""
+
+
 class Overloaded(RuntimeError):
     """No KV budget or session slot is free (RESOURCE_EXHAUSTED, with a retry hint)."""
 
@@ -86,6 +91,11 @@ class VerifierCore:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # Draining (SIGTERM): new requests are refused; at the end of the grace the running ones
+        # are cut between steps (`_cut`), each with an explicit status, never a silent end.
+        self.draining = False
+        self._cut = threading.Event()
+        self._running = 0  # generations in progress (guarded by _lock)
         self.metrics = metrics or VerifierMetrics()
         self.metrics.watch_kv(settings.kv_capacity_tokens, self.kv_used_tokens, lambda: len(self._sessions))
         if publisher is not None:
@@ -98,7 +108,8 @@ class VerifierCore:
         if address:
             self.address = address
         if self.publisher is not None:
-            self.publisher.register(self.info())
+            if self.publisher.register(self.info()):
+                self.publisher.forget_stale(self.settings.verifier_id)  # a restart holds no KV yet
             self._heartbeat = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
             self._heartbeat.start()
 
@@ -107,11 +118,25 @@ class VerifierCore:
             self.publisher.heartbeat(self.info())
 
     def drain(self) -> None:
-        """Shutting down: leave Redis now (and stop the heartbeat that would re-register us), so
-        gateways route no new session here while running ones finish."""
-        self._stop.set()
+        """Shutting down: refuse new requests from now on and say so in Redis (the registration's
+        `draining` field, kept fresh by the heartbeat) and in GetInfo, so gateways route new work
+        elsewhere while running generations finish."""
+        self.draining = True
         if self.publisher is not None:
-            self.publisher.deregister(self.settings.verifier_id)
+            self.publisher.heartbeat(self.info())
+        log.info("draining: %d generations running, new requests go elsewhere", self.running())
+
+    def running(self) -> int:
+        with self._lock:
+            return self._running
+
+    def cut(self) -> None:
+        """The drain grace is over: end every running generation at its next step with Draining
+        (UNAVAILABLE, which the gateway resumes on another verifier)."""
+        n = self.running()
+        if n:
+            log.warning("drain grace over: cutting %d running generations (their gateways resume them elsewhere)", n)
+        self._cut.set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -146,6 +171,7 @@ class VerifierCore:
             "active_sessions": active,
             "resident_sessions": resident,
             "eos_token_ids": self.target.eos_token_ids,
+            "draining": self.draining,
         }
 
     def session_ids(self) -> list[str]:
@@ -299,14 +325,19 @@ class VerifierCore:
         is_active: Callable[[], bool] = lambda: True,
         headers: tuple = (),
         cache_salt: str = "",
+        resumed_tokens: int = 0,
     ) -> Iterator[StepOutput | GenerationResult]:
         """Run one request: yields a StepOutput per target step, then the GenerationResult.
-        `cache_salt`: the isolation domain of the session's KV (SessionGenerateRequest.cache_salt)."""
+        `cache_salt`: the isolation domain of the session's KV (SessionGenerateRequest.cache_salt);
+        `resumed_tokens`: the context's tail that is this request's output from before a failover."""
         status = "cancelled"  # unless it finishes or fails: the consumer stopped early
         if len(cache_salt.encode()) > MAX_SALT_BYTES:
             raise InvalidRequest(f"cache_salt is longer than {MAX_SALT_BYTES} bytes")
+        if self.draining:
+            raise Draining(f"verifier {self.settings.verifier_id} is shutting down; send the request to another one")
         steps = self._generate(session_id, context_ids, sampling, spec, drafter_address,
-                               is_active=is_active, headers=headers, cache_salt=cache_salt)
+                               is_active=is_active, headers=headers, cache_salt=cache_salt,
+                               resumed_tokens=resumed_tokens)
         with session_context(session_id), contextlib.closing(steps):
             try:
                 for item in steps:
@@ -331,8 +362,12 @@ class VerifierCore:
         is_active: Callable[[], bool],
         headers: tuple,
         cache_salt: str,
+        resumed_tokens: int = 0,
     ) -> Iterator[StepOutput | GenerationResult]:
         self.validate(context_ids, sampling)
+        if not 0 <= resumed_tokens < len(context_ids):
+            raise InvalidRequest(f"resumed_tokens is {resumed_tokens}; it must be below the context's "
+                                 f"{len(context_ids)} tokens")
         drafter_address = self.allowed_drafter(drafter_address)  # before any state changes or connections
         sess = self._checkout(session_id, len(context_ids), cache_salt)
         proposer = None
@@ -354,7 +389,8 @@ class VerifierCore:
             with tracer.start_as_current_span("prefill") as span:
                 # Prefill and every step go through the runner's batch executor: the forwards of
                 # concurrent sessions run as one batch (continuous batching).
-                gen = self.engine.start(context_ids, sampling, spec, sequence=sess.seq, proposer=proposer)
+                gen = self.engine.start(context_ids, sampling, spec, sequence=sess.seq, proposer=proposer,
+                                        resumed=resumed_tokens)
                 reused, computed = gen.stats.prefill_reused_tokens, gen.stats.prefill_computed_tokens
                 self.metrics.prefill(reused, computed)
                 span.set_attributes({
@@ -363,11 +399,18 @@ class VerifierCore:
                     "tandem.strategy": spec.strategy.value, "tandem.drafter": drafter_address,
                 })
             self.executor.session_busy(+1)
+            with self._lock:
+                self._running += 1
             try:
                 while not gen.finished:
                     if not is_active():
                         gen.cancel()
                         break
+                    if self._cut.is_set():
+                        gen.cancel()
+                        raise Draining(
+                            f"verifier {self.settings.verifier_id} is shutting down and cut this stream after "
+                            f"{len(gen.output)} tokens (its drain grace ended); continue it on another verifier")
                     faults = (proposer.fallback_steps, proposer.rejected_blocks) if proposer is not None else (0, 0)
                     with tracer.start_as_current_span("verify_step") as span:
                         step = gen.step()
@@ -377,6 +420,8 @@ class VerifierCore:
                     yield step
             finally:
                 self.executor.session_busy(-1)
+                with self._lock:
+                    self._running -= 1
             result = gen.result()
             self.metrics.faults(result.stats.fallback_steps, result.stats.rejected_blocks)
             yield result
@@ -427,6 +472,7 @@ def gen_ok(sess: _Session) -> bool:
 
 __all__ = [
     "FinishReason",
+    "Draining",
     "InvalidRequest",
     "Overloaded",
     "SessionBusy",

@@ -21,7 +21,7 @@ from tandem.serving.residency import VerifierRecord
 from tandem.serving.telemetry import inject_metadata
 from tandem.v1 import verifier_pb2, verifier_pb2_grpc
 
-from .core import InvalidRequest, Overloaded, SessionBusy, VerifierCore
+from .core import Draining, InvalidRequest, Overloaded, SessionBusy, VerifierCore
 from .drafter_client import GrpcDrafterConnector
 
 log = logging.getLogger("tandem.verifier.server")
@@ -38,6 +38,8 @@ def status_mapping(context: grpc.ServicerContext):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     except SessionBusy as exc:
         context.abort(grpc.StatusCode.ABORTED, str(exc))
+    except Draining as exc:
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     except Overloaded as exc:
         context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -61,6 +63,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             steps = self.core.generate(
                 request.session_id, list(request.context_ids), sampling, spec, request.drafter_address,
                 is_active=context.is_active, headers=inject_metadata(), cache_salt=request.cache_salt,
+                resumed_tokens=request.resumed_tokens,
             )
             try:
                 for item in steps:
@@ -88,7 +91,9 @@ def build_server(core: VerifierCore, address: str = "127.0.0.1:0", max_workers: 
 
 
 def serve(settings) -> None:
-    """Load the target, register in Redis, serve until SIGTERM/SIGINT, then drain and deregister."""
+    """Load the target, register in Redis, serve until SIGTERM/SIGINT, then drain: refuse new
+    requests (marked draining in Redis and GetInfo), let running ones finish for the drain grace,
+    cut what is left with UNAVAILABLE (gateways resume those streams elsewhere), deregister."""
     import torch
 
     from tandem.engine.models import load_model, resolve_device
@@ -110,4 +115,5 @@ def serve(settings) -> None:
     server.start()
     core.start(settings.advertise_address or f"{settings.host}:{port}")
     log.info("verifier %s serving %s on %s:%d", settings.verifier_id, target.model_id, settings.host, port)
-    wait_for_termination(server, health_servicer, on_drain=core.drain, on_stop=core.stop)
+    wait_for_termination(server, health_servicer, grace_s=settings.drain_grace_s, on_drain=core.drain,
+                         busy=core.running, on_cut=core.cut, on_stop=core.stop)

@@ -71,6 +71,9 @@ class VerifierSettings(BaseModel):
     # and drafter streams present tls.cert and require a drafter certificate. None: plaintext.
     tls: TlsConfig | None = None
     health_port: int | None = Field(None, ge=0, le=65535)  # plaintext gRPC health only (probes, with tls)
+    # SIGTERM: running generations get this long to finish, then are cut with UNAVAILABLE (the
+    # gateway resumes them elsewhere). Keep it below the pod's terminationGracePeriodSeconds.
+    drain_grace_s: float = Field(20.0, ge=0)
 
     @field_validator("drafters", mode="before")
     @classmethod

@@ -189,7 +189,15 @@ class Generation:
         *,
         shared_acceptance: AcceptanceCounts,
         eos_token_ids: list[int],
+        resumed: int = 0,
     ):
+        """`resumed`: the last `resumed` context tokens are this generation's own output so far,
+        produced before a failover (SessionGenerateRequest.resumed_tokens); they count as generated
+        for the penalties, the grammar and the stop strings, so the continuation is the one an
+        uninterrupted generation would have made."""
+        if not 0 <= resumed < len(context_ids):
+            raise ValueError(f"resumed_tokens must be 0 to {len(context_ids) - 1} (the context's length - 1), "
+                             f"got {resumed}")
         if len(context_ids) >= runner.loaded.max_context:
             raise ValueError(
                 f"prompt of {len(context_ids)} tokens does not fit the context window of "
@@ -200,8 +208,9 @@ class Generation:
         self.sampling = sampling
         self.spec = spec
         self.proposer = proposer
+        self.prompt_len = len(context_ids) - resumed  # where this request's output begins
         if proposer is not None:
-            proposer.begin(len(context_ids))
+            proposer.begin(self.prompt_len)
         self.gen = None if sampling.greedy else make_generator(sampling.seed)
         self.stop_ids = sampling.stop_ids(eos_token_ids)
         # Stop strings are matched on the output's text as each token is committed, in order, so the
@@ -214,6 +223,19 @@ class Generation:
 
             self.constraint = Constraint(sampling.grammar, runner.loaded.tokenizer, runner.loaded.vocab_size,
                                          sorted(self.stop_ids))
+        earlier = list(context_ids[self.prompt_len:])  # output streamed before a failover
+        if earlier and self.constraint is not None:
+            try:
+                self.constraint.advance(earlier)
+            except RuntimeError:
+                raise ValueError("the resumed tokens do not follow the request's grammar") from None
+        hit = False
+        if earlier and self._stop_text is not None:
+            for tok in earlier:
+                hit = self._stop_text.push(tok)
+        if earlier and (hit or earlier[-1] in self.stop_ids):
+            # The interrupted generation had ended; only its final message was lost.
+            self.finish_reason = FinishReason.stop
         # A seeded sampled request must replay exactly, and its random draws follow its block lengths,
         # so those may depend only on its own text: nominal costs, no measured draft time, and
         # acceptance counted for this request alone (other sessions' counts change between replays).
@@ -227,7 +249,6 @@ class Generation:
         self.stats = SpecStats()
         self.output: list[int] = []
         self.finish_reason: FinishReason | None = None
-        self.prompt_len = len(context_ids)
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         prefill: PrefillStats = self.seq.set_context(list(context_ids))
@@ -441,6 +462,7 @@ class Engine:
         *,
         sequence: Sequence | None = None,
         proposer: Proposer | None = None,
+        resumed: int = 0,
     ) -> Generation:
         spec = spec or self.spec
         if proposer is None and spec.strategy != DraftStrategy.none:
@@ -454,6 +476,7 @@ class Engine:
             proposer,
             shared_acceptance=self.acceptance,
             eos_token_ids=self.target.eos_token_ids,
+            resumed=resumed,
         )
 
     def generate(

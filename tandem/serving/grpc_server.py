@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -82,23 +83,42 @@ def build_server(
     return server, port, health_servicer
 
 
+_CUT_WAIT_S = 3.0  # after the cut, how long the cut streams get to send their status
+
+
 def wait_for_termination(server: grpc.Server, health_servicer, *, grace_s: float = 10.0, on_drain=None,
-                         on_stop=None) -> None:
-    """Block until SIGINT/SIGTERM, then report NOT_SERVING and call `on_drain` (so balancers and
-    routers stop sending new work), let running calls finish for `grace_s`, and stop."""
-    stop = threading.Event()
+                         busy=None, on_cut=None, on_stop=None, stop: threading.Event | None = None) -> None:
+    """Block until SIGINT/SIGTERM (or `stop`), then drain: report NOT_SERVING and call `on_drain`
+    (so balancers and routers stop sending new work), let running calls finish for up to `grace_s`
+    (`busy()`: how many are left; the wait ends early at 0), call `on_cut` (the service ends what
+    is left with an explicit status), stop the server and call `on_stop`."""
+    stop = stop or threading.Event()
 
     def handle(signum, _frame):
         log.info("received %s: draining (grace %.0f s)", signal.Signals(signum).name, grace_s)
         stop.set()
 
-    signal.signal(signal.SIGINT, handle)
-    signal.signal(signal.SIGTERM, handle)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handle)
+        signal.signal(signal.SIGTERM, handle)
     stop.wait()
     health_servicer.enter_graceful_shutdown()
     if on_drain is not None:
         on_drain()
-    server.stop(grace_s).wait()
+    if busy is not None:
+        deadline = time.monotonic() + grace_s
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = busy()
+        if on_cut is not None:
+            on_cut()
+        if left:
+            waited = time.monotonic()
+            while busy() and time.monotonic() - waited < _CUT_WAIT_S:
+                time.sleep(0.05)
+        server.stop(_CUT_WAIT_S).wait()
+    else:
+        server.stop(grace_s).wait()
     if on_stop is not None:
         on_stop()
     log.info("stopped")

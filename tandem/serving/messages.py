@@ -25,6 +25,7 @@ class VerifierRequest:
     spec: SpecConfig
     drafter_address: str = ""  # "" = no drafter: plain decoding
     cache_salt: str = ""  # KV and prefix residency are shared only among requests of equal salt
+    resumed_tokens: int = 0  # failover: the context's last N tokens are this request's output so far
 
 
 @dataclass(frozen=True)

@@ -174,6 +174,7 @@ def verifier_request_to_proto(req: VerifierRequest) -> verifier_pb2.SessionGener
     return verifier_pb2.SessionGenerateRequest(
         session_id=req.session_id, context_ids=req.context_ids, sampling=sampling_to_proto(req.sampling),
         speculation=spec_to_proto(req.spec), drafter_address=req.drafter_address, cache_salt=req.cache_salt,
+        resumed_tokens=req.resumed_tokens,
     )
 
 
@@ -228,6 +229,7 @@ def verifier_info_to_proto(rec: VerifierRecord, vocab_size: int, eos_token_ids: 
         verifier_id=rec.verifier_id, model_id=rec.model_id, vocab_size=vocab_size,
         max_context_tokens=rec.max_context_tokens, kv_capacity_tokens=rec.kv_capacity_tokens,
         kv_used_tokens=rec.kv_used_tokens, active_sessions=rec.active_sessions, eos_token_ids=eos_token_ids,
+        draining=rec.draining,
     )
 
 
@@ -237,6 +239,7 @@ def verifier_record_from_proto(msg: verifier_pb2.VerifierInfo, address: str) -> 
         verifier_id=msg.verifier_id, address=address, model_id=msg.model_id,
         max_context_tokens=msg.max_context_tokens, kv_capacity_tokens=msg.kv_capacity_tokens,
         kv_used_tokens=msg.kv_used_tokens, active_sessions=msg.active_sessions, updated_at=time.time(),
+        draining=msg.draining,
     )
 
 

@@ -11,7 +11,8 @@ Key schema (version `v1`; every key carries a TTL; every write is idempotent; a 
 "unknown", never an error):
 
     tandem:v1:verifier:{id}   hash  address, model_id, max_context_tokens, kv_capacity_tokens,
-                                    kv_used_tokens, active_sessions, updated_at (unix seconds).
+                                    kv_used_tokens, active_sessions, updated_at (unix seconds),
+                                    draining ("1" while it shuts down: no new requests).
                                     TTL heartbeat_ttl_s, refreshed by every heartbeat: a verifier
                                     whose key expired is dead.
     tandem:v1:verifiers       zset  member = verifier id, score = its last heartbeat (unix seconds).
@@ -135,6 +136,7 @@ class VerifierRecord:
     kv_used_tokens: int = 0
     active_sessions: int = 0
     updated_at: float = 0.0  # unix seconds of the information
+    draining: bool = False  # shutting down: routes no new request here (running ones finish)
 
     @classmethod
     def coerce(cls, info: "VerifierRecord | Mapping") -> "VerifierRecord":
@@ -153,6 +155,7 @@ class VerifierRecord:
             "kv_used_tokens": str(self.kv_used_tokens),
             "active_sessions": str(self.active_sessions),
             "updated_at": repr(self.updated_at or time.time()),
+            "draining": "1" if self.draining else "0",
         }
 
     @classmethod
@@ -166,6 +169,7 @@ class VerifierRecord:
             kv_used_tokens=int(h.get("kv_used_tokens", 0) or 0),
             active_sessions=int(h.get("active_sessions", 0) or 0),
             updated_at=float(h.get("updated_at", 0) or 0),
+            draining=h.get("draining", "0") == "1",
         )
 
 
@@ -306,6 +310,8 @@ class ResidencyPublisher(_RedisClient):
         self._verifier_id: str | None = None
         self._sessions: dict[str, tuple[str, list[str]]] = {}  # sid -> (verifier id, block hashes)
         self._block_refs: Counter[tuple[str, str]] = Counter()  # (verifier id, hash) -> sessions holding it
+        self._resident: dict[str, int] = {}  # sid -> resident tokens (what publish_session wrote)
+        self.republished = 0  # times Redis had lost our keys (restarted empty) and got them again
 
     def register(self, info: VerifierRecord | Mapping) -> bool:
         """Announce a verifier (idempotent; the same write as a heartbeat). True if Redis took it.
@@ -317,23 +323,80 @@ class ResidencyPublisher(_RedisClient):
             log.info("registered verifier %s (%s, %s) in Redis", info.verifier_id, info.address, info.model_id)
         return ok
 
+    def forget_stale(self, verifier_id: str) -> int:
+        """A verifier (re)starting holds no KV: remove every session key naming `verifier_id` and
+        `verifier_id` from every prefix set, which an earlier process of the same id (killed, so
+        it never deregistered) left behind. One SCAN over the residency keys, at start only.
+        Returns the keys changed (0 when Redis does not answer)."""
+
+        def clean() -> int:
+            sessions = list(self._redis.scan_iter(match=f"{KEY_PREFIX}session:*", count=1000))
+            prefixes = list(self._redis.scan_iter(match=f"{KEY_PREFIX}prefix:*", count=1000))
+            pipe = self._redis.pipeline(transaction=False)
+            for key in sessions:
+                pipe.hget(key, "verifier_id")
+            owners = pipe.execute() if sessions else []
+            pipe = self._redis.pipeline(transaction=False)
+            for key, owner in zip(sessions, owners):
+                if owner == verifier_id:
+                    pipe.delete(key)
+            for key in prefixes:
+                pipe.srem(key, verifier_id)
+            return sum(pipe.execute())
+
+        changed, _ = self._health.call(clean, 0)
+        if changed:
+            log.info("removed %d stale residency entries of an earlier %s", changed, verifier_id)
+        return changed
+
     def heartbeat(self, info: VerifierRecord | Mapping) -> bool:
         """Refresh the verifier's record and TTL with its current load. True if Redis took it."""
         info = VerifierRecord.coerce(info)
         now = time.time()
         ttl = _ms(self.config.heartbeat_ttl_s)
 
-        def write() -> None:
+        fields = info.to_hash()
+
+        def write() -> int:
             pipe = self._redis.pipeline(transaction=False)
             key = verifier_key(info.verifier_id)
-            pipe.hset(key, mapping=info.to_hash())
+            pipe.hset(key, mapping=fields)
             pipe.pexpire(key, ttl)
             pipe.zadd(VERIFIER_INDEX_KEY, {info.verifier_id: now})
             pipe.zremrangebyscore(VERIFIER_INDEX_KEY, "-inf", now - _STALE_INDEX_S)
             pipe.pexpire(VERIFIER_INDEX_KEY, ttl)
+            return pipe.execute()[0]  # fields HSET created: all of them when the key was missing
+
+        created, ok = self._health.call(write, 0)
+        if ok and created == len(fields):
+            with self._lock:
+                known = bool(self._sessions)
+            if known:
+                # Our record was gone (Redis restarted empty, or it expired while Redis was away):
+                # the residency of our sessions is gone with it. Publish it again.
+                self._republish()
+        return ok
+
+    def _republish(self) -> None:
+        with self._lock:
+            sessions = {sid: (vid, hashes, self._resident.get(sid, 0)) for sid, (vid, hashes) in self._sessions.items()}
+        ttl = _ms(self.config.session_ttl_s)
+
+        def write() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            for sid, (vid, hashes, tokens) in sessions.items():
+                key = session_key(sid)
+                pipe.hset(key, mapping={"verifier_id": vid, "resident_tokens": str(tokens), "last_used": repr(time.time())})
+                pipe.pexpire(key, ttl)
+                for h in hashes:
+                    pipe.sadd(prefix_key(h), vid)
+                    pipe.pexpire(prefix_key(h), ttl)
             pipe.execute()
 
-        return self._health.call(write, None)[1]
+        if self._health.call(write, None)[1]:
+            self.republished += 1
+            log.warning("%s: Redis had lost this verifier's keys; published %d sessions' residency again",
+                        self._health._role, len(sessions))
 
     def publish_session(self, session_id: str, verifier_id: str, token_ids: Sequence[int], salt: str = "") -> bool:
         """Record that `verifier_id` holds the KV of `token_ids` (the session's whole history) and
@@ -342,6 +405,7 @@ class ResidencyPublisher(_RedisClient):
         hashes = prefix_hashes(token_ids, self.config.block_size, salt)
         with self._lock:
             released = self._track(session_id, verifier_id, hashes)
+            self._resident[session_id] = len(token_ids)
         ttl = _ms(self.config.session_ttl_s)
 
         def write() -> None:
@@ -371,6 +435,7 @@ class ResidencyPublisher(_RedisClient):
                 released = [(self._verifier_id, h) for h in prefix_hashes(token_ids, self.config.block_size, salt)]
             else:
                 released = self._track(session_id, None, [])
+            self._resident.pop(session_id, None)
 
         def write() -> None:
             pipe = self._redis.pipeline(transaction=False)
@@ -389,6 +454,7 @@ class ResidencyPublisher(_RedisClient):
             blocks = list(self._block_refs)
             self._sessions.clear()
             self._block_refs.clear()
+            self._resident.clear()
         verifier_id = verifier_id or self._verifier_id
 
         def write() -> None:

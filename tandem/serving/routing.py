@@ -10,8 +10,8 @@ Policy, in order (the first that applies wins):
 3. **load** — the least loaded live verifier: fewest active sessions (this gateway's own in-flight
    requests count as a fresher lower bound), then least KV in use, then the smaller id.
 
-Only verifiers of the served model that are live and not excluded (just failed, or backing off)
-are candidates: the caller's static ones plus those registered in Redis. When Redis does not
+Only verifiers of the served model that are live, not draining (shutting down) and not excluded
+(just failed, or backing off) are candidates: the caller's static ones plus those registered in Redis. When Redis does not
 answer, steps 1 (by affinity) and 3 still run, labelled `redis-unavailable`, so the gateway keeps
 serving. Redis is the store this policy reads (`ResidencyIndex.view`), nothing more.
 
@@ -80,7 +80,8 @@ class RoutingPolicy:
         prefix residency of other salts never matches. May block on Redis (call it off the event loop)."""
 
         def usable(rec: VerifierRecord) -> bool:
-            return rec.verifier_id not in exclude and (model_id is None or rec.model_id == model_id)
+            return (rec.verifier_id not in exclude and not rec.draining
+                    and (model_id is None or rec.model_id == model_id))
 
         view = None if self.index is None else self.index.view(session_id, token_ids, salt)
         live = {c.verifier_id: c for c in candidates if usable(c)}

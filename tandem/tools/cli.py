@@ -618,6 +618,13 @@ TlsCaOpt = Annotated[
     typer.Option("--tls-ca", envvar="TANDEM_TLS_CA", exists=True, dir_okay=False,
                  help="CA certificate(s) that peers' certificates must chain to."),
 ]
+def _drain_opt(default: float, what: str):
+    return Annotated[float, typer.Option(
+        "--drain-grace-s", min=0,
+        help=f"At SIGTERM: stop taking new work, let {what} finish for this long, then end the rest with an "
+             f"explicit error (default {default:g} s; keep it below the pod's terminationGracePeriodSeconds).")]
+
+
 HealthPortOpt = Annotated[
     Optional[int],
     typer.Option("--health-port", min=0, max=65535,
@@ -677,6 +684,7 @@ def verifier(
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
     health_port: HealthPortOpt = None,
+    drain_grace_s: _drain_opt(20.0, "running generations (the rest: UNAVAILABLE, resumed elsewhere by the gateway)") = 20.0,
 ) -> None:
     """Run a verifier: owns the target model and the KV caches of its sessions, verifies draft
     blocks in one forward each, streams committed tokens. Publishes residency to Redis. With
@@ -693,7 +701,7 @@ def verifier(
                   max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=threads,
                   metrics_port=metrics_port, drafters=_split_list(drafters),
                   redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),
-                  tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port)
+                  tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port, drain_grace_s=drain_grace_s)
     if verifier_id:
         fields["verifier_id"] = verifier_id
     try:
@@ -723,6 +731,7 @@ def drafter(
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
     health_port: HealthPortOpt = None,
+    drain_grace_s: _drain_opt(5.0, "open draft streams (their verifiers then decode plainly)") = 5.0,
 ) -> None:
     """Run a drafter: hosts the proposers (prompt lookup, a draft model), keeps per-session draft
     state and drafts ahead while the verifier checks the previous block. With --tls-*, only
@@ -749,7 +758,8 @@ def drafter(
     except ValueError as exc:
         _fail(str(exc))
     # Each open Draft stream holds a server thread for its life: allow many concurrent sessions.
-    serve(settings, f"{host}:{port}", max_workers=max(64, 2 * max_sessions if max_sessions < 512 else 256))
+    serve(settings, f"{host}:{port}", max_workers=max(64, 2 * max_sessions if max_sessions < 512 else 256),
+          grace_s=drain_grace_s)
 
 
 @app.command()
@@ -782,6 +792,7 @@ def gateway(
     tls_ca: TlsCaOpt = None,
     public_cert: Annotated[Optional[Path], typer.Option("--public-cert", envvar="TANDEM_PUBLIC_CERT", exists=True, dir_okay=False, help="Certificate (PEM) for HTTPS and gRPC over TLS on the public ports; with --public-key.")] = None,
     public_key: Annotated[Optional[Path], typer.Option("--public-key", envvar="TANDEM_PUBLIC_KEY", exists=True, dir_okay=False, help="Private key of --public-cert.")] = None,
+    drain_grace_s: _drain_opt(20.0, "requests in flight (the rest end with an SSE error event / UNAVAILABLE)") = 20.0,
 ) -> None:
     """Run the gateway: OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models,
     SSE streaming) and gRPC Generate; routes each session to the verifier holding its KV cache.
@@ -799,7 +810,7 @@ def gateway(
             redis_url=redis_url, max_tokens_cap=max_tokens_cap, max_concurrent_requests=max_concurrent_requests,
             metrics_port=metrics_port, api_keys_file=api_keys, allow_unauthenticated=allow_unauthenticated,
             max_body_bytes=max_body_bytes, max_input_tokens=max_input_tokens, grpc_reflection=grpc_reflection,
-            tool_fallback=tool_fallback,
+            tool_fallback=tool_fallback, shutdown_grace_s=drain_grace_s,
             default_speculation=GatewaySettings.model_fields["default_speculation"].default.model_copy(
                 update={"strategy": speculation}),
             redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),
@@ -847,6 +858,53 @@ def up(
                            grpc_port=grpc_port, verifiers=verifiers, verifier_threads=verifier_threads,
                            log_level=log_level, tls_dir=tls_dir, api_keys_file=api_keys, speculation=speculation.value),
                demo_request=False)
+
+
+@app.command()
+def chaos(
+    model: ModelOpt = "default",
+    duration: Annotated[float, typer.Option("--duration", help="Seconds of load under faults.", min=5)] = 120.0,
+    sessions: Annotated[int, typer.Option("--sessions", help="Concurrent multi-turn sessions.", min=1, max=256)] = 4,
+    turns: Annotated[int, typer.Option("--turns", help="Turns per conversation.", min=1)] = 3,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per turn.", min=1)] = 48,
+    fault_every: Annotated[float, typer.Option("--fault-every", help="Seconds between faults (±20%, seeded).", min=1)] = 30.0,
+    seed: Annotated[int, typer.Option("--seed", help="Seeds the fault schedule and the sessions' prompts.")] = 0,
+    netns: Annotated[bool, typer.Option("--netns/--loopback", help="Each service in a network namespace of its own (root), or all on loopback.")] = False,
+    faults: Annotated[Optional[str], typer.Option("--faults", help="Comma-separated subset of the faults (default: all): " + ", ".join(__import__("tandem.tools.chaos", fromlist=["FAULTS"]).FAULTS))] = None,
+    verifier_threads: Annotated[Optional[int], typer.Option("--verifier-threads", min=1, help="Torch threads per verifier.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Where the JSON report goes.")] = Path("chaos.json"),
+) -> None:
+    """Soak the whole stack under a seeded fault schedule: SIGKILL / SIGTERM / SIGSTOP of services,
+    a killed Valkey, link delay spikes and dropped connections, while N sessions talk to the gateway.
+    Every greedy reply is checked against plain decoding; prints and writes what was completed,
+    resumed, failed explicitly, truncated silently or wrong, latency calm vs under faults, restarts
+    and leak checks. Exit code 1 if anything was lost, wrong or leaked."""
+    _setup(None, "warning")
+    from rich.console import Console
+    from rich.table import Table
+
+    from tandem.tools.chaos import FAULTS, ChaosConfig, run_chaos, table
+
+    chosen = tuple(FAULTS) if faults is None else tuple(f.strip() for f in faults.split(",") if f.strip())
+    unknown = sorted(set(chosen) - set(FAULTS))
+    if unknown:
+        _fail(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
+    console = Console(stderr=True)
+    cfg = ChaosConfig(model=model, duration_s=duration, sessions=sessions, turns=turns, max_tokens=max_tokens,
+                      fault_every_s=fault_every, seed=seed, netns=netns, faults=chosen,
+                      verifier_threads=verifier_threads)
+    console.print(f"chaos: {sessions} sessions for {duration:.0f} s, a fault every ~{fault_every:.0f} s (seed {seed}), "
+                  f"{'network namespaces' if netns else 'loopback'}; starting the stack ...")
+    report = run_chaos(cfg, on_event=lambda text: console.print(f"  {text}", highlight=False), out=out)
+    t = Table(title=f"tandem chaos ({'ok' if report['ok'] else 'FAILED'})")
+    t.add_column("")
+    t.add_column("")
+    for what, value in table(report):
+        t.add_row(what, value)
+    console.print(t)
+    console.print(f"report: {out}")
+    if not report["ok"]:
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -904,6 +962,7 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
     from tandem.tools.stack import Stack
 
     console = Console(stderr=True)
+    failed = False
     if cfg.draft_model is None:
         # The target's distilled draft (`tandem distill`), when one exists, serves strategies model
         # and hybrid; without one the drafter offers prompt lookup only.
@@ -941,22 +1000,25 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
             if not ok:
                 raise typer.Exit(1)
             return
-        console.print("Ctrl-C stops everything.")
+        console.print("Ctrl-C stops everything. A service that dies is started again (printed here).")
         import signal as _signal
         import threading as _threading
 
         stop = _threading.Event()
         _signal.signal(_signal.SIGINT, lambda *_: stop.set())
         _signal.signal(_signal.SIGTERM, lambda *_: stop.set())
+        stack.supervise(lambda text: console.print(f"[yellow]supervisor:[/yellow] {text}", highlight=False))
         while not stop.wait(1.0):
-            dead = [name for name, proc in stack.procs if proc.poll() is not None]
-            if dead:
-                console.print(f"[red]{', '.join(dead)} exited; stopping the stack[/red]")
+            if stack.fatal:
+                console.print(f"[red]stopping the stack: {stack.fatal}[/red]", highlight=False)
+                failed = True
                 break
     finally:
         with console.status("stopping ..."):
             stack.stop()
         console.print("stopped")
+    if failed:
+        raise typer.Exit(1)
 
 
 def main() -> None:  # pragma: no cover - console entry

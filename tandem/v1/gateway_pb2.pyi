@@ -75,6 +75,30 @@ class ChatMessages(_message.Message):
 Global___ChatMessages: _TypeAlias = ChatMessages  # noqa: Y015
 
 @_typing.final
+class TokenIds(_message.Message):
+    """A prompt as token ids."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ids of the target's vocabulary, in order (at least one)."""
+
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
+
+@_typing.final
 class GenerateRequest(_message.Message):
     """A request to generate. Multi-turn sessions send the whole conversation every turn, as with the
     OpenAI API; the gateway sees that the rendered tokens extend the session's history, and the
@@ -87,6 +111,7 @@ class GenerateRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
+    PROMPT_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     SPECULATION_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
@@ -113,6 +138,12 @@ class GenerateRequest(_message.Message):
         """A conversation, rendered with the model's chat template plus the assistant turn's opening."""
 
     @_builtins.property
+    def prompt_ids(self) -> Global___TokenIds:
+        """Token ids of the target's vocabulary, continued as they are (no template, no tokenizer):
+        for clients that keep their own token history (the HTTP API takes them on /v1/completions).
+        """
+
+    @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
         """How the target samples; unset = greedy with server defaults."""
 
@@ -137,6 +168,7 @@ class GenerateRequest(_message.Message):
         model: _builtins.str = ...,
         prompt: _builtins.str = ...,
         messages: Global___ChatMessages | None = ...,
+        prompt_ids: Global___TokenIds | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         speculation: _common_pb2.SpeculationParams | None = ...,
         tools: _abc.Iterable[Global___Tool] | None = ...,
@@ -144,13 +176,13 @@ class GenerateRequest(_message.Message):
         n: _builtins.int = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "input", b"input", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation", "tool_choice", b"tool_choice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "input", b"input", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "prompt_ids", b"prompt_ids", "sampling", b"sampling", "speculation", b"speculation", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "input", b"input", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "input", b"input", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "prompt_ids", b"prompt_ids", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
-    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "messages"]  # noqa: Y015
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "messages", "prompt_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
@@ -295,6 +327,7 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     CHOICE_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta of this chunk. It may lag token_ids while a token ends inside a UTF-8 character
     (the text arrives with a later chunk), and it never includes stop tokens.
@@ -310,6 +343,10 @@ class GenerateResponse(_message.Message):
     choice: _builtins.int
     """Which choice this message belongs to, 0 .. GenerateRequest.n - 1 (0 for a single choice). Each
     choice's messages arrive in order and it ends with its own last message (finish_reason set).
+    """
+    resumed: _builtins.int
+    """Times this request's stream moved to another verifier mid-way because its verifier died or
+    drained (the tokens before and after are one output, each once); last message only.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -344,10 +381,11 @@ class GenerateResponse(_message.Message):
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         choice: _builtins.int = ...,
+        resumed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "finish_reason", b"finish_reason", "first_index", b"first_index", "logprobs", b"logprobs", "stats", b"stats", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage", "verifier_id", b"verifier_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "finish_reason", b"finish_reason", "first_index", b"first_index", "logprobs", b"logprobs", "resumed", b"resumed", "stats", b"stats", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage", "verifier_id", b"verifier_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

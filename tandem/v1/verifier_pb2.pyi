@@ -37,6 +37,7 @@ class SessionGenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _builtins.int
     DRAFTER_ADDRESS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    RESUMED_TOKENS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Session whose KV cache to reuse and extend; empty = one-off, nothing kept for reuse."""
     drafter_address: _builtins.str
@@ -46,6 +47,14 @@ class SessionGenerateRequest(_message.Message):
     sessions (shared prefixes) and prefix residency is published and matched only between
     requests with the same salt, so neither cached_prompt_tokens nor latency tells one tenant
     anything about another's prompts. Empty = the shared, unsalted domain. At most 64 bytes.
+    """
+    resumed_tokens: _builtins.int
+    """Failover: the last `resumed_tokens` of context_ids are this request's own output so far,
+    streamed by a verifier that failed (or drained) mid-way; this call continues it. They count as
+    generated for the penalties, the grammar and the stop strings (sampling.max_new_tokens is what
+    is left), so the continuation is what one uninterrupted call would have produced: the same
+    tokens when greedy, the same distribution when sampled. first_index still counts from 0 at
+    this call's first token. 0 = a fresh request. At most len(context_ids) - 1.
     """
     @_builtins.property
     def context_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -71,10 +80,11 @@ class SessionGenerateRequest(_message.Message):
         speculation: _common_pb2.SpeculationParams | None = ...,
         drafter_address: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
+        resumed_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "speculation", b"speculation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "context_ids", b"context_ids", "drafter_address", b"drafter_address", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "context_ids", b"context_ids", "drafter_address", b"drafter_address", "resumed_tokens", b"resumed_tokens", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -203,6 +213,7 @@ class VerifierInfo(_message.Message):
     KV_USED_TOKENS_FIELD_NUMBER: _builtins.int
     ACTIVE_SESSIONS_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     verifier_id: _builtins.str
     """Unique id of this verifier process (stable for its lifetime)."""
     model_id: _builtins.str
@@ -217,6 +228,10 @@ class VerifierInfo(_message.Message):
     """KV cache slots in use now, in tokens (resident sessions, active or awaiting their TTL)."""
     active_sessions: _builtins.int
     """Sessions with a Generate call in progress."""
+    draining: _builtins.bool
+    """Shutting down (SIGTERM): running calls may finish, new ones are refused with UNAVAILABLE and
+    belong elsewhere. Also published in Redis (the registration's `draining` field).
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The model's end-of-sequence token ids; they stop generation unless ignore_eos."""
@@ -232,10 +247,11 @@ class VerifierInfo(_message.Message):
         kv_used_tokens: _builtins.int = ...,
         active_sessions: _builtins.int = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "eos_token_ids", b"eos_token_ids", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "max_context_tokens", b"max_context_tokens", "model_id", b"model_id", "verifier_id", b"verifier_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "draining", b"draining", "eos_token_ids", b"eos_token_ids", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "max_context_tokens", b"max_context_tokens", "model_id", b"model_id", "verifier_id", b"verifier_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -16,7 +16,6 @@ serves the gateway, and a drafter's certificate cannot pass for a verifier.
 from __future__ import annotations
 
 import base64
-import inspect
 import os
 import re
 import shutil
@@ -289,6 +288,7 @@ def test_bad_values_fail_at_install_time(helm, sets, message):
         (("tls.certManager.enabled=true", "tls.certManager.issuerRef.name=ca", "tls.existingSecrets.gateway=mine"),
          "not both"),
         (("redis.external.tls.existingSecret=mine",), "external Redis"),  # the chart's Valkey has no TLS
+        (("gateway.terminationGracePeriodSeconds=8",), "must exceed preStopSleepSeconds"),  # no time to drain
     ],
 )
 def test_inconsistent_values_fail_with_a_clear_message(helm, sets, message):
@@ -865,16 +865,8 @@ def test_pods_are_non_root_with_read_only_root_filesystems(rendered, values):
 
 @pytest.mark.parametrize("values", list(VALUES))
 def test_disruption_budgets_autoscalers_and_graceful_termination(rendered, values):
-    from tandem.serving.grpc_server import wait_for_termination
-    from tandem.services.drafter.server import serve as drafter_serve
-    from tandem.services.gateway.settings import GatewaySettings
+    from tandem.serving.grpc_server import _CUT_WAIT_S
 
-    # How long each service drains after SIGTERM, read from the code.
-    drain_s = {
-        "gateway": GatewaySettings.model_fields["shutdown_grace_s"].default,
-        "verifier": inspect.signature(wait_for_termination).parameters["grace_s"].default,
-        "drafter": inspect.signature(drafter_serve).parameters["grace_s"].default,
-    }
     docs = rendered[values]
     pdbs, hpas = _of(docs, "PodDisruptionBudget"), _of(docs, "HorizontalPodAutoscaler")
     for w, pod, c in _tandem_containers(docs):
@@ -889,7 +881,11 @@ def test_disruption_budgets_autoscalers_and_graceful_termination(rendered, value
             assert hpa, f"{name}: no HorizontalPodAutoscaler"
         sleep = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
         assert sleep[0] == "sleep"
-        assert pod["terminationGracePeriodSeconds"] > int(sleep[1]) + drain_s[c["args"][0]], name
+        # The drain the service is told (--drain-grace-s), the wait for cut streams' statuses after
+        # it, and the preStop sleep before SIGTERM all fit the pod's budget, with time to exit.
+        drain = [float(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--drain-grace-s=")]
+        assert len(drain) == 1, f"{name}: its drain grace is not set from the pod's budget"
+        assert pod["terminationGracePeriodSeconds"] >= int(sleep[1]) + drain[0] + _CUT_WAIT_S + 1, name
     verifiers = _named(docs, "StatefulSet", "tandem-verifier")
     probe = verifiers["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] >= 600, "model load needs a long startup probe"

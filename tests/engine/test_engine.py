@@ -953,3 +953,54 @@ def test_the_native_forwards_fused_norm_and_rope_are_the_spelled_out_arithmetic(
         rotate_half = torch.cat([-xh[..., D // 2 :], xh[..., : D // 2]], -1)
         textbook = xh * emb.cos()[:, None] + rotate_half * emb.sin()[:, None]
         assert torch.equal(native._rotate(xh, cos, signed_sin), textbook)
+
+
+@pytest.mark.parametrize("strategy", ["none", "ngram"])
+def test_a_resumed_sampled_generation_follows_the_targets_distribution(strategy, sharp, sampling_context) -> None:
+    """Failover: a generation continued after 3 streamed tokens (resumed=3) samples its next token
+    from the target's distribution with those tokens counted as output (here: a presence penalty
+    on them), as the uninterrupted generation would have. Chi-square against the exact distribution
+    from the model's logits; the same distribution without the penalty on them (a continuation that
+    took them for prompt) is far enough away for the test to tell the two apart."""
+    ctx = sampling_context
+    streamed = Engine(sharp).generate(ctx, SamplingParams(max_new_tokens=3), SpecConfig(strategy="none")).token_ids
+    penalty = 1.5
+    logits = full_logits(sharp.model, ctx + streamed)[-1].double()
+
+    def dist(penalized):
+        adjusted = logits.clone()
+        for t in set(penalized):
+            adjusted[t] -= penalty
+        top = adjusted.topk(TOP_K)
+        return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()))
+
+    exact, wrong = dist(streamed), dist([])
+    tv = 0.5 * sum(abs(exact.get(t, 0.0) - wrong.get(t, 0.0)) for t in set(exact) | set(wrong))
+    assert tv > 0.1, f"the penalty must matter for this test to have power (total variation {tv:.3f})"
+    engine = Engine(sharp)
+    spec = SpecConfig(strategy=strategy, adaptive=False, max_draft_tokens=4)
+    rng = random.Random(20261202)
+    firsts = []
+    for seed in (rng.getrandbits(62) for _ in range(DRAWS // 2)):
+        sampling = SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_new_tokens=2, ignore_eos=True,
+                                  presence_penalty=penalty)
+        gen = engine.start(ctx + streamed, sampling, spec, resumed=len(streamed))
+        firsts.append(next(iter(gen)).tokens[0])
+    assert set(firsts) <= set(exact)
+    keys = sorted(exact)
+    n = len(firsts)
+    obs = [firsts.count(t) for t in keys]
+    total = sum(exact.values())
+    assert float(chisquare(obs, [n * exact[t] / total for t in keys]).pvalue) > P_MIN
+    wrong_keys = sorted(set(keys) | set(wrong))
+    if set(firsts) <= set(wrong):  # against the wrong distribution (if it can explain the draws at all)
+        wtotal = sum(wrong.get(t, 0.0) for t in wrong_keys)
+        expected_wrong = [max(n * wrong.get(t, 0.0) / wtotal, 1e-9) for t in wrong_keys]
+        obs_wrong = [firsts.count(t) for t in wrong_keys]
+        scale = n / sum(expected_wrong)
+        assert float(chisquare(obs_wrong, [e * scale for e in expected_wrong]).pvalue) < P_MIN
+
+
+def test_resumed_must_leave_a_prompt(tiny_loaded) -> None:
+    with pytest.raises(ValueError, match="resumed_tokens"):
+        Engine(tiny_loaded).start([1, 2, 3], SamplingParams(max_new_tokens=2), SpecConfig(strategy="none"), resumed=3)

@@ -394,3 +394,66 @@ def test_n_choices_over_grpc(chain, tiny_loaded):
         with pytest.raises(grpc.RpcError) as err:
             list(gw.stub.Generate(gateway_pb2.GenerateRequest(prompt="x", **bad), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+
+
+def _cut_after(verifiers, steps: int) -> dict:
+    """Make whichever verifier serves the next request drain and cut its stream after `steps`
+    verification steps (the real drain path: VerifierCore.drain + cut, UNAVAILABLE mid-stream),
+    once. Returns a dict that names the verifier that was cut."""
+    cut = {"verifier": None}
+    for v in verifiers:
+        core = v.core
+        observe, count = core._observe, {"n": 0}
+
+        def hooked(span, step, proposer, faults, batch, core=core, observe=observe, count=count):
+            observe(span, step, proposer, faults, batch)
+            count["n"] += 1
+            if count["n"] == steps and cut["verifier"] is None:
+                cut["verifier"] = core.settings.verifier_id
+                core.drain()
+                core.cut()
+
+        core._observe = hooked
+    return cut
+
+
+@pytest.mark.parametrize("strategy", [common_pb2.DRAFT_STRATEGY_NONE, common_pb2.DRAFT_STRATEGY_MODEL])
+def test_a_stream_cut_midway_continues_on_the_other_verifier_unchanged(chain, tiny_loaded, strategy):
+    """Failover mid-stream: the serving verifier drains and cuts the stream after a few steps; the
+    gateway continues it on the other verifier from what streamed. The client sees one stream:
+    every index once, in order, and the tokens of the target alone."""
+    gw, verifiers = chain
+    cut = _cut_after(verifiers, 3)
+    tokens, last = _grpc_generate(gw, strategy, max_new=40)
+    assert cut["verifier"] is not None and last.verifier_id != cut["verifier"]
+    assert last.resumed == 1 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert tokens == _reference(tiny_loaded, 40)
+    assert gw.core.stats.resumed == 1
+    # The drained verifier takes no new request; the next one goes to the other directly.
+    tokens2, last2 = _grpc_generate(gw, strategy, max_new=8)
+    assert last2.verifier_id != cut["verifier"] and last2.resumed == 0
+
+
+def test_a_resumed_stream_counts_its_earlier_tokens_for_the_penalties(chain, tiny_loaded):
+    """The continuation of a cut stream is the one an uninterrupted request makes: the penalties see
+    the tokens streamed before the failover as output (resumed_tokens), not as prompt."""
+    gw, verifiers = chain
+    sampling = dict(max_new_tokens=32, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.7)
+    ctx = apply_chat_template(tiny_loaded.tokenizer, MESSAGES)
+    expected = Engine(tiny_loaded).generate(ctx, SamplingParams(**sampling), SpecConfig(strategy=DraftStrategy.none))
+    # What a continuation that took the streamed tokens for prompt would give (the bug this guards):
+    head = expected.token_ids[:6]
+    wrong = Engine(tiny_loaded).generate(ctx + head, SamplingParams(**{**sampling, "max_new_tokens": 26}),
+                                         SpecConfig(strategy=DraftStrategy.none)).token_ids
+    assert head + wrong != expected.token_ids, "the test must be able to tell the two apart"
+    cut = _cut_after(verifiers, 6)  # plain steps: one token each, so 6 tokens streamed before the cut
+    req = gateway_pb2.GenerateRequest(
+        prompt_ids=gateway_pb2.TokenIds(ids=ctx), sampling=common_pb2.SamplingParams(**sampling),
+        speculation=common_pb2.SpeculationParams(strategy=common_pb2.DRAFT_STRATEGY_NONE))
+    tokens, last = [], None
+    for msg in gw.stub.Generate(req, timeout=30):
+        assert msg.first_index == len(tokens) or not msg.token_ids
+        tokens.extend(msg.token_ids)
+        last = msg
+    assert cut["verifier"] is not None and last.resumed == 1
+    assert tokens == expected.token_ids

@@ -314,7 +314,8 @@ def test_session_turns_stick_to_their_verifier(stack, rds, redis_url) -> None:
         return r.json()
 
     first = ask("conv-1", chat("hello"))
-    assert first["tandem"] == {"verifier_id": "va", "routing": "load", "matched_tokens": 0, "session_id": "conv-1"}
+    assert first["tandem"] == {"verifier_id": "va", "routing": "load", "matched_tokens": 0, "session_id": "conv-1",
+                               "resumed": 0}
     pub_a.heartbeat(va.record(active=5))  # va is now much busier: load alone would pick vb
     reply = {"role": "assistant", "content": first["choices"][0]["message"]["content"]}
     turn2 = chat("and then ?", {"role": "user", "content": "hello"}, reply)
@@ -330,7 +331,7 @@ def test_session_turns_stick_to_their_verifier(stack, rds, redis_url) -> None:
     r = gw2.http.post("/v1/chat/completions", json={"messages": turn2, "max_tokens": 10, "session_id": "conv-1"})
     assert r.json()["tandem"] == {
         "verifier_id": "va", "routing": "session", "matched_tokens": second["usage"]["prompt_tokens"],
-        "session_id": "conv-1",
+        "session_id": "conv-1", "resumed": 0,
     }
     # Another conversation with the same long system prompt goes where that prefix is resident.
     other = ask("conv-2", chat("something else"))
@@ -410,7 +411,8 @@ def test_a_stream_cut_midway_is_an_error_not_a_truncation(stack, mode) -> None:
     with pytest.raises(grpc.RpcError) as err:
         list(gw.stub.Generate(gateway_pb2.GenerateRequest(prompt="hi"), timeout=10))
     assert err.value.code() == grpc.StatusCode.ABORTED
-    assert gw.http.get("/health").json()["failed"] == {"UpstreamFailed": 4}
+    # A stream cut at the transport is resumed elsewhere when it can be; here no other verifier is there.
+    assert gw.http.get("/health").json()["failed"] == {"StreamCut" if mode == "abort" else "UpstreamFailed": 4}
 
 
 def test_unreachable_verifier_at_connect_is_replaced_by_the_next(stack) -> None:
@@ -531,3 +533,79 @@ def test_detokenizer_deltas_concatenate_to_the_decoded_text() -> None:
                 i += k
             assert "".join(out) == tok.decode(ids) == text
             assert not any("\ufffd" in piece for piece in out)
+
+
+def _read_sse(gw, body: dict, on_first=None) -> list[str]:
+    """The data lines of a streamed chat completion; `on_first()` runs once the first one arrived."""
+    events = []
+    with gw.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 1 and on_first is not None:
+                    on_first()
+    return events
+
+
+def test_a_draining_gateway_refuses_new_work_and_cuts_late_streams_with_an_error_event(stack) -> None:
+    """SIGTERM's drain, step by step: new requests get 503 (Retry-After) / UNAVAILABLE and readiness
+    turns 503 while the ports stay open; at the end of the grace a running stream gets an SSE error
+    event of type service_unavailable_error (never a silent end, never [DONE])."""
+    v = stack.verifier("va")
+    v.step_delay_s = 0.5  # 4 steps: the stream runs for 2 s
+    gw = stack.gateway(verifiers=(v.address,))
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def drain_then_cut():
+        gw.core.begin_drain()
+        r = gw.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 503 and r.headers["Retry-After"] and "shutting down" in r.json()["error"]["message"]
+        health = gw.http.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        with pytest.raises(grpc.RpcError) as err:
+            list(gw.stub.Generate(gateway_pb2.GenerateRequest(prompt="hi"), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        gw._loop.call_soon_threadsafe(gw.core.cut_streams)
+
+    events = _read_sse(gw, body, on_first=drain_then_cut)
+    assert "[DONE]" not in events
+    error = json.loads(events[-1])["error"]
+    assert error["type"] == "service_unavailable_error" and "shutting down" in error["message"]
+    assert gw.core.stats.cut_at_shutdown == 1
+    assert v.cancelled.wait(5), "the cut ended the verifier call too"
+
+
+@pytest.mark.parametrize("grace_s", [0.2, 5.0])
+def test_sigterm_drain_lets_streams_finish_within_the_grace_and_cuts_the_rest(tiny_tokenizer, stack, grace_s) -> None:
+    """The whole drain as serve() runs it at SIGTERM (run_gateway's stop): a stream shorter than the
+    grace completes with [DONE]; a longer one ends with the error event."""
+    v = stack.verifier("va")
+    v.step_delay_s = 0.4  # the stream takes ~1.6 s
+    gw = Gateway(tiny_tokenizer, model="tiny", verifiers=(v.address,), shutdown_grace_s=grace_s)
+    try:
+        stopper = threading.Thread(target=lambda: gw._loop.call_soon_threadsafe(gw._stop.set))
+        events = _read_sse(gw, {"messages": [{"role": "user", "content": "hi"}]}, on_first=stopper.start)
+    finally:
+        gw.close()
+    if grace_s > 2:
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+                       if json.loads(e)["choices"]) == SENTENCE
+    else:
+        assert "[DONE]" not in events and json.loads(events[-1])["error"]["type"] == "service_unavailable_error"
+
+
+def test_the_request_timeout_header(stack) -> None:
+    """X-Request-Timeout: past it the request ends with 504 (a stream: an SSE error event) and the
+    verifier call is cancelled; a malformed value is a 400."""
+    v = stack.verifier("va")
+    v.step_delay_s = 1.0
+    gw = stack.gateway(verifiers=(v.address,))
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    r = gw.http.post("/v1/chat/completions", json=body, headers={"X-Request-Timeout": "0.5"})
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+    assert v.cancelled.wait(5)
+    for bad in ("soon", "0", "-1", "nan", "inf"):
+        r = gw.http.post("/v1/chat/completions", json=body, headers={"X-Request-Timeout": bad})
+        assert r.status_code == 400 and "X-Request-Timeout" in r.json()["error"]["message"], bad

@@ -5,6 +5,7 @@ TLS options into its settings and refuses bad ones."""
 
 from __future__ import annotations
 
+import io
 import logging
 import subprocess
 import types
@@ -25,8 +26,9 @@ class FakeProc:
 
     started: list["FakeProc"] = []
 
-    def __init__(self, cmd, env=None, start_new_session=False):
+    def __init__(self, cmd, env=None, start_new_session=False, **pipes):
         self.cmd, self.env, self.returncode = cmd, env, None
+        self.stderr = io.StringIO("")  # the stack forwards a child's stderr
         FakeProc.started.append(self)
 
     def poll(self):
@@ -47,7 +49,7 @@ def fake_services(monkeypatch):
     """Stack.start with the services faked (the embedded Valkey is real); the started FakeProcs."""
     FakeProc.started = []
     monkeypatch.setattr(stack_module, "subprocess", types.SimpleNamespace(
-        Popen=FakeProc, TimeoutExpired=subprocess.TimeoutExpired))
+        Popen=FakeProc, TimeoutExpired=subprocess.TimeoutExpired, PIPE=subprocess.PIPE))
     monkeypatch.setattr(stack_module, "wait_grpc_healthy", lambda *a, **k: None)
     monkeypatch.setattr(stack_module, "wait_http_healthy", lambda *a, **k: None)
     monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)

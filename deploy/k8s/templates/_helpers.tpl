@@ -400,3 +400,16 @@ prometheus.io/scheme: {{ . }}
 {{- define "tandem.logFormatFlag" -}}
 {{- ternary "--log-json" "--log-text" (eq .Values.logFormat "json") }}
 {{- end }}
+
+{{/* The service's drain grace at SIGTERM (--drain-grace-s), from its pod's budget: the kubelet
+sends SIGTERM after the preStop sleep, and kills the container terminationGracePeriodSeconds after
+the pod began terminating. The drain must end inside that: the grace, then up to 3 s for cut
+streams to send their status, then the exit; 5 s are kept for those. Fails at install when the
+budget leaves no grace at all. */}}
+{{- define "tandem.drainGrace" -}}
+{{- $grace := sub (sub (int .values.terminationGracePeriodSeconds) (int .values.preStopSleepSeconds)) 5 -}}
+{{- if lt $grace 0 -}}
+{{- fail (printf "%s: terminationGracePeriodSeconds (%d) must exceed preStopSleepSeconds (%d) by at least 5 s, the time a drain needs beyond its grace" .what (int .values.terminationGracePeriodSeconds) (int .values.preStopSleepSeconds)) -}}
+{{- end -}}
+{{- $grace -}}
+{{- end }}
