@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem.engine.gemm import cpu_model  # noqa: E402
 from tandem.tools.bench import run_bench  # noqa: E402
 from tandem.tools.bench_remote import GatewayTarget  # noqa: E402
 from tandem.tools.datasets import dev_set, load_prompts  # noqa: E402
@@ -36,14 +35,6 @@ from tandem.tools.stack import Stack, StackConfig  # noqa: E402
 
 RTTS_MS = (0, 1, 5, 20)
 MODES = ("ar", "ngram", "hybrid")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except Exception:
-        return platform.processor() or "unknown"
 
 
 def sweep(lookahead: bool, records, max_new: int, draft: str, log) -> list[dict]:
@@ -67,7 +58,7 @@ def sweep(lookahead: bool, records, max_new: int, draft: str, log) -> list[dict]
                 row[mode] = {"speedup_vs_ar": m["speedup_vs_ar"], "lossless": m["lossless"],
                              "acceptance_rate": m.get("acceptance_rate"),
                              "mean_accepted_len": m.get("mean_accepted_len"),
-                             "fallback_steps": m.get("fallback_steps")}
+                             "drafted_per_reply": m.get("drafted_per_reply")}
             row["ar_tokens_per_s"] = result["modes"]["ar"].get("tokens_per_s")
             rows.append(row)
             log(f"draft-ahead {'on ' if lookahead else 'off'} rtt {rtt:>2} ms: " + ", ".join(

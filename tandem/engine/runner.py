@@ -154,6 +154,7 @@ class NativeBackend:
         cache.crop_to(length)
 
     @staticmethod
+    @torch.inference_mode()  # dst may hold inference tensors already (a resident session's cache)
     def copy_prefix(src, dst, length: int) -> None:
         dst.ensure(length)
         dst.k[:, :, :length] = src.k[:, :, :length]

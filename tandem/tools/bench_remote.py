@@ -68,9 +68,8 @@ class GatewayTarget:
             last = msg
         end = time.perf_counter()
         stats = stats_from_proto(last.stats)
-        # The stop token is streamed (it belongs to the session's history) but is not output.
-        if last.finish_reason == common_pb2.FINISH_REASON_STOP and tokens:
-            tokens = tokens[:-1]
+        # The stream carries the output only: the stop token that ended it is not streamed (the
+        # in-process engine's token_ids leave it out alike).
         return GenerationResult(
             token_ids=tokens, finish_reason=FINISH_FROM_PB.get(last.finish_reason, FinishReason.error), stats=stats,
             prompt_tokens=last.usage.prompt_tokens, seconds=end - start,

@@ -38,6 +38,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tandem.engine.gemm import cpu_model
+
 log = logging.getLogger("tandem.tools.chaos")
 
 FAULTS = {  # name -> weight in the schedule
@@ -86,6 +88,8 @@ class Outcome:
     gaps: list[tuple[float, float]] = field(default_factory=list)  # (time since start, seconds per token)
     index_faults: int = 0  # chunks whose first_index did not continue the stream (lost / duplicated)
     mismatch: bool = False  # completed, but not the tokens of plain decoding (set after the run)
+    diverged_at: int | None = None  # a mismatch's first differing output index
+    expected_len: int | None = None
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -105,6 +109,8 @@ class Chaos:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._t0 = 0.0
+        self.ended_early = False
+        self.ran_s = 0.0
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -145,7 +151,23 @@ class Chaos:
             grpc_port=50051 if c.netns else free_port(), startup_timeout_s=c.startup_timeout_s,
             drain_grace_s=2.0, restart_backoff_s=0.5, max_backoff_s=5.0, start_failures=5,
             extra_env={"TANDEM_GEMM": self.gemm}))
-        self.stack.start()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            # Ctrl-C / SIGTERM end the soak early, with its report and a clean stop (a second
+            # signal must not interrupt the stop and leave processes and namespaces behind).
+            def early(signum, _frame):
+                if not self._stop.is_set():
+                    self.ended_early = True
+                    self._event(f"{signal.Signals(signum).name}: ending the soak early")
+                self._stop.set()
+
+            previous = {sig: signal.signal(sig, early) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.stack.start()
+        except BaseException:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            raise
         try:
             self.stack.supervise(lambda text: self._event(f"supervisor: {text}"))
             self._warm_up()
@@ -159,6 +181,7 @@ class Chaos:
             injector.start()
             self._stop.wait(c.duration_s)
             self._stop.set()
+            self.ran_s = round(self._elapsed(), 1)
             injector.join(30)
             for w in workers:
                 w.join(c.startup_timeout_s)
@@ -168,6 +191,8 @@ class Chaos:
             events = list(self.stack.events)
         finally:
             self.stack.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         mismatches = self._check_greedy()
         return self._report(baseline, after, restarts, events, mismatches)
 
@@ -222,8 +247,8 @@ class Chaos:
                     messages.append({"role": "assistant", "content": text})
 
     def _output(self, out: Outcome) -> list[int]:
-        """The completion's tokens without the stop token the stream carries (it ends the turn)."""
-        return out.tokens[:-1] if out.finish == "stop" and out.tokens else out.tokens
+        """The completion's tokens (the stream never carries the stop token that ended it)."""
+        return out.tokens
 
     def _turn(self, stub, session: str, turn: int, context: list[int], max_tokens: int, *, record: bool = True) -> Outcome:
         import grpc
@@ -389,7 +414,12 @@ class Chaos:
             if key not in cache:
                 cache[key] = engine.generate(out.context, SamplingParams(max_new_tokens=self.config.max_tokens),
                                              SpecConfig(strategy=DraftStrategy.none)).token_ids
-            out.mismatch = self._output(out) != cache[key]
+            got = self._output(out)
+            out.mismatch = got != cache[key]
+            if out.mismatch:
+                out.diverged_at = next((i for i, (a, b) in enumerate(zip(got, cache[key])) if a != b),
+                                       min(len(got), len(cache[key])))
+                out.expected_len = len(cache[key])
             mismatches += out.mismatch
         return mismatches
 
@@ -419,7 +449,9 @@ class Chaos:
         }
         c = self.config
         report = {
-            "config": {**asdict(c), "faults": list(c.faults), "gemm_used": self.gemm, "cpu": _cpu()},
+            "config": {**asdict(c), "faults": list(c.faults), "gemm_used": self.gemm, "cpu": cpu_model()},
+            "ran_s": self.ran_s,
+            "ended_early": self.ended_early,
             "requests": len(outs),
             "completed": len(completed),
             "completed_after_failover": sum(1 for o in completed if o.resumed),
@@ -427,6 +459,11 @@ class Chaos:
             "errors": dict(Counter(o.error for o in outs if o.error)),
             "silent_truncations": sum(1 for o in outs if not o.error and not o.finish),
             "greedy_mismatches": mismatches,
+            "mismatch_examples": [
+                {"session": o.session, "turn": o.turn, "started_s": round(o.started, 1), "resumed": o.resumed,
+                 "context_tokens": len(o.context), "tokens": len(o.tokens), "expected_tokens": o.expected_len,
+                 "diverged_at": o.diverged_at, "finish": o.finish}
+                for o in outs if o.mismatch][:40],
             "lost_or_duplicated_tokens": sum(o.index_faults for o in outs),
             "tokens": sum(len(o.tokens) for o in outs),
             "latency_ms": {
@@ -453,16 +490,6 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass  # it died meanwhile (another fault): nothing to resume
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _rss_mb(pid: int) -> float | None:

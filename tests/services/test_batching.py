@@ -185,3 +185,22 @@ def test_shared_prefix_is_copied_not_recomputed(tiny_loaded):
     assert rb.stats.prefill_computed_tokens <= len(b) - len(system)
     reference = Engine(tiny_loaded).generate(b, SamplingParams(max_new_tokens=6), none).token_ids
     assert rb.token_ids == reference
+
+
+def test_a_resident_session_takes_a_longer_shared_prefix_into_its_own_cache(tiny_loaded):
+    """A session already resident (its cache allocated by its own earlier forwards) whose next turn
+    shares a longer prefix with another session's than with its own history: the prefix is copied
+    into its existing cache (found by the chaos soak: the copy ran outside inference mode and
+    failed on a cache of inference tensors), and the output is the target alone's."""
+    core = _verifier(tiny_loaded)
+    system = _contexts(1, seed=5)[0] * 2
+    none = SpecConfig(strategy=DraftStrategy.none)
+    list(core.generate("a", system + [11, 12, 13], SamplingParams(max_new_tokens=6), none))
+    # b is resident, and its first turn grew its cache past the initial 256 positions inside a
+    # forward (in inference mode), as any long conversation's does.
+    first = [(7 * i) % 97 + 3 for i in range(300)]
+    list(core.generate("b", first, SamplingParams(max_new_tokens=6), none))
+    second = system + [21, 22, 23, 24]
+    rb = list(core.generate("b", second, SamplingParams(max_new_tokens=6), none))[-1]
+    assert core.metrics.value("tandem_prefix_shared_tokens_total") >= len(system) - 1
+    assert rb.token_ids == Engine(tiny_loaded).generate(second, SamplingParams(max_new_tokens=6), none).token_ids

@@ -105,6 +105,35 @@ def test_up_prints_the_redis_url_without_its_password(monkeypatch, capsys) -> No
     assert "redis://tandem:***@127.0.0.1:6379/0" in err and password not in err
 
 
+def test_up_prints_each_restart_and_stops_with_the_reason_when_a_child_cannot_start(monkeypatch, capsys) -> None:
+    """`tandem up` under supervision: what the supervisor does is printed as it happens; when it
+    gives up on a child, the stack stops, naming the child and why, and the exit code is 1."""
+    import typer
+
+    def start(self):
+        self.redis_url = "redis://127.0.0.1:6379/0"
+        self.drafter_address, self.verifier_addresses = "127.0.0.1:2", ["127.0.0.1:3"]
+        return self
+
+    def supervise(self, on_event=None, poll_s=0.5):
+        on_event("drafter killed by SIGKILL; restarting it in 1 s")
+        on_event("drafter is back (restart 1)")
+        self.fatal = "verifier-0 failed 3 times in a row at start; last: model not found"
+
+    stopped = []
+    monkeypatch.setattr(Stack, "start", start)
+    monkeypatch.setattr(Stack, "supervise", supervise)
+    monkeypatch.setattr(Stack, "stop", lambda self, grace_s=None: stopped.append(True))
+    monkeypatch.setattr(cli, "_setup", lambda *a, **k: None)
+    with pytest.raises(typer.Exit) as exit_:
+        cli._run_stack(StackConfig(model="tiny", draft_model="none"), demo_request=False)
+    assert exit_.value.exit_code == 1 and stopped
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps lines at the terminal's width
+    assert "supervisor: drafter killed by SIGKILL; restarting it in 1 s" in err
+    assert "supervisor: drafter is back (restart 1)" in err
+    assert "stopping the stack: verifier-0 failed 3 times in a row at start; last: model not found" in err
+
+
 @pytest.fixture
 def served(monkeypatch):
     """Run `tandem verifier ...` up to serve(); returns the settings it would serve with."""

@@ -215,6 +215,14 @@ def test_an_expired_deadline_frees_the_verifier(stack, stub, api) -> None:
 
         _until("the verifiers to drop the expired request", idle, 30)
 
+    def drafts() -> int:  # the verifier closed the request's draft session on the drafter too
+        from tandem.v1 import drafter_pb2, drafter_pb2_grpc
+
+        with grpc.insecure_channel(stack.drafter_address) as channel:
+            return drafter_pb2_grpc.DrafterStub(channel).GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=5).active_sessions
+
+    _until("the drafter to drop the expired request's draft session", lambda: drafts() == 0, 30)
+
 
 def test_a_child_that_keeps_failing_at_start_stops_the_stack_with_its_reason(tiny_dir, tmp_path) -> None:
     model = tmp_path / "model"
