@@ -145,7 +145,7 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
-    completion_tokens: int  # stop token included
+    completion_tokens: int  # the tokens streamed (the stop token that ended the reply is not one)
     cached_prompt_tokens: int  # prompt tokens whose KV the verifier reused
 
     @property
@@ -872,8 +872,9 @@ class GatewayCore:
         decision, stream, msg = await self._connect(prep, request, deadline)
         vid = decision.verifier_id
         self.stats.routed[decision.reason] += 1
-        # Stop tokens are committed (they belong to the history) but never shown; a stop id can only
-        # be the last token, so leaving these ids out of the text is exact.
+        # The verifier does not stream the stop token that ends a reply; should a verifier send one
+        # anyway it is never shown (a stop id can only be the last token, so leaving these ids out
+        # of the text is exact).
         hidden = sampling.stop_ids(self._eos_ids)
         detok = Detokenizer(self.tokenizer)
         cut = TextCut(sampling.stop)
