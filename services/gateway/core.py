@@ -901,8 +901,8 @@ class GatewayCore:
                         "tandem.verifier_id": vid, "tandem.streamed_tokens": len(generated), "tandem.error": str(exc)})
                     left = sampling.max_new_tokens - len(generated)
                     if left <= 0:  # every token streamed; only the final message was lost
-                        yield dataclasses.replace(self._final(vid, decision, prep, generated, offset, detok, cut,
-                                                              FinishReason.length, SpecStats()), resumed=resumes)
+                        yield dataclasses.replace(self._final(vid, decision, prep, generated, offset, hidden, detok,
+                                                              cut, FinishReason.length, SpecStats()), resumed=resumes)
                         return
                     resumed = VerifierRequest(
                         sid or "", context + generated, self._resumed_sampling(sampling, len(generated), left),
@@ -977,8 +977,9 @@ class GatewayCore:
                                 prompt_tokens=len(context))
                 msg = await anext(stream, None)
                 continue
-            yield self._final(vid, decision, prep, generated, offset, detok, cut, finish, msg.stats or SpecStats(),
-                              ids=ids, first_index=offset + msg.first_index, logprobs=msg.logprobs)
+            yield self._final(vid, decision, prep, generated, offset, hidden, detok, cut, finish,
+                              msg.stats or SpecStats(), ids=ids, first_index=offset + msg.first_index,
+                              logprobs=msg.logprobs)
             await self._drain(stream, vid)
             return
         raise UpstreamFailed(
@@ -987,11 +988,10 @@ class GatewayCore:
         )
 
     def _final(self, vid: str, decision: RoutingDecision, prep: _Prepared, generated: list[int], offset: int,
-               detok: Detokenizer, cut: TextCut, finish: FinishReason, stats: SpecStats, *,
+               hidden, detok: Detokenizer, cut: TextCut, finish: FinishReason, stats: SpecStats, *,
                ids: tuple[int, ...] = (), first_index: int | None = None, logprobs=None) -> Chunk:
         """The last chunk: the rest of the text, the finish reason, usage and the verifier's figures."""
         context = prep.context_ids
-        hidden = prep.sampling.stop_ids(self._eos_ids)
         text = cut.push(detok.push([t for t in ids if t not in hidden], final=True), final=True)
         cached = min(stats.prefill_reused_tokens, len(context))
         log.info("completed on %s (routed by %s): %d prompt tokens (%d cached) + %d generated%s, finish %s; "
