@@ -78,6 +78,7 @@ from tandem.serving.telemetry import tracer
 log = logging.getLogger("tandem.gateway")
 
 _DRAIN_S = 1.0  # how long a verifier may take to close its stream after the final message
+_REFRESH_GAP_S = 0.25  # on-demand refreshes (a request found no verifier) are at least this far apart
 
 
 
@@ -359,6 +360,8 @@ class GatewayCore:
         self._inflight: Counter[str] = Counter()  # verifier id -> this gateway's requests on it
         self._active = 0
         self._poller: asyncio.Task | None = None
+        self._refreshing: asyncio.Task | None = None  # an on-demand refresh others may wait on
+        self._refreshed_at = 0.0  # monotonic time of the last refresh's start
         self.draining = False  # SIGTERM: refuse new requests, let running ones finish (serve.py)
         self._streams: set[CommittedStream] = set()  # verifier calls in flight, cut at the drain's end
         self.metrics.read("tandem_streams_resumed", "Verifier streams cut mid-way and continued on another verifier.",
@@ -394,6 +397,7 @@ class GatewayCore:
 
     async def refresh(self) -> None:
         s = self.settings
+        self._refreshed_at = time.monotonic()
         verifiers = await asyncio.gather(*(self._clients.verifier_info(a, s.rpc_timeout_s) for a in self._static))
         for address, info in zip(list(self._static), verifiers):
             self._static[address] = info
@@ -403,6 +407,23 @@ class GatewayCore:
         self._drafters.update(zip(list(self._drafters), drafters))
         if self._index is not None:
             self._registered = await asyncio.to_thread(self._index.verifiers)
+
+    async def _refresh_soon(self) -> None:
+        """Refresh now for a request that found no verifier (one may have come back since the last
+        poll); concurrent callers share one refresh, and refreshes are at least _REFRESH_GAP_S
+        apart, so requests arriving while nothing serves cannot flood the verifiers with GetInfo."""
+        if self._refreshing is None or self._refreshing.done():
+            wait = _REFRESH_GAP_S - (time.monotonic() - self._refreshed_at)
+            if wait > 0:
+                await asyncio.sleep(wait)
+                if self._refreshing is not None and not self._refreshing.done():
+                    await asyncio.shield(self._refreshing)
+                    return
+            self._refreshing = asyncio.create_task(self.refresh(), name="gateway-refresh")
+        try:
+            await asyncio.shield(self._refreshing)
+        except Exception:  # a failed refresh leaves the last view; the caller decides
+            log.exception("refreshing verifiers and drafters failed")
 
     async def _poll_forever(self) -> None:
         while True:
@@ -782,13 +803,19 @@ class GatewayCore:
         return offering[next(self._next_drafter) % len(offering)]
 
     async def _connect(
-        self, prep: _Prepared, request: VerifierRequest, deadline: float, exclude: frozenset[str] = frozenset()
+        self, prep: _Prepared, request: VerifierRequest, deadline: float, exclude: frozenset[str] = frozenset(),
+        wait_s: float = 0.0,
     ) -> tuple[RoutingDecision, CommittedStream, CommittedTokens]:
         """Open the stream on the best verifier that answers; the first message proves it did.
-        `exclude`: verifiers not to try (one that just failed mid-stream)."""
+        `exclude`: verifiers not to try (one that just failed mid-stream). When no verifier can be
+        tried, refresh the view once (one may have come back since the last poll) and, for up to
+        `wait_s` (a resumed stream), keep polling for one."""
         tried: set[str] = set(exclude)
         failures: list[str] = []
-        busy = 0  # verifiers that refused for lack of KV cache (the other failures: unreachable)
+        full: set[str] = set()  # verifiers that refused for lack of KV cache (the other failures: unreachable)
+        busy = 0
+        refreshed = False
+        wait_until = min(deadline, time.monotonic() + wait_s)
         while True:
             with tracer.start_as_current_span("route") as span:
                 decision = await self._route(prep, tried)
@@ -798,11 +825,20 @@ class GatewayCore:
                     raise DeadlineExceeded("the request's deadline passed before a verifier could take it")
                 if failures and busy == len(failures):
                     raise Overloaded(f"every verifier's KV cache is full ({'; '.join(failures)}); retry later")
-                known = {r.model_id for r in [*self._registered, *self._static.values()] if r is not None}
-                detail = "; ".join(failures) if failures else (
-                    f"no live verifier serves model {self.model_id!r}"
-                    + (f" (live ones serve: {sorted(known)})" if known else "")
-                )
+                if not self.draining and (not refreshed or time.monotonic() < wait_until):
+                    # The view may be stale (a verifier came back, or the one tried is gone for
+                    # good): refresh it and route again; a resumed stream keeps at it for wait_s.
+                    # After the first refresh the verifier that cut the stream may take it again,
+                    # if the view says it serves (restarted in place, or only its connection
+                    # broke): the resume budget bounds a verifier that keeps cutting.
+                    if not refreshed:
+                        log.info("no verifier to take the request now; refreshing%s",
+                                 f" and waiting up to {wait_s:.0f} s for one" if wait_s else "")
+                    await self._refresh_soon()
+                    tried = (full | set(exclude)) if not refreshed else set(full)  # unreachable: skipped while marked down
+                    refreshed = True
+                    continue
+                detail = "; ".join(dict.fromkeys(failures)) if failures else self._why_none(exclude)
                 raise NoVerifierAvailable(f"no verifier available: {detail}")
             stream = self._clients.generate(decision.address, request, max(0.001, deadline - time.monotonic()))
             self._streams.add(stream)  # from now on a shutdown's cut reaches it
@@ -825,10 +861,29 @@ class GatewayCore:
                 failures.append(f"verifier {decision.verifier_id} unreachable")
             except VerifierBusy as exc:
                 busy += 1
+                full.add(decision.verifier_id)
                 trace.get_current_span().add_event(
                     "verifier_busy", {"tandem.verifier_id": decision.verifier_id, "tandem.error": str(exc)})
                 failures.append(f"verifier {decision.verifier_id}: KV cache full")
             tried.add(decision.verifier_id)
+
+    def _why_none(self, exclude: frozenset[str]) -> str:
+        """Why routing found nothing, in words a client may read (ids, not addresses)."""
+        live = self.live_verifiers()
+        serving = [r.verifier_id for r in live if r.verifier_id not in exclude and not r.draining]
+        if serving:  # known, but skipped after refusing connections
+            return f"verifiers {sorted(serving)} refused connections moments ago"
+        parts = [f"no live verifier serves model {self.model_id!r}"]
+        draining = sorted(r.verifier_id for r in live if r.draining)
+        if draining:
+            parts.append(f"draining: {draining}")
+        if exclude:
+            parts.append(f"failed during this request: {sorted(exclude)}")
+        others = {r.model_id for r in [*self._registered, *self._static.values()]
+                  if r is not None and r.model_id != self.model_id}
+        if others:
+            parts.append(f"other models served: {sorted(others)}")
+        return "; ".join(parts)
 
     def _trace_route(self, span, prep: _Prepared, decision: RoutingDecision | None, tried: set[str]) -> None:
         """The routing decision and why, on its span."""
@@ -910,7 +965,7 @@ class GatewayCore:
                     try:
                         decision, stream, msg = await self._connect(
                             dataclasses.replace(prep, context_ids=context + generated), resumed, deadline,
-                            exclude=frozenset({vid}))
+                            exclude=frozenset({vid}), wait_s=self.settings.resume_wait_s)
                     except (NoVerifierAvailable, Overloaded, DeadlineExceeded) as again:
                         raise StreamCut(f"{exc}; no other verifier could continue it ({again})") from None
                     self.stats.resumed += 1

@@ -72,6 +72,9 @@ class GatewaySettings(BaseModel):
     # A verifier stream cut mid-way (the verifier died or drained) continues on another verifier
     # from the tokens already streamed, at most this many times per request (0: fail it instead).
     resume_attempts: int = Field(3, ge=0, le=16)
+    # A cut stream with no other verifier to take it (a lone verifier restarting, a rolling update
+    # replacing one) waits this long for one to appear, polling the verifiers, before it fails.
+    resume_wait_s: float = Field(10.0, ge=0)
     # Prometheus /metrics on its own port; when set, the public HTTP port does not serve it.
     metrics_port: int | None = Field(None, ge=0, le=65535)
 

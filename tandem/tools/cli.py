@@ -793,6 +793,7 @@ def gateway(
     public_cert: Annotated[Optional[Path], typer.Option("--public-cert", envvar="TANDEM_PUBLIC_CERT", exists=True, dir_okay=False, help="Certificate (PEM) for HTTPS and gRPC over TLS on the public ports; with --public-key.")] = None,
     public_key: Annotated[Optional[Path], typer.Option("--public-key", envvar="TANDEM_PUBLIC_KEY", exists=True, dir_okay=False, help="Private key of --public-cert.")] = None,
     drain_grace_s: _drain_opt(20.0, "requests in flight (the rest end with an SSE error event / UNAVAILABLE)") = 20.0,
+    resume_wait_s: Annotated[float, typer.Option("--resume-wait-s", min=0, help="A stream cut mid-way (its verifier died or drained) with no other verifier to take it waits this long for one (a restart, a rolling update) before it ends with an error.")] = 10.0,
 ) -> None:
     """Run the gateway: OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models,
     SSE streaming) and gRPC Generate; routes each session to the verifier holding its KV cache.
@@ -810,7 +811,7 @@ def gateway(
             redis_url=redis_url, max_tokens_cap=max_tokens_cap, max_concurrent_requests=max_concurrent_requests,
             metrics_port=metrics_port, api_keys_file=api_keys, allow_unauthenticated=allow_unauthenticated,
             max_body_bytes=max_body_bytes, max_input_tokens=max_input_tokens, grpc_reflection=grpc_reflection,
-            tool_fallback=tool_fallback, shutdown_grace_s=drain_grace_s,
+            tool_fallback=tool_fallback, shutdown_grace_s=drain_grace_s, resume_wait_s=resume_wait_s,
             default_speculation=GatewaySettings.model_fields["default_speculation"].default.model_copy(
                 update={"strategy": speculation}),
             redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),
@@ -843,10 +844,12 @@ def up(
     certs_dir: Annotated[Optional[Path], typer.Option("--certs-dir", help="Where --tls keeps its development CA and certificates (made once, reused). Default: <tandem cache>/certs.", file_okay=False)] = None,
     api_keys: Annotated[Optional[Path], typer.Option("--api-keys", exists=True, dir_okay=False, help="The gateway's API key file (docs/security.md): clients must then send 'Authorization: Bearer KEY'.")] = None,
     speculation: SpeculationOpt = DraftStrategy.ngram,
+    liveness_timeout_s: Annotated[float, typer.Option("--liveness-timeout-s", min=0, help="A service that has not answered a health check for this long (hung) is killed and started again; 0: only exits are watched.")] = 30.0,
 ) -> None:
     """Start the whole stack on this machine: embedded Valkey (unless --redis-url; it gets a
-    generated password), a drafter, verifier(s) and the gateway, as separate processes. Prints the
-    endpoints; Ctrl-C stops all."""
+    generated password), a drafter, verifier(s) and the gateway, as separate processes, and keep it
+    up: a service that dies or hangs is started again with backoff (printed as it happens). Prints
+    the endpoints; Ctrl-C stops all."""
     from tandem.tools.stack import StackConfig
 
     tls_dir = None
@@ -856,7 +859,8 @@ def up(
         tls_dir = certs_dir or cache_dir() / "certs"
     _run_stack(StackConfig(model=model, draft_model=draft_model, redis_url=redis_url, host=host, http_port=http_port,
                            grpc_port=grpc_port, verifiers=verifiers, verifier_threads=verifier_threads,
-                           log_level=log_level, tls_dir=tls_dir, api_keys_file=api_keys, speculation=speculation.value),
+                           log_level=log_level, tls_dir=tls_dir, api_keys_file=api_keys, speculation=speculation.value,
+                           liveness_timeout_s=liveness_timeout_s),
                demo_request=False)
 
 

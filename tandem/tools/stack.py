@@ -89,6 +89,28 @@ def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | N
         _wait_until(address, serving, timeout_s, proc)
 
 
+def grpc_alive(address: str, *, ca: Path | None = None, timeout_s: float = 2.0) -> bool:
+    """Liveness, not readiness: the process answers a gRPC health check at all (a draining one
+    answers NOT_SERVING and is alive)."""
+    channel = grpc.insecure_channel(address) if ca is None else grpc.secure_channel(
+        address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
+    with channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def http_alive(url: str, *, ca: Path | None = None, timeout_s: float = 2.0) -> bool:
+    """Liveness: any HTTP answer (a gateway with no verifier or draining answers 503, alive)."""
+    try:
+        httpx.get(url, timeout=timeout_s, verify=True if ca is None else ssl.create_default_context(cafile=ca))
+    except httpx.HTTPError:
+        return False
+    return True
+
+
 def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None, *,
                       ca: Path | None = None) -> None:
     verify = True if ca is None else ssl.create_default_context(cafile=ca)
@@ -279,14 +301,22 @@ class StackConfig:
     topology: Topology | None = None
     drafter_args: tuple[str, ...] = ()  # extra `tandem drafter` options (e.g. --no-lookahead)
     verifier_args: tuple[str, ...] = ()  # extra `tandem verifier` options
+    # Liveness (Stack.supervise): a child that is up but has not answered a health check for this
+    # long (hung: deadlocked, stopped, stuck in shutdown) is killed and started again; 0: off.
+    liveness_timeout_s: float = 30.0
+    liveness_period_s: float = 2.0
 
 
 class Child:
     """One supervised process: what started it (so it can be started again the same way), its
     current process, and the last lines it wrote to stderr (forwarded to ours as they come)."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], healthy: Callable[[subprocess.Popen], None]):
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], healthy: Callable[[subprocess.Popen], None],
+                 alive: Callable[[], bool] | None = None):
         self.name, self.cmd, self.env, self._healthy = name, cmd, env, healthy
+        self.alive = alive  # one liveness probe (None: exit is the only failure watched)
+        self.last_alive = time.monotonic()
+        self.killed_for: str | None = None  # why the supervisor killed it, if it did
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.failed_starts = 0  # consecutive starts that ended before the child was healthy
@@ -294,6 +324,8 @@ class Child:
         self.state = "starting"  # starting | up | down | restarting | failed | stopped
 
     def spawn(self) -> subprocess.Popen:
+        self.killed_for = None
+        self.last_alive = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, stderr=subprocess.PIPE,
                                      text=True, errors="replace")
         threading.Thread(target=self._forward, args=(self.proc,), daemon=True, name=f"log-{self.name}").start()
@@ -314,6 +346,8 @@ class Child:
         code = self.proc.returncode if self.proc is not None else None
         if code is None:
             return "running"
+        if self.killed_for:
+            return f"was killed: {self.killed_for}"
         if code < 0:
             try:
                 return f"killed by {signal.Signals(-code).name}"
@@ -341,6 +375,7 @@ class Stack:
         self.topology = self.config.topology or Topology(self.config.host)
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._prober: threading.Thread | None = None
         self._valkey_password: str | None = None
         self._valkey_restarts = 0
 
@@ -408,7 +443,7 @@ class Stack:
         return parts._replace(netloc=f"{userinfo}@{dialled}" if userinfo else dialled).geturl()
 
     def _spawn(self, name: str, args: list[str], threads: int | None, healthy: Callable[[subprocess.Popen], None], *,
-               with_redis: bool = False) -> Child:
+               with_redis: bool = False, alive: Callable[[], bool] | None = None) -> Child:
         """Start `tandem ARGS` as process `name`; `with_redis`: hand it the Redis URL (in its environment)."""
         env = dict(os.environ, **self.config.extra_env)
         if with_redis:
@@ -421,7 +456,7 @@ class Stack:
         cmd = [*self.topology.wrap(name), sys.executable, "-m", "tandem.tools.cli", *args,
                "--log-level", self.config.log_level]
         log.debug("starting %s: %s", name, " ".join(cmd))
-        child = Child(name, cmd, env, healthy)
+        child = Child(name, cmd, env, healthy, alive)
         child.spawn()
         self.children.append(child)
         return child
@@ -449,7 +484,8 @@ class Stack:
             args += self._metrics_args("drafter") + self._tls_args("drafter")
             drafter_health = self._health(self.drafter_address, args)
             drafter = self._spawn("drafter", args, c.drafter_threads,
-                                  lambda proc, a=drafter_health: wait_grpc_healthy(a, timeout, proc))
+                                  lambda proc, a=drafter_health: wait_grpc_healthy(a, timeout, proc),
+                                  alive=lambda a=drafter_health: grpc_alive(a))
             # What verifiers dial, and what the gateway hands them (it polls the same address).
             self.drafter_dial = topo.dial("drafter", self.drafter_address)
             verifiers = []
@@ -470,10 +506,10 @@ class Stack:
                 health = self._health(address, args)
                 verifiers.append(self._spawn(f"verifier-{i}", args, c.verifier_threads,
                                              lambda proc, a=health: wait_grpc_healthy(a, timeout, proc),
-                                             with_redis=True))
+                                             with_redis=True, alive=lambda a=health: grpc_alive(a)))
             for child in (drafter, *verifiers):
                 child.wait_healthy()
-                child.state = "up"
+                child.state, child.last_alive = "up", time.monotonic()
             args = ["gateway", "--host", topo.bind("gateway"), "--http-port", str(c.http_port),
                     "--grpc-port", str(c.grpc_port), "--model", c.model, "--drafter", self.drafter_dial,
                     "--speculation", c.speculation]
@@ -491,9 +527,10 @@ class Stack:
                 wait_http_healthy(f"{self.http_url}/health", timeout, proc, ca=ca)
                 wait_grpc_healthy(self.grpc_address, timeout, proc, ca=ca)
 
-            gateway = self._spawn("gateway", args, 1, gateway_healthy, with_redis=True)
+            gateway = self._spawn("gateway", args, 1, gateway_healthy, with_redis=True,
+                                  alive=lambda: http_alive(f"{self.http_url}/health", ca=ca))
             gateway.wait_healthy()
-            gateway.state = "up"
+            gateway.state, gateway.last_alive = "up", time.monotonic()
         except BaseException:
             self.stop()
             raise
@@ -509,6 +546,10 @@ class Stack:
         self._on_event = on_event or (lambda text: None)
         self._supervisor = threading.Thread(target=self._watch, args=(poll_s,), daemon=True, name="supervisor")
         self._supervisor.start()
+        if self.config.liveness_timeout_s > 0:
+            # Its own thread: a probe may take its whole timeout, and exits must be seen at once.
+            self._prober = threading.Thread(target=self._probe, daemon=True, name="liveness")
+            self._prober.start()
 
     def _event(self, text: str) -> None:
         self.events.append(text)
@@ -531,6 +572,26 @@ class Stack:
                                      name=f"restart-{child.name}").start()
             if self.valkey is not None and self.valkey._process is not None and self.valkey._process.poll() is not None:
                 self._restart_valkey()
+
+    def _probe(self) -> None:
+        """Kill a child that is up but has not answered a health check for liveness_timeout_s (a
+        hung process never exits, so the exit watch alone would wait on it forever); the exit
+        watch then starts it again like any dead child."""
+        c = self.config
+        while not self._stopping.wait(c.liveness_period_s):
+            for child in self.children:
+                if child.state != "up" or child.alive is None:
+                    continue
+                proc = child.proc
+                if child.alive():
+                    child.last_alive = time.monotonic()
+                    continue
+                silent = time.monotonic() - child.last_alive
+                if silent > c.liveness_timeout_s and child.proc is proc and proc.poll() is None \
+                        and child.state == "up" and not self._stopping.is_set():
+                    child.killed_for = f"no answer to its health check for {silent:.0f} s"
+                    self._event(f"{child.name} has not answered its health check for {silent:.0f} s; killing it")
+                    proc.kill()
 
     def _restart(self, child: Child) -> None:
         """Start `child` again, with backoff, until it is healthy or has failed too often at start."""
@@ -561,7 +622,7 @@ class Stack:
                     return
                 continue
             child.failed_starts = 0
-            child.state = "up"
+            child.state, child.last_alive = "up", time.monotonic()
             self._event(f"{child.name} is back (restart {child.restarts})")
             return
 
@@ -596,6 +657,9 @@ class Stack:
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
             self._supervisor = None
+        if self._prober is not None:
+            self._prober.join(timeout=5)
+            self._prober = None
         for child in reversed(self.children):
             if child.proc is not None and child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)

@@ -9,6 +9,7 @@ the session is rebuilt there from the gateway's history; `tandem bench --endpoin
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -432,6 +433,62 @@ def test_a_stream_cut_midway_continues_on_the_other_verifier_unchanged(chain, ti
     # The drained verifier takes no new request; the next one goes to the other directly.
     tokens2, last2 = _grpc_generate(gw, strategy, max_new=8)
     assert last2.verifier_id != cut["verifier"] and last2.resumed == 0
+
+
+def test_a_cut_stream_waits_for_a_verifier_that_comes_up_and_continues_there(chain, tiny_loaded, redis_url):
+    """A rolling update: the only verifier left drains and cuts its stream, and its replacement
+    registers a moment later (a port the gateway has never seen, known only through Redis). The
+    gateway holds the stream, polls for the replacement and continues there; the client sees one
+    stream with the target's tokens."""
+    gw, verifiers = chain
+    verifiers[1].stop()  # deregistered: the one verifier left is v0
+    gw.core._static.pop(verifiers[1].address)
+    replacement = []
+    cut = _cut_after(verifiers[:1], 3)
+    observe = verifiers[0].core._observe
+
+    def cut_then_replace(*args):
+        observe(*args)
+        if cut["verifier"] is not None and not replacement:
+            replacement.append(None)  # once
+            threading.Timer(1.5, lambda: replacement.__setitem__(
+                0, RealVerifier("v2", tiny_loaded, redis_url, drafters=verifiers[0].core.settings.drafters))).start()
+
+    verifiers[0].core._observe = cut_then_replace
+    try:
+        tokens, last = _grpc_generate(gw, common_pb2.DRAFT_STRATEGY_NONE, max_new=40)
+        assert cut["verifier"] == "v0" and last.verifier_id == "v2" and last.resumed == 1
+        assert tokens == _reference(tiny_loaded, 40)
+    finally:
+        deadline = time.monotonic() + 10
+        while replacement and replacement[0] is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if replacement and replacement[0] is not None:
+            replacement[0].stop()
+
+
+def test_a_cut_stream_with_no_verifier_to_take_it_fails_in_words_after_the_wait(tiny_loaded, redis_url):
+    """No verifier comes: after resume_wait_s the client gets ABORTED saying what streamed, that
+    the stream is incomplete and which verifier drained; not a silent end, not a hang."""
+    redis.Redis.from_url(redis_url).flushdb()
+    v = RealVerifier("v0", tiny_loaded, redis_url)
+    gw = Gateway(tiny_loaded.tokenizer, model="tiny", redis_url=redis_url, verifiers=(v.address,),
+                 poll_interval_s=0.5, resume_wait_s=1.0)
+    try:
+        time.sleep(0.6)
+        cut = _cut_after([v], 3)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            _grpc_generate(gw, common_pb2.DRAFT_STRATEGY_NONE, max_new=40)
+        assert cut["verifier"] == "v0"
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        details = err.value.details()
+        assert "incomplete" in details and "no other verifier could continue it" in details
+        assert "v0" in details and "127.0.0.1" not in details  # ids, never addresses
+        assert time.monotonic() - start >= 1.0, "it gave up before its wait"
+    finally:
+        gw.close()
+        v.stop()
 
 
 def test_a_resumed_stream_counts_its_earlier_tokens_for_the_penalties(chain, tiny_loaded):

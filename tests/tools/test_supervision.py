@@ -4,6 +4,7 @@ way they happen: SIGKILL, SIGTERM, SIGSTOP (a process that hangs), a Valkey that
 
 Checked: a verifier killed or drained mid-stream hands the stream to the other verifier and the
 client's tokens equal an uninterrupted request's; every dead child is started again and serves;
+a hung one is killed by the liveness probe and started again;
 a restarted Valkey gets the registrations and the residency back; the gateway's own SIGTERM ends a
 stream it cannot finish with an SSE error event; an expired deadline frees the verifier; a child
 that cannot start any more stops the stack with its reason.
@@ -27,6 +28,7 @@ from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, v
 
 PROMPT = "the answer is the answer is the answer is"
 LONG = 400  # tokens: the tiny model needs a fraction of a second; a fault lands mid-stream
+LIVENESS_S = 8.0  # a child silent this long is killed; the tests' own SIGSTOPs last ~2 s
 
 
 def _until(what: str, ok, timeout_s: float = 90.0) -> None:
@@ -41,7 +43,8 @@ def stack(tiny_dir):
     os.environ.pop("TANDEM_REDIS_URL", None)
     s = Stack(StackConfig(model=str(tiny_dir), http_port=free_port(), grpc_port=free_port(), verifiers=2,
                           verifier_threads=1, startup_timeout_s=120, log_level="warning", metrics=False,
-                          drain_grace_s=0.0, restart_backoff_s=0.2, max_backoff_s=2.0))
+                          drain_grace_s=0.0, restart_backoff_s=0.2, max_backoff_s=2.0,
+                          liveness_timeout_s=LIVENESS_S, liveness_period_s=1.0))
     s.start()
     s.supervise()
     yield s
@@ -105,10 +108,7 @@ def _whole(stack) -> None:
     _until("both verifiers routable at the gateway", routable, 60)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.skip(
-    reason="flaky in one clean-clone run (the drained verifier did not come back within the module's "
-           "later tests); the drain-and-resume path is covered in process (test_full_chain) and by the "
-           "chaos soak; under investigation"))])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_verifier_that_dies_or_drains_mid_stream_hands_the_stream_over(stack, stub, reference, sig) -> None:
     """SIGKILL: the verifier is gone mid-stream; SIGTERM (drain grace 0): it cuts its stream with
     UNAVAILABLE. Either way the gateway continues the request on the other verifier from the
@@ -128,6 +128,30 @@ def test_a_verifier_that_dies_or_drains_mid_stream_hands_the_stream_over(stack, 
     _back(stack, hit["name"], hit["restarts"] + 1)
     assert any(hit["name"] in e and ("SIGKILL" in e or "code 0" in e) for e in stack.events)
     tokens, _ = _generate(stub, _request(max_new=16))
+    assert tokens == reference[:16]
+
+
+def test_a_hung_verifier_is_killed_and_started_again(stack, stub, reference) -> None:
+    """A process that hangs never exits, so watching exits alone would wait on it forever: the
+    supervisor's liveness probe sees it silent for LIVENESS_S, kills it and starts it again, and
+    requests meanwhile go to the other verifier with the same text."""
+    _whole(stack)
+    victim = stack.child("verifier-1")
+    before, pid = victim.restarts, victim.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        tokens, _ = _generate(stub, _request(max_new=32))
+        assert tokens == reference[:32]
+        _back(stack, "verifier-1", before + 1)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert any("verifier-1 has not answered its health check" in e for e in stack.events)
+    assert any("verifier-1 was killed: no answer to its health check" in e for e in stack.events)
+    _whole(stack)
+    tokens, last = _generate(stub, _request(max_new=16))
     assert tokens == reference[:16]
 
 
