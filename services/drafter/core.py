@@ -43,6 +43,7 @@ import torch
 from tandem.engine.config import DraftStrategy, SamplingParams
 from tandem.engine.proposers import Draft, DraftModelProposer, HybridProposer, NgramProposer, Proposer
 from tandem.engine.sampling import make_generator
+from tandem.engine.suffix import SuffixProposer, SuffixStores
 from tandem.serving.messages import DraftBlock, DrafterInfo
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.serving.telemetry import tracer
@@ -159,6 +160,9 @@ class DrafterCore:
         model = settings.draft_model
         self._draft_vocab = int(model.model.get_input_embeddings().weight.shape[0]) if model else 0
         self._draft_context = model.max_context if model else 0  # positions the draft model reads
+        # Suffix decoding's cross-session stores, one per (target model, tenant scope): a drafter
+        # serving many verifiers sees every session's responses, which no single engine does.
+        self.suffix_stores = SuffixStores(settings.suffix_store_tokens, settings.suffix_max_stores)
 
     # -- session lifecycle ----------------------------------------------------------------------
 
@@ -173,6 +177,8 @@ class DrafterCore:
         next_block_len: int,
         *,
         owner: str = "",
+        target_model: str = "",
+        cache_scope: str = "",
     ) -> Iterator[DraftBlock]:
         """(Re)start a session; blocks: a regular one at len(context_ids) with up to
         next_block_len drafts, then a speculative one (none when next_block_len is 0).
@@ -184,10 +190,10 @@ class DrafterCore:
         """
         if not session_id:
             raise InvalidRequest("session_id is empty")
-        if strategy not in (DraftStrategy.ngram, DraftStrategy.model, DraftStrategy.hybrid):
+        if strategy not in (DraftStrategy.ngram, DraftStrategy.model, DraftStrategy.hybrid, DraftStrategy.suffix):
             raise InvalidRequest(
                 f"session {session_id}: strategy {strategy.value!r} cannot be drafted "
-                "(ngram, model or hybrid; the verifier resolves the default before opening)"
+                "(ngram, suffix, model or hybrid; the verifier resolves the default before opening)"
             )
         if strategy in (DraftStrategy.model, DraftStrategy.hybrid) and self.settings.draft_model is None:
             raise InvalidRequest(
@@ -217,10 +223,12 @@ class DrafterCore:
                 with old.lock:
                     self._end(old)
                     reusable = old.proposer
+            store = (self.suffix_stores.get(target_model, cache_scope)
+                     if strategy in (DraftStrategy.suffix, DraftStrategy.hybrid) else None)
             session = _Session(
                 session_id=session_id,
                 strategy=strategy,
-                proposer=self._proposer(strategy, vocab_size, reusable),
+                proposer=self._proposer(strategy, vocab_size, reusable, store),
                 sampling=sampling,
                 gen=make_generator(None if sampling.seed is None else drafter_seed(sampling.seed)),
                 vocab_size=vocab_size,
@@ -273,9 +281,10 @@ class DrafterCore:
                 return iter(())
             return self._blocks(session, session.epoch, regular=used is None)
 
-    def close(self, session_id: str, *, owner: str = "", error: str | None = None) -> bool:
+    def close(self, session_id: str, *, owner: str = "", error: str | None = None, finished: bool = False) -> bool:
         """Free a session's draft state; False when it was not open (closing twice is harmless).
-        `error` names why it is dropped (counted in stats()["session_errors"])."""
+        `error` names why it is dropped (counted in stats()["session_errors"]); `finished`: the
+        generation ended normally (its last commit is in), so a suffix store keeps its response."""
         with self._lock:
             session = self._sessions.pop((owner, session_id), None)
         if error is not None:
@@ -284,6 +293,8 @@ class DrafterCore:
         if session is None:
             return False
         with session.lock:
+            if finished and error is None and not session.closed:
+                session.proposer.finish(session.ids)
             self._end(session)
         return True
 
@@ -303,7 +314,8 @@ class DrafterCore:
             active = len(self._sessions)
         return DrafterInfo(
             drafter_id=self.settings.drafter_id,
-            strategies=(DraftStrategy.ngram,) + ((DraftStrategy.model, DraftStrategy.hybrid) if model is not None else ()),
+            strategies=(DraftStrategy.ngram, DraftStrategy.suffix)
+            + ((DraftStrategy.model, DraftStrategy.hybrid) if model is not None else ()),
             model_id=model.model_id if model is not None else "",
             vocab_size=self._draft_vocab,
             active_sessions=active,
@@ -315,6 +327,7 @@ class DrafterCore:
         with self._stats_lock:
             out = self._stats.as_dict()
         out["active_sessions"] = active
+        out["suffix"] = self.suffix_stores.stats()
         return out
 
     # -- internals ------------------------------------------------------------------------------
@@ -326,21 +339,27 @@ class DrafterCore:
             raise UnknownSession(f"session {session_id} is not open on this stream (open it first)")
         return session
 
-    def _proposer(self, strategy: DraftStrategy, vocab_size: int, reusable: Proposer | None) -> Proposer:
+    def _proposer(self, strategy: DraftStrategy, vocab_size: int, reusable: Proposer | None, store=None) -> Proposer:
         # A re-open (a new turn) usually extends the old context: reusing the proposer keeps its
         # n-gram index or draft KV cache, which resync to the new ids by their common prefix.
         if strategy == DraftStrategy.ngram:
             if isinstance(reusable, NgramProposer):
                 return reusable
             return NgramProposer(self.settings.ngram_min, self.settings.ngram_max)
+        if strategy == DraftStrategy.suffix:
+            if isinstance(reusable, SuffixProposer) and reusable.store is store:
+                return reusable
+            return SuffixProposer(store)
         if strategy == DraftStrategy.hybrid:
-            if isinstance(reusable, HybridProposer) and reusable.model.vocab_limit == vocab_size:
+            if (isinstance(reusable, HybridProposer) and reusable.model.vocab_limit == vocab_size
+                    and reusable.suffix is not None and reusable.suffix.store is store):
                 return reusable
             return HybridProposer(
                 NgramProposer(self.settings.ngram_min, self.settings.ngram_max),
                 DraftModelProposer(self.settings.draft_model, draft_top_k=self.settings.draft_top_k,
                                    vocab_limit=vocab_size, stop_below=0.0, int8=self.settings.draft_int8),
                 min_lookup_match=self.settings.hybrid_min_match,
+                suffix=SuffixProposer(store),
             )
         if isinstance(reusable, DraftModelProposer) and reusable.vocab_limit == vocab_size:
             return reusable
@@ -425,8 +444,8 @@ class DrafterCore:
         anchor, ids = session.anchor, session.ids
         tail = anchor.token_ids[len(ids) - anchor.base_len :]  # anchor drafts not yet committed
         k = min(session.next_block_len, session.max_block_len)
-        if session.strategy == DraftStrategy.ngram:
-            # Prompt lookup drafts by copying what followed an earlier occurrence; on the context
+        if session.strategy in (DraftStrategy.ngram, DraftStrategy.suffix):
+            # Prompt lookup (and suffix decoding) drafts by copying what followed an earlier occurrence; on the context
             # extended by the anchor, that match simply continues. So one lookup on the committed
             # ids yields the anchor's drafts, the bonus guess (the continuation token after them)
             # and the next drafts, and the n-gram index only ever holds committed tokens: no

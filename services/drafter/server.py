@@ -149,6 +149,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 msg.vocab_size,
                 msg.next_block_len,
                 owner=owner,
+                target_model=msg.target_model,
+                cache_scope=msg.cache_scope,
             )
             stats.sessions += 1
             return blocks
@@ -156,7 +158,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             msg = request.commit
             return self.core.commit(sid, msg.committed_len, list(msg.appended_ids), msg.next_block_len, owner=owner)
         if kind == "close":
-            self.core.close(sid, owner=owner)
+            self.core.close(sid, owner=owner, finished=request.close.reason == "finished")
             return iter(())
         raise InvalidRequest(f"DraftRequest for session {sid} carries no open, commit or close")
 

@@ -40,6 +40,10 @@ class DrafterSettings(BaseModel):
     # Hard cap on the drafts of one block whatever a request asks for: a model drafts token by
     # token, so an unbounded next_block_len would hold the draft model for arbitrarily long.
     max_block_len: int = Field(64, ge=1, le=1024)
+    # Suffix decoding's cross-session stores: tokens of recent responses kept per (target model,
+    # tenant scope), the oldest evicted first; and how many such stores (least recently used go).
+    suffix_store_tokens: int = Field(100_000, ge=0)
+    suffix_max_stores: int = Field(64, ge=1)
     metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics (0 = any free port)
     # Mutual TLS on the service port: only callers with a certificate from tls.ca (the verifiers)
     # may open draft streams. None: plaintext (a trusted network only).

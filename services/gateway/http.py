@@ -28,7 +28,7 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   already streamed; the client sees one stream (the response's `tandem.resumed` counts such handovers).
 - Shutdown: after SIGTERM new requests get 503 (Retry-After); a stream still running when the
   drain grace ends gets an SSE error event of type service_unavailable_error, never a silent end.
-- `speculation`: {"strategy": "none" | "ngram" | "model" | "hybrid", "max_draft_tokens": 1..64,
+- `speculation`: {"strategy": "none" | "ngram" | "suffix" | "model" | "hybrid", "max_draft_tokens": 1..64,
   "adaptive": bool}, each optional (the gateway's defaults fill the rest). It changes speed, never
   the output.
 - `top_k`, `stop_token_ids`, `ignore_eos`: as in tandem.v1.SamplingParams. `temperature` defaults to
@@ -155,7 +155,7 @@ class _Strict(BaseModel):
 
 
 class SpeculationOptions(_Strict):
-    strategy: Literal["none", "ngram", "model", "hybrid"] | None = None
+    strategy: Literal["none", "ngram", "suffix", "model", "hybrid"] | None = None
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
 

@@ -28,6 +28,7 @@ from tandem.engine.ids import common_prefix_len
 from tandem.engine.models import LoadedModel
 from tandem.engine.runner import Sequence
 from tandem.engine.spec import Engine, FinishReason, GenerationResult, StepOutput
+from tandem.engine.suffix import scope_of
 from tandem.serving.telemetry import tracer
 
 from .drafting import DrafterConnector, RemoteProposer
@@ -382,10 +383,14 @@ class VerifierCore:
                     others_busy=lambda: self.executor.busy_sessions > 1,
                     local=(self.engine.factory.build(spec.model_copy(update={"strategy": DraftStrategy.ngram}))
                            if spec.strategy in (DraftStrategy.ngram, DraftStrategy.hybrid) else None),
+                    target_model=self.target.model_id, cache_scope=scope_of(cache_salt),
                 )
                 proposer.open(list(context_ids))  # the drafter starts while we prefill
             elif spec.strategy != DraftStrategy.none:
-                proposer = self.engine.factory.build(spec) if spec.strategy == DraftStrategy.ngram else None
+                # No drafter: the strategies that need no model run here (suffix decoding over the
+                # session's own tokens only; the cross-session store lives on the drafters).
+                proposer = (self.engine.factory.build(spec)
+                            if spec.strategy in (DraftStrategy.ngram, DraftStrategy.suffix) else None)
             with tracer.start_as_current_span("prefill") as span:
                 # Prefill and every step go through the runner's batch executor: the forwards of
                 # concurrent sessions run as one batch (continuous batching).

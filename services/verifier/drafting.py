@@ -98,6 +98,8 @@ class RemoteProposer(Proposer):
         headers: Sequence[tuple[str, str]] = (),
         others_busy: Callable[[], bool] = lambda: False,
         local: Proposer | None = None,
+        target_model: str = "",
+        cache_scope: str = "",
     ):
         self.connector = connector
         self.address = address
@@ -113,6 +115,8 @@ class RemoteProposer(Proposer):
         self.others_busy = others_busy
         # Drafts a step whose remote block is late or missing (prompt lookup over the same ids).
         self.local = local
+        self.target_model, self.cache_scope = target_model, cache_scope  # the drafter's suffix store
+        self._known = 0  # committed length the drafter has been told
         self._local_offer: int | None = None  # committed length at which `local` offered
         self._paused = False  # the last commit asked for no drafts
         self.rejected_blocks = 0
@@ -140,7 +144,9 @@ class RemoteProposer(Proposer):
             session_id=self.session_id, context_ids=list(context_ids), strategy=self.spec.strategy,
             max_draft_tokens=self.spec.max_draft_tokens, sampling=self.sampling,
             vocab_size=self.vocab_size, next_block_len=next_k,
+            target_model=self.target_model, cache_scope=self.cache_scope,
         )
+        self._known = len(context_ids)
 
         def on_block(block: DraftBlock) -> None:
             valid = self._validate(block)
@@ -320,6 +326,18 @@ class RemoteProposer(Proposer):
         if self._link is None or self._dead_since is not None:
             return
         self._link.commit(len(ids), list(appended), next_k)
+        self._known = len(ids)
+
+    def finish(self, ids: list[int]) -> None:
+        """The generation ended normally: for a strategy whose drafter keeps responses (suffix,
+        hybrid), tell it the last step's tokens (drafting paused) before the close says
+        "finished", so its store holds the whole response."""
+        if self.spec.strategy not in (DraftStrategy.suffix, DraftStrategy.hybrid):
+            return
+        if self._link is None or self._dead_since is not None or self._closed or len(ids) <= self._known:
+            return
+        self._link.commit(len(ids), list(ids[self._known:]), 0)
+        self._known = len(ids)
 
     def close(self, reason: str = "finished") -> None:
         if self._closed:

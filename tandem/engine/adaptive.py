@@ -63,14 +63,22 @@ LONG_MATCH_MAX_INTERVAL = 16
 PROBE_MAX_DRAFTS = 4  # a probe drafts 1..4 tokens: the most that cost about as little as the fewest
 
 
+def _group(length: int) -> int:
+    """Match lengths: 1, 2, 3, 4 stay; 5-7 -> 5; 8-15 -> 6; 16 and more -> 7."""
+    if length <= 4:
+        return max(0, length)
+    return 5 if length < 8 else 6 if length < 16 else 7
+
+
 def _bucket(proposer: str, bucket: int) -> tuple[str, int]:
-    """Group prompt lookup's match lengths: 1, 2, 3, 4 stay; 5-7 -> 5; 8-15 -> 6; 16 and more -> 7.
-    Other proposers' buckets (0-7) are taken as they are."""
-    if proposer != "ngram":
-        return proposer, max(0, min(bucket, 7))
-    if bucket <= 4:
-        return proposer, bucket
-    return proposer, 5 if bucket < 8 else 6 if bucket < 16 else 7
+    """Prompt lookup's match lengths grouped (_group); suffix decoding's too, its matches in the
+    cross-session store (bucket = 16 + length) apart from the session's own (8 + group). Other
+    proposers' buckets (0-7) are taken as they are."""
+    if proposer == "ngram":
+        return proposer, _group(bucket)
+    if proposer == "suffix":
+        return proposer, _group(bucket) if bucket < 16 else 8 + _group(bucket - 16)
+    return proposer, max(0, min(bucket, 7))
 
 
 @dataclass
@@ -117,7 +125,10 @@ class BlockLengthController:
 
     def rates(self, proposer: str, bucket: int, k: int) -> list[float]:
         key = _bucket(proposer, bucket)
-        prior = (_PRIOR if proposer == "ngram" else _MODEL_PRIOR if proposer == "model" else {}).get(key[1], 0.3)
+        if proposer == "suffix":  # a match is a match, in the session or in the store
+            prior = _PRIOR.get(key[1] % 8, 0.3)
+        else:
+            prior = (_PRIOR if proposer == "ngram" else _MODEL_PRIOR if proposer == "model" else {}).get(key[1], 0.3)
         shared, own = self.shared.row(key), self.own.row(key)
         out = []
         for i in range(k):
@@ -199,12 +210,12 @@ class BlockLengthController:
     def probe(self, proposer: str, bucket: int, available: int) -> int:
         """An offer of `available` drafts was declined (the plan chose a plain step): how many
         drafts to verify anyway to test its bucket (0: not now). See the module docstring."""
-        if not self.adaptive or available <= 0 or proposer != "ngram":
-            # Only prompt lookup is probed: its drafts cost nothing to make, while a draft
-            # model's probe would pay its own steps on top of the larger forward.
+        if not self.adaptive or available <= 0 or proposer not in ("ngram", "suffix"):
+            # Only prompt lookup and suffix decoding are probed: their drafts cost nothing to
+            # make, while a draft model's probe would pay its own steps on top of the larger forward.
             return 0
         key = _bucket(proposer, bucket)
-        long_match = key[1] >= LONG_MATCH
+        long_match = key[1] % 8 >= LONG_MATCH
         state = self._probes.setdefault(key, [0, 1 if long_match else PROBE_INTERVAL])
         state[0] += 1
         if state[0] < state[1]:

@@ -14,7 +14,8 @@ class DraftStrategy(str, Enum):
     none = "none"  # plain decoding: one target forward per token
     ngram = "ngram"  # prompt lookup over the sequence's own context
     model = "model"  # a small causal LM sharing the target's tokenizer
-    hybrid = "hybrid"  # per step, prompt lookup or the draft model, whichever is expected to pay more
+    hybrid = "hybrid"  # per step, prompt lookup, suffix decoding or the draft model, whichever is expected to pay most
+    suffix = "suffix"  # suffix decoding: the session's own tokens and earlier responses (tandem.engine.suffix)
 
 
 class Grammar(BaseModel):

@@ -124,6 +124,10 @@ class Proposer(ABC):
     def reset(self) -> None:
         """Forget per-sequence state (a new, unrelated sequence follows)."""
 
+    def finish(self, ids: list[int]) -> None:
+        """The generation ended normally with `ids` (prompt and output), before close(): a
+        proposer that learns from finished responses (suffix decoding's store) keeps them."""
+
     def close(self, reason: str = "finished") -> None:
         """The generation ended: release resources (a remote proposer closes its session)."""
 
@@ -511,7 +515,7 @@ class _DraftGrammar:
 
 
 class HybridProposer(Proposer):
-    """Prompt lookup and a draft model, chosen per step.
+    """Prompt lookup, suffix decoding (when given) and a draft model, chosen per step.
 
     Each step both make an offer: prompt lookup's, when the context matches, carries its match
     length; the model's confidence (the probability of its first draft) costs a draft step to learn,
@@ -520,35 +524,42 @@ class HybridProposer(Proposer):
     acceptance for that proposer and confidence, measured draft cost) and the better one drafts. A
     long match inside a copied schema goes to prompt lookup (from LONG_MATCH on without even asking
     the model); free prose goes to the model. Stats are kept per proposer, so the choice and its
-    outcome show.
+    outcome show. Suffix decoding (tandem.engine.suffix) offers like prompt lookup, for free: its
+    matches also reach into earlier responses of other sessions, and its bucket is its own.
     """
 
     name = "hybrid"
     costly = True
 
-    def __init__(self, ngram: NgramProposer, model: DraftModelProposer, *, min_lookup_match: int = 3):
-        self.ngram, self.model = ngram, model
+    def __init__(self, ngram: NgramProposer, model: DraftModelProposer, *, min_lookup_match: int = 3,
+                 suffix: Proposer | None = None):
+        self.ngram, self.model, self.suffix = ngram, model, suffix
         self.min_lookup_match = min_lookup_match
         self.by_name: dict[str, Proposer] = {ngram.name: ngram, model.name: model}
+        if suffix is not None:
+            self.by_name[suffix.name] = suffix
         self._last_source = model.name
 
     LONG_MATCH = 8  # a context match this long wins outright: the model is not even asked
 
     def offers(self, ids: list[int]) -> list[Offer]:
         lookup = self.ngram.peek(ids)
+        free = [o for o in (lookup, self.suffix.peek(ids) if self.suffix is not None else None)
+                if o is not None and o.available > 0]
         if lookup.available > 0 and lookup.bucket >= self.LONG_MATCH:
-            return [lookup]
-        out = [Offer(self.model.name, 0, UNBOUNDED, needs_peek=True)]
-        if lookup.available > 0:
-            out.insert(0, lookup)
-        return out
+            return free
+        return [*free, Offer(self.model.name, 0, UNBOUNDED, needs_peek=True)]
 
     def rate(self, source: str, ids: list[int]) -> Offer:
         return self.by_name[source].peek(ids)
 
     def peek(self, ids: list[int]) -> Offer:
-        """Without measurements (a remote drafter drafting ahead): prompt lookup when its match is
-        at least `min_lookup_match` tokens long, else the model."""
+        """Without measurements (a remote drafter drafting ahead): suffix decoding, then prompt
+        lookup, when its match is at least `min_lookup_match` tokens long, else the model."""
+        if self.suffix is not None:
+            found = self.suffix.peek(ids)
+            if found.available > 0 and found.bucket % 16 >= self.min_lookup_match:
+                return found
         lookup = self.ngram.peek(ids)
         if lookup.available > 0 and lookup.bucket >= self.min_lookup_match:
             return lookup
@@ -566,15 +577,21 @@ class HybridProposer(Proposer):
         return self.by_name[self._last_source].per_token_seconds()
 
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
-        self.ngram.on_commit(ids, appended, next_k)
-        self.model.on_commit(ids, appended, next_k)
+        for p in self.by_name.values():
+            p.on_commit(ids, appended, next_k)
 
     def begin(self, context_len: int) -> None:
         self.model.begin(context_len)
+        if self.suffix is not None:
+            self.suffix.begin(context_len)
+
+    def finish(self, ids: list[int]) -> None:
+        if self.suffix is not None:
+            self.suffix.finish(ids)
 
     def reset(self) -> None:
-        self.ngram.reset()
-        self.model.reset()
+        for p in self.by_name.values():
+            p.reset()
 
 
 @dataclass
@@ -585,6 +602,10 @@ class ProposerFactory:
     draft_model: LoadedModel | None = None
     target_vocab: int | None = None
     draft_int8: bool = True  # draft model steps with int8 weights on a CPU
+    # Suffix decoding's cross-session store (finished responses of earlier generations of this
+    # factory); None: suffix drafts from the sequence's own tokens only.
+    suffix_store: object | None = None
+    hybrid_suffix: bool = True  # the hybrid offers suffix decoding too (False: prompt lookup and the model)
 
     def build(self, spec: SpecConfig | None = None) -> Proposer | None:
         spec = spec or self.spec
@@ -592,6 +613,10 @@ class ProposerFactory:
             return None
         if spec.strategy.value == "ngram":
             return NgramProposer(spec.ngram_min, spec.ngram_max)
+        if spec.strategy.value == "suffix":
+            from tandem.engine.suffix import SuffixProposer
+
+            return SuffixProposer(self.suffix_store)
         if self.draft_model is None:
             raise ValueError(
                 f"draft strategy {spec.strategy.value!r} needs a draft model (--draft-model PATH, or "
@@ -601,5 +626,8 @@ class ProposerFactory:
         model = DraftModelProposer(self.draft_model, draft_top_k=spec.draft_top_k, vocab_limit=self.target_vocab,
                                    stop_below=None if spec.adaptive else 0.0, int8=self.draft_int8)
         if spec.strategy.value == "hybrid":
-            return HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max), model)
+            from tandem.engine.suffix import SuffixProposer
+
+            suffix = SuffixProposer(self.suffix_store) if self.hybrid_suffix else None
+            return HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max), model, suffix=suffix)
         return model

@@ -376,6 +376,8 @@ class Generation:
         out.block_len = block_len
         if self.proposer is not None:
             if self.finished:
+                if self.finish_reason != FinishReason.error:
+                    self.proposer.finish(self.seq.ids)
                 self.proposer.close()
             else:
                 self.proposer.on_commit(self.seq.ids, verdict.tokens, self._next_block_hint())

@@ -64,6 +64,8 @@ class DraftSessionOpen:
     sampling: SamplingParams
     vocab_size: int  # drafted ids must lie in [0, vocab_size)
     next_block_len: int  # drafts wanted in the first block; 0 = wait for the first commit
+    target_model: str = ""  # with cache_scope: which suffix store the session reads and feeds
+    cache_scope: str = ""  # opaque, derived from the tenant (suffix_scope); "" = the open scope
 
 
 @dataclass(frozen=True)

@@ -286,6 +286,14 @@ class _DrafterCollector:
         yield CounterMetricFamily("tandem_draft_seconds", "Seconds spent drafting (every block).",
                                   value=s["draft_seconds"])
         yield GaugeMetricFamily("tandem_draft_sessions_active", "Open draft sessions.", value=s["active_sessions"])
+        suffix = s.get("suffix")
+        if suffix is not None:
+            yield GaugeMetricFamily("tandem_suffix_store_tokens", "Tokens of earlier answers held for suffix "
+                                    "decoding, all stores (target model x tenant) together.", value=suffix["tokens"])
+            yield GaugeMetricFamily("tandem_suffix_store_responses", "Earlier answers held for suffix decoding.",
+                                    value=suffix["responses"])
+            yield GaugeMetricFamily("tandem_suffix_stores", "Suffix stores (one per target model and tenant).",
+                                    value=suffix["stores"])
         # A drafter's requests are its sessions: opened (ok) or dropped with a status.
         requests = CounterMetricFamily("tandem_requests", _REQUESTS_DOC, labels=["service", "status"])
         requests.add_metric([self._service, "ok"], s["sessions_opened"])

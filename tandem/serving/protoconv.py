@@ -33,6 +33,7 @@ STRATEGY_TO_PB = {
     DraftStrategy.ngram: common_pb2.DRAFT_STRATEGY_NGRAM,
     DraftStrategy.model: common_pb2.DRAFT_STRATEGY_MODEL,
     DraftStrategy.hybrid: common_pb2.DRAFT_STRATEGY_HYBRID,
+    DraftStrategy.suffix: common_pb2.DRAFT_STRATEGY_SUFFIX,
 }
 STRATEGY_FROM_PB = {pb: s for s, pb in STRATEGY_TO_PB.items()}  # UNSPECIFIED is absent: server default
 
@@ -250,6 +251,7 @@ def draft_open_to_proto(req: DraftSessionOpen) -> drafter_pb2.OpenSession:
     return drafter_pb2.OpenSession(
         context_ids=req.context_ids, strategy=STRATEGY_TO_PB[req.strategy], max_draft_tokens=req.max_draft_tokens,
         sampling=sampling_to_proto(req.sampling), vocab_size=req.vocab_size, next_block_len=req.next_block_len,
+        target_model=req.target_model, cache_scope=req.cache_scope,
     )
 
 

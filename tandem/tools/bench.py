@@ -33,6 +33,7 @@ accept a pre-filled cache correctly in 5.x: its outputs then differ from plain d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import platform
@@ -53,8 +54,10 @@ from tandem.engine.models import apply_chat_template
 from tandem.engine.progress import progress_bar
 from tandem.engine.spec import Engine, FinishReason, GenerationResult, SpecStats
 
-MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model": DraftStrategy.model,
-         "hybrid": DraftStrategy.hybrid}
+MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "suffix": DraftStrategy.suffix,
+         "model": DraftStrategy.model, "hybrid": DraftStrategy.hybrid,
+         # the hybrid of prompt lookup and the draft model alone, as it was before suffix decoding joined it
+         "hybrid-nosuffix": DraftStrategy.hybrid}
 PEER_MODES = ("hf-ar", "hf-prompt-lookup", "hf-assisted")
 ALL_MODES = (*MODES, *PEER_MODES)
 HF_LOOKUP_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens
@@ -169,7 +172,8 @@ class EngineTarget:
 
     modes = ALL_MODES
 
-    def __init__(self, engine: Engine, tokenizer, *, hf_lookup_tokens: int = HF_LOOKUP_TOKENS, tools: str = "prompt"):
+    def __init__(self, engine: Engine, tokenizer, *, hf_lookup_tokens: int = HF_LOOKUP_TOKENS, tools: str = "prompt",
+                 suffix_store=None):
         if hf_lookup_tokens < 1:
             raise ValueError(f"hf_lookup_tokens must be >= 1, got {hf_lookup_tokens}")
         if tools not in TOOL_MODES:
@@ -180,6 +184,14 @@ class EngineTarget:
         self.tools = tools
         self.model_id = engine.target.model_id
         self.draft_id = engine.draft.model_id if engine.draft is not None else None
+        # Suffix decoding's cross-session store (warm runs): run_bench holds what a prompt's runs
+        # add until the prompt is done, so no prompt drafts from its own output. None: cold.
+        self.suffix_store = suffix_store
+        self._factories = {
+            "suffix": dataclasses.replace(engine.factory, suffix_store=suffix_store),
+            "hybrid": dataclasses.replace(engine.factory, suffix_store=suffix_store),
+            "hybrid-nosuffix": dataclasses.replace(engine.factory, hybrid_suffix=False),
+        }
 
     def prepare(self, rec: PromptRecord) -> tuple[list[int], int]:
         ids = self.context_ids(rec, to_chat(rec, 0))
@@ -220,7 +232,9 @@ class EngineTarget:
     def run(self, ids: list[int], sampling: SamplingParams, mode: str, sequence) -> GenerationResult:
         if mode in MODES:
             spec = self.engine.spec.model_copy(update={"strategy": MODES[mode]})
-            gen = self.engine.start(ids, sampling, spec, sequence=sequence)
+            factory = self._factories.get(mode)
+            proposer = factory.build(spec) if factory is not None else None
+            gen = self.engine.start(ids, sampling, spec, sequence=sequence, proposer=proposer)
             for _ in gen:
                 pass
             return gen.result()
@@ -346,6 +360,7 @@ def run_bench(
     turns: int = 1,
     hf_lookup_tokens: int = HF_LOOKUP_TOKENS,
     tools: str = "prompt",
+    suffix_warm: bool = False,
 ) -> dict:
     """Run the first `turns` turns of every record in every mode, interleaved; return the JSON-able
     report.
@@ -359,9 +374,20 @@ def run_bench(
     `tandem.engine.spec.Generation`).
     With repeats > 1 each prompt runs that many times per mode and each turn's figures are those of
     its median-time repeat; equality with the baseline is required of every repeat.
+    `suffix_warm`: suffix decoding's cross-session store (modes suffix and hybrid) is fed with the
+    finished responses of the earlier prompts of this run; each prompt's own responses join it only
+    after all its modes, repeats and turns ran. Off (cold): the store is empty, so those modes draft
+    from the session's own tokens only.
     """
+    store = None
+    if suffix_warm:
+        if not isinstance(engine, Engine):
+            raise ValueError("suffix_warm runs in process: through a stack the drafters' stores warm themselves")
+        from tandem.engine.suffix import SuffixStore
+
+        store = SuffixStore()
     target = (
-        EngineTarget(engine, tokenizer, hf_lookup_tokens=hf_lookup_tokens, tools=tools)
+        EngineTarget(engine, tokenizer, hf_lookup_tokens=hf_lookup_tokens, tools=tools, suffix_store=store)
         if isinstance(engine, Engine) else engine
     )
     modes = _check_modes(target, modes)
@@ -397,14 +423,20 @@ def run_bench(
     # Untimed: the first forwards pay for allocation and kernel selection, and the draft model's
     # first forward for its own; one short generation per mode keeps that out of the first prompt.
     warmup = sampling_for(0, 0).model_copy(update={"max_new_tokens": min(max_new_tokens, WARMUP_TOKENS)})
+    if store is not None:
+        store.hold()
     for m in modes:
         conversation(0, m).turn(0, warmup)
+    if store is not None:
+        store.release(keep=False)  # the warm-up's partial answer of prompt 0 is not an earlier response
 
     # runs[i][m][r][t]: prompt i, mode m, repeat r, turn t
     runs: list[dict[str, list[list[GenerationResult]]]] = [{m: [] for m in modes} for _ in records]
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("bench", total=sum(n_turns) * len(modes) * repeats)
         for i in range(len(records)):
+            if store is not None:
+                store.hold()
             for r in range(repeats):
                 convs = {m: conversation(i, m) for m in modes}
                 outs: dict[str, list[GenerationResult]] = {m: [] for m in modes}
@@ -414,6 +446,8 @@ def run_bench(
                         bar.advance(task)
                 for m in modes:
                     runs[i][m].append(outs[m])
+            if store is not None:
+                store.release(keep=True)  # prompt i's answers serve the prompts after it
 
     # chosen[i][m][t]: the median-time repeat of turn t
     chosen = [
@@ -492,7 +526,12 @@ def run_bench(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sampling": sampling.model_dump(mode="json"),
         "tools": tools,
+        "suffix_store": None if not any(m in ("suffix", "hybrid") for m in modes) else (
+            "warm: fed by the finished responses of earlier prompts of this run, never the measured prompt's own"
+            if store is not None else "cold: empty, drafts from the session's own tokens only"),
     }
+    if store is not None:
+        result["config"]["suffix_store_end"] = {"responses": store.responses, "tokens": store.tokens}
     return result
 
 
@@ -705,7 +744,7 @@ def _check_modes(target, modes: Sequence[str]) -> list[str]:
         )
     if len(set(modes)) != len(modes):
         raise ValueError(f"modes repeat: {list(modes)}")
-    for m in ("model", "hybrid", "hf-assisted"):
+    for m in ("model", "hybrid", "hybrid-nosuffix", "hf-assisted"):
         if m in modes and target.draft_id is None:
             raise ValueError(f"mode {m!r} needs a draft model (--draft-model PATH)")
     out = list(modes)

@@ -22,7 +22,8 @@ from tandem.serving.protoconv import FINISH_FROM_PB, STRATEGY_TO_PB, sampling_to
 from tandem.engine.spec import FinishReason, GenerationResult
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-_MODE_STRATEGY = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "model": DraftStrategy.model,
+_MODE_STRATEGY = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "suffix": DraftStrategy.suffix,
+                  "model": DraftStrategy.model,
                   "hybrid": DraftStrategy.hybrid}
 
 

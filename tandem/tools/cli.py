@@ -304,10 +304,10 @@ def calibrate(
 
 @app.command()
 def bench(
-    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Prompt set: a bundled development set by name (humaneval, mt_bench, gsm8k, bfcl_multiple) or a file: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns and optional category.")],
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Prompt set: a bundled development set by name (humaneval, mt_bench, gsm8k, bfcl_multiple), a multi-session workload built from them (agent_tools: 12 two-turn sessions sharing one tool list; code_twice: HumanEval prompts asked twice, renamed the second time; use --turns 2 and --suffix-warm), or a file: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns and optional category.")],
     limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N prompts.", min=1)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens per generation.", min=1)] = 128,
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram, model and hybrid (a draft model: --draft-model, or the target's distilled draft); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs a draft model too).")] = "ar,ngram",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram (prompt lookup), suffix (suffix decoding: see --suffix-warm), model, hybrid (prompt lookup, suffix decoding or the draft model per step) and hybrid-nosuffix (the hybrid without suffix decoding) (a draft model: --draft-model, or the target's distilled draft); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs a draft model too).")] = "ar,ngram",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Also print the JSON report on stdout (the tables go to stderr).")] = False,
     model: ModelOpt = "default",
@@ -327,6 +327,7 @@ def bench(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TANDEM_API_KEY", help="With --endpoint: the gateway's API key.")] = None,
     curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Measure the machine's cost curve (`tandem calibrate`, 100 and 1,000 tokens of context) before the run and record it in the report (in process only).")] = True,
     threads: ThreadsOpt = None,
+    suffix_warm: Annotated[bool, typer.Option("--suffix-warm/--suffix-cold", help="Suffix decoding's cross-session store (modes suffix, hybrid): warm = fed by the finished answers of the earlier prompts of this run (a prompt's own answers join only after all its modes ran); cold = empty. In process only.")] = False,
 ) -> None:
     """Benchmark modes side by side in one process, interleaved per prompt, against plain decoding.
 
@@ -339,7 +340,7 @@ def bench(
     from rich.console import Console
 
     from tandem.tools.bench import TOOL_MODES, format_category_table, format_table, run_bench
-    from tandem.tools.datasets import load_prompts, resolve_dataset
+    from tandem.tools.datasets import WORKLOADS, load_prompts, resolve_dataset, workload
     from tandem.engine.spec import Engine
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
@@ -348,7 +349,7 @@ def bench(
             raise ValueError(f"--tools is one of {', '.join(TOOL_MODES)}, not {tools!r}")
         if tools != "prompt" and endpoint:  # before connecting (run_bench refuses it too, after)
             raise ValueError("--tools auto/required runs in process; through --endpoint the records' tool lists go as text")
-        records = load_prompts(resolve_dataset(dataset), limit)
+        records = workload(dataset, limit) if dataset in WORKLOADS else load_prompts(resolve_dataset(dataset), limit)
         grammar = _grammar_option(response_format)
         if grammar is not None and tools == "required":
             raise ValueError("--tools required brings its own grammar (one call of the record's functions); leave out --response-format")
@@ -366,7 +367,7 @@ def bench(
             result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats,
                                turns=turns)
         else:
-            needs = any(m in ("model", "hybrid", "hf-assisted") for m in mode_list)
+            needs = any(m in ("model", "hybrid", "hybrid-nosuffix", "hf-assisted") for m in mode_list)
             target, draft_lm = _load(model, draft_model, needs_draft=needs)
             engine = Engine(target, draft_lm, spec)
             machine_curve = None
@@ -378,7 +379,7 @@ def bench(
                 machine_curve = measure(impl, contexts=(100, 1000))
             result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
                                sampling=sampling, repeats=repeats, turns=turns, hf_lookup_tokens=hf_lookup_tokens,
-                               tools=tools)
+                               tools=tools, suffix_warm=suffix_warm)
             if machine_curve is not None:
                 result["config"]["machine"]["cost_curve"] = machine_curve.as_dict()
     except ValueError as exc:
@@ -732,8 +733,10 @@ def drafter(
     tls_ca: TlsCaOpt = None,
     health_port: HealthPortOpt = None,
     drain_grace_s: _drain_opt(5.0, "open draft streams (their verifiers then decode plainly)") = 5.0,
+    suffix_store_tokens: Annotated[int, typer.Option("--suffix-store-tokens", help="Suffix decoding: tokens of recent responses kept per (target model, tenant) for cross-session drafts; the oldest go first (0: none kept).", min=0)] = 100_000,
 ) -> None:
-    """Run a drafter: hosts the proposers (prompt lookup, a draft model), keeps per-session draft
+    """Run a drafter: hosts the proposers (prompt lookup, suffix decoding with a cross-session
+    store per target model and tenant, a draft model), keeps per-session draft
     state and drafts ahead while the verifier checks the previous block. With --tls-*, only
     callers holding a certificate from the CA may open draft streams."""
     _setup(threads, log_level, service="drafter", log_json=log_json)
@@ -750,7 +753,8 @@ def drafter(
             _fail(str(exc))
     fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
                   lookahead=lookahead, max_sessions=max_sessions, max_context_tokens=max_context_tokens,
-                  metrics_port=metrics_port, tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port)
+                  metrics_port=metrics_port, tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port,
+                  suffix_store_tokens=suffix_store_tokens)
     if drafter_id:
         fields["drafter_id"] = drafter_id
     try:

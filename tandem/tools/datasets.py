@@ -269,3 +269,54 @@ def resolve_dataset(spec: str | Path) -> Path:
     raise ValueError(
         f"{spec} is neither a file nor a development set (known sets: {', '.join(n for n, _ in DEV_SETS)})"
     )
+
+
+# -- derived multi-session workloads (built from the development sets, deterministic) ----------------
+#
+# Agents repeat themselves across sessions; these sets say so on purpose, for suffix decoding's
+# cross-session store (`tandem bench --suffix-warm`): each record is one session, and a warm run
+# feeds the store with the answers of the records before it.
+
+WORKLOADS = {
+    "agent_tools": "12 two-turn sessions of one agent: the same tool list (the functions of the first "
+                   "four BFCL multiple records) in every system prompt, each session asking two of "
+                   "their questions",
+    "code_twice": "the first 8 HumanEval prompts, each asked twice in separate sessions, the second "
+                  "time with the function renamed",
+}
+
+
+def workload(name: str, limit: int | None = None) -> list[PromptRecord]:
+    """The records of a derived workload (WORKLOADS), at most `limit`."""
+    if name == "agent_tools":
+        base = load_prompts(dev_set("bfcl_multiple"), 4)
+        functions, seen = [], set()
+        raw = [json.loads(line) for line in dev_set("bfcl_multiple").read_text().splitlines()[:4]]
+        for obj in raw:
+            for f in obj["function"]:
+                if f["name"] not in seen:
+                    seen.add(f["name"])
+                    functions.append(f)
+        system = tools_system_prompt(functions)
+        api = [{"name": f["name"], "description": f.get("description", ""),
+                "parameters": bfcl_schema(f.get("parameters") or {"type": "object", "properties": {}})}
+               for f in functions]
+        questions = [r.turns[0] for r in base]
+        pairs = [(i, j) for i in range(len(questions)) for j in range(len(questions)) if i != j]
+        records = [PromptRecord(id=f"agent_{i}_{j}", dataset="agent_tools", category=f"first_q{i}", system=system,
+                                turns=[questions[i], questions[j]], functions=api, system_without_tools=None)
+                   for i, j in pairs]
+    elif name == "code_twice":
+        records = []
+        for line in dev_set("humaneval").read_text().splitlines()[:8]:
+            obj = json.loads(line)
+            entry = obj["entry_point"]
+            records.append(_record(obj, dataset="code_twice", default_id=obj["task_id"]))
+            renamed = dict(obj, prompt=obj["prompt"].replace(entry, f"{entry}_v2"), task_id=f"{obj['task_id']}/v2",
+                           category="renamed")
+            records.append(_record(renamed, dataset="code_twice", default_id=renamed["task_id"]))
+        for r in records[0::2]:
+            r.category = "first"
+    else:
+        raise KeyError(f"no workload {name!r}; known: {', '.join(WORKLOADS)}")
+    return records[:limit] if limit else records

@@ -50,8 +50,13 @@ class _DraftStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DraftSt
     DRAFT_STRATEGY_MODEL: _DraftStrategy.ValueType  # 3
     """A small draft model sharing the target's tokenizer (greedy, or sampling when temperature > 0)."""
     DRAFT_STRATEGY_HYBRID: _DraftStrategy.ValueType  # 4
-    """Per block, prompt lookup or the draft model: a long enough context match drafts by copying,
-    otherwise the model drafts. The block's `proposer` says which one drafted it.
+    """Per block, prompt lookup, suffix decoding or the draft model, whichever is expected to commit
+    the most tokens per second. The block's `proposer` says which one drafted it.
+    """
+    DRAFT_STRATEGY_SUFFIX: _DraftStrategy.ValueType  # 5
+    """Suffix decoding: the most frequent continuation of the longest earlier match, in the session's
+    own tokens or in earlier responses of other sessions of the same target model and tenant,
+    which the drafter keeps (bounded; oldest evicted first). No model; deterministic.
     """
 
 class DraftStrategy(_DraftStrategy, metaclass=_DraftStrategyEnumTypeWrapper):
@@ -66,8 +71,13 @@ DRAFT_STRATEGY_NGRAM: DraftStrategy.ValueType  # 2
 DRAFT_STRATEGY_MODEL: DraftStrategy.ValueType  # 3
 """A small draft model sharing the target's tokenizer (greedy, or sampling when temperature > 0)."""
 DRAFT_STRATEGY_HYBRID: DraftStrategy.ValueType  # 4
-"""Per block, prompt lookup or the draft model: a long enough context match drafts by copying,
-otherwise the model drafts. The block's `proposer` says which one drafted it.
+"""Per block, prompt lookup, suffix decoding or the draft model, whichever is expected to commit
+the most tokens per second. The block's `proposer` says which one drafted it.
+"""
+DRAFT_STRATEGY_SUFFIX: DraftStrategy.ValueType  # 5
+"""Suffix decoding: the most frequent continuation of the longest earlier match, in the session's
+own tokens or in earlier responses of other sessions of the same target model and tenant,
+which the drafter keeps (bounded; oldest evicted first). No model; deterministic.
 """
 Global___DraftStrategy: _TypeAlias = DraftStrategy  # noqa: Y015
 

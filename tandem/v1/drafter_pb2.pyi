@@ -43,6 +43,8 @@ class OpenSession(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     NEXT_BLOCK_LEN_FIELD_NUMBER: _builtins.int
+    TARGET_MODEL_FIELD_NUMBER: _builtins.int
+    CACHE_SCOPE_FIELD_NUMBER: _builtins.int
     strategy: _common_pb2.DraftStrategy.ValueType
     """Proposer to use (never UNSPECIFIED or NONE: the verifier resolves the default first)."""
     max_draft_tokens: _builtins.int
@@ -52,6 +54,15 @@ class OpenSession(_message.Message):
     next_block_len: _builtins.int
     """Drafts wanted in the first block, proposing tokens from index len(context_ids) on (they are
     verified by the prefill forward); 0 = wait for the first Commit.
+    """
+    target_model: _builtins.str
+    """With cache_scope: which cross-session suffix store this session reads and, when it closes
+    "finished", feeds with its response (strategies suffix and hybrid); one store per
+    (target_model, cache_scope). The verifier's target model id.
+    """
+    cache_scope: _builtins.str
+    """An opaque scope the verifier derives from the request's tenant (a hash, never the name), so
+    one tenant's text is never drafted for another; empty: the open, single-tenant scope.
     """
     @_builtins.property
     def context_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -73,10 +84,12 @@ class OpenSession(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         vocab_size: _builtins.int = ...,
         next_block_len: _builtins.int = ...,
+        target_model: _builtins.str = ...,
+        cache_scope: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_ids", b"context_ids", "max_draft_tokens", b"max_draft_tokens", "next_block_len", b"next_block_len", "sampling", b"sampling", "strategy", b"strategy", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "context_ids", b"context_ids", "max_draft_tokens", b"max_draft_tokens", "next_block_len", b"next_block_len", "sampling", b"sampling", "strategy", b"strategy", "target_model", b"target_model", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -128,7 +141,10 @@ class CloseSession(_message.Message):
 
     REASON_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
-    """Why, for logs: "finished", "cancelled", "error: ..."."""
+    """Why, for logs: "finished", "cancelled", "error: ...". "finished" (the generation ended
+    normally, after a last Commit with every token) also hands a suffix or hybrid session's
+    response to its suffix store.
+    """
     def __init__(
         self,
         *,

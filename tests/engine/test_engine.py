@@ -607,7 +607,7 @@ def sampling_context(sharp, contexts) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ngram", "model"])
+@pytest.mark.parametrize("strategy", ["ngram", "suffix", "model"])
 def test_sampled_output_follows_the_target_distribution(strategy, sharp, near, sampling_context) -> None:
     ctx = sampling_context
     engine = Engine(sharp, near)

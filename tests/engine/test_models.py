@@ -205,14 +205,20 @@ REAL_TOKENS = 48
 def test_greedy_speculation_on_smollm2_equals_plain_decoding(smollm, smollm_draft) -> None:
     """On real prompts, token for token: plain decoding (strategy none) == HF `generate` == prompt
     lookup (adaptive, on measured costs) == the 4-layer draft model (fixed blocks of 3, so every step
-    verifies drafts that are mostly wrong: rejection and rollback at nearly every step)."""
+    verifies drafts that are mostly wrong: rejection and rollback at nearly every step) == suffix
+    decoding (fixed blocks, a store fed by the earlier prompts' answers) == the hybrid of all three."""
     check_same_tokenizer(smollm, smollm_draft)
+    from tandem.engine.suffix import SuffixStore
+
     engine = Engine(smollm, smollm_draft)
+    engine.factory.suffix_store = SuffixStore()  # suffix and hybrid: later prompts draft from earlier answers too
     sampling = SamplingParams(max_new_tokens=REAL_TOKENS)
     eos = set(smollm.eos_token_ids)
     specs = {
         "ngram": SpecConfig(strategy="ngram"),
         "model": SpecConfig(strategy="model", adaptive=False, max_draft_tokens=3),
+        "suffix": SpecConfig(strategy="suffix", adaptive=False, max_draft_tokens=6),
+        "hybrid": SpecConfig(strategy="hybrid"),
     }
     accepted = {name: 0 for name in specs}
     for dataset, file in REAL_PROMPTS.items():
@@ -231,7 +237,7 @@ def test_greedy_speculation_on_smollm2_equals_plain_decoding(smollm, smollm_draf
             if name == "model":  # fixed blocks: every step drafts, but a last one with no room left
                 assert res.stats.spec_steps >= res.stats.steps - 1
     # Speculation was active, or this test would pass with it switched off.
-    assert accepted["ngram"] > 0 and accepted["model"] > 0, accepted
+    assert accepted["ngram"] > 0 and accepted["model"] > 0 and accepted["suffix"] > 0, accepted
 
 
 def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) -> None:

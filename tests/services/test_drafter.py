@@ -222,15 +222,16 @@ def test_model_blocks_follow_the_requests_grammar(model_drafter, tiny_draft_load
     stream.end()
 
 
-def test_hybrid_blocks_come_from_lookup_on_long_matches_else_the_model(model_drafter, tiny_draft_loaded) -> None:
+def test_hybrid_blocks_come_from_a_match_on_long_matches_else_the_model(model_drafter, tiny_draft_loaded) -> None:
     core, channel = model_drafter
     assert common_pb2.DRAFT_STRATEGY_HYBRID in drafter_pb2_grpc.DrafterStub(channel).GetInfo(
         drafter_pb2.DrafterInfoRequest(), timeout=5).strategies
     stream = DraftStream(channel)
-    # CONTEXT ends in a 3-token match (20 21 22): at the default minimum of 3, prompt lookup drafts
+    # CONTEXT ends in a 3-token match (20 21 22): at the default minimum of 3 a match drafts,
+    # suffix decoding's first (it sees what prompt lookup sees, with counts)
     stream.open("h", CONTEXT, strategy=common_pb2.DRAFT_STRATEGY_HYBRID)
     block = stream.next()
-    assert block.proposer == "ngram" and list(block.token_ids) == [23, 24, 25, 26] and block.confidence == 3
+    assert block.proposer == "suffix" and list(block.token_ids) == [23, 24, 25, 26] and block.confidence == 3
     # a context whose last token never occurred before: no match, the model drafts
     fresh = [5, 6, 7, 8, 9, 10]
     stream.open("m", fresh, strategy=common_pb2.DRAFT_STRATEGY_HYBRID)
@@ -415,7 +416,7 @@ def test_health_reflection_and_info(ngram_drafter) -> None:
     assert {"tandem.v1.Drafter", "grpc.health.v1.Health"} <= names
     info = drafter_pb2_grpc.DrafterStub(channel).GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=5)
     assert (info.drafter_id, list(info.strategies), info.model_id, info.vocab_size) == (
-        "d-ngram", [common_pb2.DRAFT_STRATEGY_NGRAM], "", 0)
+        "d-ngram", [common_pb2.DRAFT_STRATEGY_NGRAM, common_pb2.DRAFT_STRATEGY_SUFFIX], "", 0)
 
 
 def test_graceful_stop_ends_open_streams_and_frees_them() -> None:

@@ -92,7 +92,8 @@ def _grpc_generate(gw, strategy, session="", max_new=24, messages=MESSAGES):
 
 
 @pytest.mark.parametrize("strategy", [common_pb2.DRAFT_STRATEGY_NONE, common_pb2.DRAFT_STRATEGY_NGRAM,
-                                      common_pb2.DRAFT_STRATEGY_MODEL])
+                                      common_pb2.DRAFT_STRATEGY_SUFFIX, common_pb2.DRAFT_STRATEGY_MODEL,
+                                      common_pb2.DRAFT_STRATEGY_HYBRID])
 def test_chain_output_equals_single_process_reference(chain, tiny_loaded, strategy):
     gw, _ = chain
     tokens, last = _grpc_generate(gw, strategy)

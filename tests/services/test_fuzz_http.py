@@ -50,7 +50,7 @@ common = {
     "ignore_eos": st.booleans(),
     "session_id": st.text(max_size=300) | json_values,
     "speculation": st.fixed_dictionaries({}, optional={
-        "strategy": st.sampled_from(["none", "ngram", "model", "hybrid", "bogus"]),
+        "strategy": st.sampled_from(["none", "ngram", "suffix", "model", "hybrid", "bogus"]),
         "max_draft_tokens": st.integers(min_value=-2, max_value=200),
         "adaptive": st.booleans() | json_values,
     }) | json_values,

@@ -52,7 +52,8 @@ def _reference(loaded, max_new=32):
     ).token_ids
 
 
-@pytest.mark.parametrize("strategy", [DraftStrategy.ngram, DraftStrategy.model, DraftStrategy.hybrid])
+@pytest.mark.parametrize("strategy", [DraftStrategy.ngram, DraftStrategy.suffix, DraftStrategy.model,
+                                      DraftStrategy.hybrid])
 def test_remote_drafting_is_lossless(tiny_loaded, tiny_draft_loaded, strategy):
     # The target itself as the draft model makes every draft right: all of them must be accepted.
     # (float32 draft steps: int8 rounding would make the target an imperfect draft of itself)
@@ -66,7 +67,7 @@ def test_remote_drafting_is_lossless(tiny_loaded, tiny_draft_loaded, strategy):
         if strategy == DraftStrategy.model:
             assert result.stats.accepted == result.stats.drafted
         if strategy == DraftStrategy.hybrid:  # the blocks say which proposer drafted them
-            assert set(result.stats.by_proposer) <= {"ngram", "model"} and result.stats.by_proposer
+            assert set(result.stats.by_proposer) <= {"ngram", "suffix", "model"} and result.stats.by_proposer
             assert result.stats.by_proposer.get("model", {}).get("accepted", 0) == \
                 result.stats.by_proposer.get("model", {}).get("drafted", 0)
         assert result.stats.rejected_blocks >= 0
@@ -247,3 +248,53 @@ def test_under_batching_prompt_lookup_runs_in_the_verifier(tiny_loaded):
     finally:
         connector.close()
         server.stop(None)
+
+
+def _suffix_run(core, address, session: str, salt: str, max_new: int = 40) -> GenerationResult:
+    spec = SpecConfig(strategy=DraftStrategy.suffix, adaptive=False, max_draft_tokens=8)
+    items = list(core.generate(session, FRESH, SamplingParams(max_new_tokens=max_new, ignore_eos=True), spec,
+                               address, cache_salt=salt))
+    return items[-1]
+
+
+FRESH = [300, 301, 302, 303, 304, 305, 306]  # no token twice: the session alone has nothing to copy
+
+
+def test_the_drafters_suffix_store_serves_sessions_of_two_verifiers_and_never_another_tenant(tiny_loaded):
+    """One drafter, two verifiers: a response finished through verifier 1 is drafted for a new
+    session with the same prompt on verifier 2 (same tenant), and the text is the target's.
+    The same prompt from another tenant gets none of it: its store is its own."""
+    dcore, server, address = _drafter(None)
+    try:
+        v1, v2 = _verifier(tiny_loaded, verifier_id="v1", drafters=(address,)), \
+            _verifier(tiny_loaded, verifier_id="v2", drafters=(address,))
+        want = Engine(tiny_loaded).generate(FRESH, SamplingParams(max_new_tokens=40, ignore_eos=True),
+                                            SpecConfig(strategy=DraftStrategy.none)).token_ids
+        first = _suffix_run(v1, address, "a1", "tenant-a")
+        assert first.token_ids == want
+        _until(lambda: dcore.stats()["suffix"]["responses"] == 1)  # the close reaches the drafter
+        second = _suffix_run(v2, address, "a2", "tenant-a")
+        other = _suffix_run(v2, address, "b1", "tenant-b")
+        assert second.token_ids == want and other.token_ids == want
+        from_store = second.stats.by_proposer["suffix"]["accepted"]
+        assert from_store >= 0.7 * len(want), second.stats  # nearly all of it drafted from the first answer
+        assert second.stats.steps < first.stats.steps / 2
+        # tenant b: only what its own session repeats (the tiny model loops), nothing from a's answer
+        assert other.stats.steps == first.stats.steps and other.stats.drafted == first.stats.drafted
+        assert dcore.stats()["suffix"]["stores"] == 2
+        _until(lambda: dcore.stats()["suffix"]["responses"] == 3)
+        from prometheus_client import generate_latest
+
+        from tandem.serving.metrics import DrafterMetrics
+
+        scraped = generate_latest(DrafterMetrics(dcore.stats).registry).decode()
+        assert "tandem_suffix_store_responses 3.0" in scraped and "tandem_suffix_stores 2.0" in scraped
+    finally:
+        server.stop(None)
+
+
+def _until(ok, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)

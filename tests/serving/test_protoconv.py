@@ -45,7 +45,7 @@ def test_unknown_strategy_numbers_are_refused_unspecified_is_the_default() -> No
     assert pc.strategy_from_proto(common_pb2.DRAFT_STRATEGY_UNSPECIFIED) is None
     assert pc.spec_from_proto(wire(common_pb2.SpeculationParams(strategy=0)), default) == default
     assert pc.strategy_from_proto(common_pb2.DRAFT_STRATEGY_NONE) is DraftStrategy.none
-    for number in (5, 57, -1, 2**31 - 1, -(2**31)):
+    for number in (6, 57, -1, 2**31 - 1, -(2**31)):
         with pytest.raises(ValueError, match=f"unknown strategy {number}: expected one of .*DRAFT_STRATEGY_NGRAM"):
             pc.spec_from_proto(wire(common_pb2.SpeculationParams(strategy=number)), default)
         with pytest.raises(ValueError, match=f"unknown strategy {number}"):

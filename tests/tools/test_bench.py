@@ -542,3 +542,28 @@ def test_bfcl_functions_as_api_tools_under_the_call_grammar(tiny_loaded, tmp_pat
         run_bench(engine, records, ["ar", "hf-ar"], 8, tokenizer=tiny_loaded.tokenizer, progress=False, tools="required")
     with pytest.raises(ValueError, match="tools must be one of"):
         EngineTarget(engine, tiny_loaded.tokenizer, tools="sometimes")
+
+
+def test_suffix_warm_feeds_later_prompts_never_the_measured_prompts_own_answer(tiny_loaded, tmp_path) -> None:
+    """The same question twice (two records): warm, the second is drafted from the first's answer;
+    the first, measured twice (repeats) and in two modes, never from its own (its figures equal a
+    cold run's). Every mode stays lossless; the report says which store it ran with."""
+    path = tmp_path / "twice.jsonl"
+    q = "cat dog bird fish cow"
+    path.write_text("".join(json.dumps({"id": i, "turns": [q]}) + "\n" for i in ("first", "again")))
+    records = load_prompts(path)
+    engine = Engine(tiny_loaded, spec=SpecConfig(adaptive=False, max_draft_tokens=8))
+    run = lambda warm: run_bench(engine, records, ["ar", "ngram", "suffix"], 40, tokenizer=tiny_loaded.tokenizer,
+                                 progress=False, repeats=2, suffix_warm=warm)
+    warm, cold = run(True), run(False)
+    assert warm["config"]["suffix_store"].startswith("warm") and cold["config"]["suffix_store"].startswith("cold")
+    assert warm["config"]["suffix_store_end"]["responses"] == 2  # one per prompt: modes and repeats deduplicated
+    for report in (warm, cold):
+        assert all(s["lossless"] == 1.0 for s in report["modes"].values())
+    first_w, again_w = (p["modes"]["suffix"] for p in warm["prompts"])
+    first_c, again_c = (p["modes"]["suffix"] for p in cold["prompts"])
+    assert (first_w["steps"], first_w["drafted"]) == (first_c["steps"], first_c["drafted"])
+    assert again_c["steps"] == first_c["steps"]  # cold: the same question costs the same
+    assert again_w["steps"] < first_w["steps"] / 2 and again_w["accepted"] >= 0.7 * again_w["tokens"]
+    with pytest.raises(ValueError, match="suffix_warm runs in process"):
+        run_bench(EngineTarget(engine, tiny_loaded.tokenizer), records, ["ar"], 4, progress=False, suffix_warm=True)

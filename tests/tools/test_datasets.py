@@ -248,3 +248,22 @@ def test_bundled_sets_resolve_by_name_from_any_directory(tmp_path, monkeypatch) 
     assert resolve_dataset("mine.jsonl") == own.relative_to(tmp_path)
     with pytest.raises(ValueError, match="neither a file nor a development set.*humaneval"):
         resolve_dataset("no-such-set")
+
+
+def test_the_multi_session_workloads_repeat_what_agents_repeat() -> None:
+    from tandem.tools.datasets import WORKLOADS, workload
+
+    agents = workload("agent_tools")
+    assert len(agents) == 12 and len({r.system for r in agents}) == 1  # one tool list for every session
+    assert all(len(r.turns) == 2 and r.turns[0] != r.turns[1] for r in agents)
+    assert {tuple(r.turns) for r in agents} == {(a, b) for a in {r.turns[0] for r in agents}
+                                                for b in {r.turns[0] for r in agents} if a != b}
+    assert [f["name"] for f in agents[0].functions] and '"type": "object"' in agents[0].system
+    code = workload("code_twice")
+    assert len(code) == 16 and [r.category for r in code[:2]] == ["first", "renamed"]
+    first, again = code[0].turns[0], code[1].turns[0]
+    assert "has_close_elements_v2" in again and again.replace("has_close_elements_v2", "has_close_elements") == first
+    assert len(workload("code_twice", 3)) == 3
+    with pytest.raises(KeyError, match="known: agent_tools, code_twice"):
+        workload("nope")
+    assert set(WORKLOADS) == {"agent_tools", "code_twice"}

@@ -134,9 +134,10 @@ def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
         gen = engine.start(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
         gen.step()
         assert set(gen.stats.by_proposer) == {good}, (good, gen.stats.by_proposer)
-    # a long match wins outright: the model is not even asked (no draft step spent on it)
+    # a long match wins outright: the model is not even asked (no draft step spent on it); the
+    # free proposers (prompt lookup, suffix decoding) compete by value
     proposer = engine.factory.build(SpecConfig(strategy=DraftStrategy.hybrid))
-    assert [o.proposer for o in proposer.offers([20, 21, 22, 23, 24, 25] * 3 + [20, 21])] == ["ngram"]
+    assert [o.proposer for o in proposer.offers([20, 21, 22, 23, 24, 25] * 3 + [20, 21])] == ["ngram", "suffix"]
 
 
 def test_the_target_writes_prompts_of_its_own(tiny_loaded, distilled, tmp_path) -> None:

@@ -1,0 +1,52 @@
+"""Markdown tables of suffix decoding's benchmark records (scripts/suffix_bench.sh writes them):
+per prompt set, each mode's speedup over plain decoding in the same run (median over prompts),
+acceptance, tokens per target forward and lossless count; warm and cold side by side."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ORDER = ["ngram", "suffix", "model", "hybrid-nosuffix", "hybrid"]
+
+
+def load(directory: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
+
+
+def cell(mode: dict) -> str:
+    acc = mode.get("acceptance_rate")
+    return (f"{mode['speedup_vs_ar']:.2f}x ({'-' if acc is None else f'{acc:.0%}'}, "
+            f"{mode['mean_accepted_len']:.2f})")
+
+
+def table(records: dict[str, dict]) -> str:
+    rows = ["| run | plain tok/s | " + " | ".join(ORDER) + " | lossless |",
+            "|---|---:|" + "---:|" * len(ORDER) + "---:|"]
+    for name, rec in records.items():
+        modes = rec["modes"]
+        cells = [cell(modes[m]) if m in modes else "" for m in ORDER]
+        n = len(rec["prompts"])
+        lossless = min(round(modes[m]["lossless"] * n) for m in modes if modes[m].get("lossless") is not None)
+        rows.append(f"| {name} | {modes['ar']['tokens_per_s']:.1f} | " + " | ".join(cells) + f" | {lossless}/{n} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    directory = Path(sys.argv[1])
+    records = load(directory)
+    if not records:
+        raise SystemExit(f"no records in {directory}")
+    cpu = records[next(iter(records))]["config"]["machine"].get("cpu", "?")
+    print(f"CPU: {cpu}; cells: speedup over plain decoding (acceptance, tokens per target forward)\n")
+    print(table(records))
+    for name, rec in records.items():
+        store = rec["config"].get("suffix_store")
+        end = rec["config"].get("suffix_store_end")
+        print(f"- {name}: {rec['config']['date']}, {len(rec['prompts'])} prompts, store {store}"
+              + (f" (at the end: {end['responses']} answers, {end['tokens']} tokens)" if end else ""))
+
+
+if __name__ == "__main__":
+    main()
