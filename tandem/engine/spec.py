@@ -209,6 +209,8 @@ class Generation:
         self.spec = spec
         self.proposer = proposer
         self.prompt_len = len(context_ids) - resumed  # where this request's output begins
+        self._context_len = len(context_ids)
+        self._stop_id: int | None = None  # the stop id that ended the output, if one did
         if proposer is not None:
             proposer.begin(self.prompt_len)
         self.gen = None if sampling.greedy else make_generator(sampling.seed)
@@ -377,7 +379,10 @@ class Generation:
         if self.proposer is not None:
             if self.finished:
                 if self.finish_reason != FinishReason.error:
-                    self.proposer.finish(self.seq.ids)
+                    # The text as it ended: context, output, and the stop id that ended it (a
+                    # block may have committed tokens past it, which are nobody's answer).
+                    ended = self.seq.ids[: self._context_len + len(self.output)]
+                    self.proposer.finish(ended + ([self._stop_id] if self._stop_id is not None else []))
                 self.proposer.close()
             else:
                 self.proposer.on_commit(self.seq.ids, verdict.tokens, self._next_block_hint())
@@ -400,6 +405,7 @@ class Generation:
         for tok in tokens:
             if tok in self.stop_ids:
                 self.finish_reason = FinishReason.stop
+                self._stop_id = tok
                 break
             out.append(tok)
             if self._stop_text is not None and self._stop_text.push(tok):

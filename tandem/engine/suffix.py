@@ -110,12 +110,7 @@ class SuffixIndex:
         end = self._indexed[sid]
         cap = self.candidates
         while end < len(seq):  # end gains its continuation seq[end]
-            code = sid << _SHIFT | end
-            for n in self.sizes:
-                if n > end:
-                    break
-                table = self._grams[n]
-                key = hash(tuple(seq[end - n:end]))
+            for table, key, code in self._slots(seq, sid, end):
                 held = table.get(key)
                 if held is None:
                     table[key] = code
@@ -128,17 +123,20 @@ class SuffixIndex:
             end += 1
         self._indexed[sid] = end
 
+    def _slots(self, seq: list[int], sid: int, end: int):
+        """(table, key, occurrence code) of each gram size's gram ending at `end` in `seq`."""
+        code = sid << _SHIFT | end
+        for n in self.sizes:
+            if n > end:
+                break
+            yield self._grams[n], hash(tuple(seq[end - n:end])), code
+
     def remove(self, sid: int) -> None:
         """Forget a sequence and its occurrences."""
         seq = self.seqs.pop(sid)
         first, upto = self._first.pop(sid), self._indexed.pop(sid)
         for end in range(first, upto):
-            code = sid << _SHIFT | end
-            for n in self.sizes:
-                if n > end:
-                    break
-                table = self._grams[n]
-                key = hash(tuple(seq[end - n:end]))
+            for table, key, code in self._slots(seq, sid, end):
                 held = table.get(key)
                 if held is None:
                     continue

@@ -528,7 +528,9 @@ def run_bench(
         "tools": tools,
         "suffix_store": None if not any(m in ("suffix", "hybrid") for m in modes) else (
             "warm: fed by the finished responses of earlier prompts of this run, never the measured prompt's own"
-            if store is not None else "cold: empty, drafts from the session's own tokens only"),
+            if store is not None else "cold: empty, drafts from the session's own tokens only"
+            if isinstance(target, EngineTarget) else
+            "the stack's drafters' own: fed by every suffix or hybrid request they finished (here: earlier prompts)"),
     }
     if store is not None:
         result["config"]["suffix_store_end"] = {"responses": store.responses, "tokens": store.tokens}

@@ -248,3 +248,23 @@ def test_stores_share_one_token_budget_the_others_give_first() -> None:
     b.add([1, 2], list(range(200, 250)))
     assert a.tokens + b.tokens <= 200
     assert b.responses == 2 and a.responses == 1 and a.evicted == 2  # the other store gives way first
+
+
+def test_the_store_keeps_the_answer_as_it_ended_with_its_stop_token(tiny_loaded) -> None:
+    """A block may commit tokens past the stop id; the store keeps prompt tail, output and the
+    stop id, nothing after it."""
+    tok = tiny_loaded.tokenizer
+    engine = _engine(tiny_loaded)
+    ids = tok("one two three one two three one two")["input_ids"]
+    free = engine.generate(ids, SamplingParams(max_new_tokens=30, ignore_eos=True),
+                           SpecConfig(strategy=DraftStrategy.none)).token_ids
+    cut = next(i for i, t in enumerate(free) if i >= 5 and free.index(t) == i)  # a token first seen late
+    stop = free[cut]
+    store = SuffixStore()
+    sampling = SamplingParams(max_new_tokens=30, ignore_eos=True, stop_token_ids=[stop])
+    gen = engine.start(ids, sampling, SpecConfig(strategy=DraftStrategy.suffix, adaptive=False, max_draft_tokens=8),
+                       proposer=SuffixProposer(store))
+    out = [t for step in gen for t in step.tokens]
+    assert out == free[:cut]
+    (kept,) = store.index.seqs.values()
+    assert kept == (ids[-PROMPT_TAIL:] + free[:cut] + [stop])
