@@ -33,6 +33,21 @@ def table(records: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def totals(records: dict[str, dict]) -> str:
+    """The whole run's plain-decoding time over each mode's (every prompt's tokens together), and on
+    how many prompts each mode beat prompt lookup."""
+    rows = ["| run | " + " | ".join(ORDER) + " | suffix faster than ngram on |",
+            "|---|" + "---:|" * len(ORDER) + "---:|"]
+    for name, rec in records.items():
+        modes = rec["modes"]
+        ar = modes["ar"]["seconds"]
+        cells = [f"{ar / modes[m]['seconds']:.2f}x" if m in modes else "" for m in ORDER]
+        prompts = rec["prompts"]
+        faster = sum(p["modes"]["suffix"]["seconds"] < p["modes"]["ngram"]["seconds"] for p in prompts)
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {faster}/{len(prompts)} prompts |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     directory = Path(sys.argv[1])
     records = load(directory)
@@ -41,6 +56,9 @@ def main() -> None:
     cpu = records[next(iter(records))]["config"]["machine"].get("cpu", "?")
     print(f"CPU: {cpu}; cells: speedup over plain decoding (acceptance, tokens per target forward)\n")
     print(table(records))
+    print("\nWhole-run time ratio (plain decoding's total time / the mode's), and per prompt:\n")
+    print(totals(records))
+    print()
     for name, rec in records.items():
         store = rec["config"].get("suffix_store")
         end = rec["config"].get("suffix_store_end")
