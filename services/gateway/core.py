@@ -813,7 +813,6 @@ class GatewayCore:
         tried: set[str] = set(exclude)
         failures: list[str] = []
         full: set[str] = set()  # verifiers that refused for lack of KV cache (the other failures: unreachable)
-        busy = 0
         refreshed = False
         wait_until = min(deadline, time.monotonic() + wait_s)
         while True:
@@ -823,7 +822,7 @@ class GatewayCore:
             if decision is None:
                 if time.monotonic() >= deadline:
                     raise DeadlineExceeded("the request's deadline passed before a verifier could take it")
-                if failures and busy == len(failures):
+                if failures and len(full) == len(failures):
                     raise Overloaded(f"every verifier's KV cache is full ({'; '.join(failures)}); retry later")
                 if not self.draining and (not refreshed or time.monotonic() < wait_until):
                     # The view may be stale (a verifier came back, or the one tried is gone for
@@ -860,7 +859,6 @@ class GatewayCore:
                 # Clients learn which verifier failed, not its address or the transport's detail.
                 failures.append(f"verifier {decision.verifier_id} unreachable")
             except VerifierBusy as exc:
-                busy += 1
                 full.add(decision.verifier_id)
                 trace.get_current_span().add_event(
                     "verifier_busy", {"tandem.verifier_id": decision.verifier_id, "tandem.error": str(exc)})

@@ -87,10 +87,6 @@ class SuffixIndex:
         # per gram size: hash of the gram -> one occurrence code, or a list of them, oldest first
         self._grams: dict[int, dict[int, int | list[int]]] = {n: {} for n in self.sizes}
 
-    def __len__(self) -> int:
-        """Tokens held."""
-        return sum(len(s) for s in self.seqs.values())
-
     def add(self, sid: int, tokens: list[int], first_end: int = 1) -> None:
         """A new sequence (its ends from `first_end` on get indexed as they gain a continuation)."""
         if sid in self.seqs:
@@ -245,7 +241,6 @@ class SuffixStore:
         self._next = 0
         self._tokens = 0
         self.lock = threading.Lock()
-        self.added = 0
         self.evicted = 0
         self._held: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
@@ -278,7 +273,6 @@ class SuffixStore:
             self.index.add(sid, seq, first_end=max(1, len(tail)))
             self._order.append(sid)
             self._tokens += len(seq)
-            self.added += 1
             while self._tokens > self.max_tokens and len(self._order) > 1:
                 self._evict_oldest()
         if self.on_grow is not None:
@@ -391,7 +385,6 @@ class SuffixProposer(Proposer):
         self._prompt_len: int | None = None
         self._memo: tuple[int, _Candidate | None] | None = None
         self._kept = False  # this generation's response went into the store
-        self.seconds: list[float] = []  # per propose (its cost per committed token is measured from it)
 
     def begin(self, context_len: int) -> None:
         self._prompt_len = context_len
@@ -446,9 +439,8 @@ class SuffixProposer(Proposer):
         start = time.perf_counter()
         c = self._candidate(ids) if k > 0 else None
         tokens = [] if c is None else c.tokens[:k]
-        took = time.perf_counter() - start
-        self.seconds.append(took)
-        return Draft(tokens=tokens, proposer=self.name, bucket=0 if c is None else self._bucket(c), seconds=took)
+        return Draft(tokens=tokens, proposer=self.name, bucket=0 if c is None else self._bucket(c),
+                     seconds=time.perf_counter() - start)
 
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self._sync(ids)

@@ -71,12 +71,21 @@ def _wait_until(what: str, healthy: Callable[[], bool], timeout_s: float, proc: 
         time.sleep(0.2)
 
 
+def _channel(address: str, ca: Path | None) -> grpc.Channel:
+    """A channel to `address`; `ca`: the server speaks TLS with a certificate from this CA."""
+    return grpc.insecure_channel(address) if ca is None else grpc.secure_channel(
+        address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
+
+
+def _verify(ca: Path | None):
+    """httpx's `verify` for a server whose certificate comes from `ca` (None: the system's)."""
+    return True if ca is None else ssl.create_default_context(cafile=ca)
+
+
 def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None, *,
                       ca: Path | None = None) -> None:
     """Wait for gRPC health SERVING; `ca`: the server speaks TLS with a certificate from this CA."""
-    channel = grpc.insecure_channel(address) if ca is None else grpc.secure_channel(
-        address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
-    with channel:
+    with _channel(address, ca) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
 
         def serving() -> bool:
@@ -92,9 +101,7 @@ def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | N
 def grpc_alive(address: str, *, ca: Path | None = None, timeout_s: float = 2.0) -> bool:
     """Liveness, not readiness: the process answers a gRPC health check at all (a draining one
     answers NOT_SERVING and is alive)."""
-    channel = grpc.insecure_channel(address) if ca is None else grpc.secure_channel(
-        address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
-    with channel:
+    with _channel(address, ca) as channel:
         try:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         except grpc.RpcError:
@@ -105,7 +112,7 @@ def grpc_alive(address: str, *, ca: Path | None = None, timeout_s: float = 2.0) 
 def http_alive(url: str, *, ca: Path | None = None, timeout_s: float = 2.0) -> bool:
     """Liveness: any HTTP answer (a gateway with no verifier or draining answers 503, alive)."""
     try:
-        httpx.get(url, timeout=timeout_s, verify=True if ca is None else ssl.create_default_context(cafile=ca))
+        httpx.get(url, timeout=timeout_s, verify=_verify(ca))
     except httpx.HTTPError:
         return False
     return True
@@ -113,7 +120,7 @@ def http_alive(url: str, *, ca: Path | None = None, timeout_s: float = 2.0) -> b
 
 def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None, *,
                       ca: Path | None = None) -> None:
-    verify = True if ca is None else ssl.create_default_context(cafile=ca)
+    verify = _verify(ca)
 
     def ok() -> bool:
         try:
