@@ -121,6 +121,139 @@ def rejection_sample(
     return output_ids, num_accepted
 
 
+def check_tree_args(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    parents: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+) -> None:
+    """Shapes and dtypes of a tree's extra argument (cheap, no device sync)."""
+    if draft_ids.dim() != 2:
+        raise ValueError(f"draft_ids must be [B, K], got {tuple(draft_ids.shape)}")
+    _expect("parents", parents, tuple(draft_ids.shape), torch.int64)
+
+
+def check_tree(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    parents: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+) -> None:
+    """The tree contract, row by row (a host loop: callers on a GPU check their Python lists
+    instead, see tandem.engine.proposers.check_tree): node i's parent is -1 (the pending token) or
+    an earlier node, and siblings carry distinct tokens (the sampled rule tests each token once)."""
+    B, K = draft_ids.shape
+    for b in range(B):
+        n = _num_drafts(num_drafts, b, K)
+        seen: set[tuple[int, int]] = set()
+        for i in range(n):
+            par, tok = int(parents[b, i]), int(draft_ids[b, i])
+            if not -1 <= par < i:
+                raise ValueError(f"parents[{b}, {i}] = {par}: a node's parent is -1 or an earlier node")
+            if (par, tok) in seen:
+                raise ValueError(f"row {b}: node {i} repeats token {tok} among its siblings")
+            seen.add((par, tok))
+
+
+def tree_greedy_accept(
+    draft_ids: torch.Tensor,  # [B, K] int64, the tree's nodes in topological order
+    parents: torch.Tensor,  # [B, K] int64, parent node of each (-1: the pending token)
+    num_drafts: torch.Tensor,  # [B] int64, nodes per row
+    target_argmax: torch.Tensor,  # [B, K+1] int64; row 0 after the pending token, row i+1 after node i
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # -> output_ids [B, K+1] int64, num_accepted [B] int64, accepted_nodes [B, K] int64
+    """Walk the tree from the pending token: at each node take the child whose token is the
+    target's argmax there; where none is, commit the argmax itself (recovered, or bonus at a leaf).
+    accepted_nodes lists the path's node indices (-1 after), which tells the caller which KV to keep.
+
+    Example: nodes [5, 6, 7] with parents [-1, -1, 1] (5 and 6 both follow the pending token, 7
+    follows 6), target_argmax [6, 0, 7, 4] -> output_ids [6, 7, 4, -1], num_accepted 2, nodes [1, 2, -1].
+    """
+    check_greedy_args(draft_ids, num_drafts, target_argmax)
+    check_tree_args(draft_ids, parents, num_drafts)
+    check_tree(draft_ids, parents, num_drafts)
+    B, K = draft_ids.shape
+    dev = draft_ids.device
+    output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=dev)
+    num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
+    accepted_nodes = torch.full((B, K), -1, dtype=torch.int64, device=dev)
+    for b in range(B):
+        n = _num_drafts(num_drafts, b, K)
+        cur, accepted = -1, 0
+        while True:
+            a = int(target_argmax[b, cur + 1])
+            child = next((j for j in range(n) if int(parents[b, j]) == cur and int(draft_ids[b, j]) == a), None)
+            output_ids[b, accepted] = a
+            if child is None:
+                break
+            accepted_nodes[b, accepted] = child
+            accepted += 1
+            cur = child
+        num_accepted[b] = accepted
+    return output_ids, num_accepted, accepted_nodes
+
+
+def tree_rejection_sample(
+    draft_ids: torch.Tensor,  # [B, K] int64, topological order
+    parents: torch.Tensor,  # [B, K] int64 (-1: the pending token)
+    num_drafts: torch.Tensor,  # [B] int64
+    target_probs: torch.Tensor,  # [B, K+1, V] float32; row 0 after the pending token, row i+1 after node i
+    uniform: torch.Tensor,  # [B, K] float32, in (0, 1]: node i's test
+    exp_noise: torch.Tensor,  # [B, V] float32, Exponential(1), > 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # -> output_ids [B, K+1] int64, num_accepted [B] int64, accepted_nodes [B, K] int64
+    """Lossless sampling over a tree of deterministic drafts (each node's q is one-hot at its
+    token): recursive rejection over siblings (SpecInfer's multi-draft rule, one-hot case).
+
+    At a node with target distribution p, its children are tested in index order against the
+    residual r (p with the children rejected so far zeroed; S = 1 - their mass, subtracted one by
+    one): child x is accepted iff r(x) > 0 and r(x) >= uniform * S, i.e. with probability
+    r(x) / S, its share of what is left. Then the walk goes on from x. When every child is rejected
+    (or there is none), one token is drawn from r (from p where r is all zero) by the exponential
+    race on the row's noise, as in `rejection_sample`. By induction over the children the token
+    leaving each node is distributed as p: the committed text is distributed as the target's.
+    A chain (parents i - 1) gives exactly `rejection_sample`'s result with one-hot drafts.
+    """
+    check_tree_args(draft_ids, parents, num_drafts)
+    check_sampling_args(draft_ids, num_drafts, None, target_probs, uniform, exp_noise)
+    check_tree(draft_ids, parents, num_drafts)
+    B, K = draft_ids.shape
+    V = target_probs.shape[-1]
+    dev = draft_ids.device
+    output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=dev)
+    num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
+    accepted_nodes = torch.full((B, K), -1, dtype=torch.int64, device=dev)
+    for b in range(B):
+        n = _num_drafts(num_drafts, b, K)
+        cur, accepted = -1, 0
+        while True:
+            p = target_probs[b, cur + 1]  # [V]
+            left = torch.ones((), dtype=torch.float32, device=dev)  # S
+            rejected: list[int] = []
+            taken = None
+            for j in range(n):
+                if int(parents[b, j]) != cur:
+                    continue
+                x = int(draft_ids[b, j])
+                if not 0 <= x < V:
+                    continue  # q(x) = 0: rejected, nothing to take out of the residual
+                px = p[x]
+                if px > 0 and px >= uniform[b, j] * left:  # float32 * float32, as in the kernel
+                    taken = j
+                    break
+                left = left - px
+                rejected.append(x)
+            if taken is None:
+                residual = p.clone()
+                residual[rejected] = 0.0
+                output_ids[b, accepted] = _exponential_race(residual if residual.max() > 0 else p, exp_noise[b])
+                break
+            output_ids[b, accepted] = int(draft_ids[b, taken])
+            accepted_nodes[b, accepted] = taken
+            accepted += 1
+            cur = taken
+        num_accepted[b] = accepted
+    return output_ids, num_accepted, accepted_nodes
+
+
 def _proposal(
     draft_probs: torch.Tensor | None,  # [B, K, V] float32, or None
     b: int,

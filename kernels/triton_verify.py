@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_greedy_args, check_sampling_args
+from .reference import check_greedy_args, check_sampling_args, check_tree_args
 
 # Widest vocabulary chunk per loop iteration; a 150k vocabulary takes ~150 iterations.
 MAX_BLOCK_V = 1024
@@ -142,6 +142,141 @@ def _rejection_sample_kernel(
     tl.store(num_accepted_ptr + b, num_acc)
 
 
+@triton.jit
+def _tree_greedy_kernel(
+    draft_ids_ptr,  # [B, K] int64
+    parents_ptr,  # [B, K] int64
+    num_drafts_ptr,  # [B] int64
+    target_argmax_ptr,  # [B, K+1] int64
+    output_ids_ptr,  # [B, K+1] int64
+    num_accepted_ptr,  # [B] int64
+    accepted_nodes_ptr,  # [B, K] int64
+    K,
+    BLOCK_K: tl.constexpr,  # power of two >= K + 1
+):
+    """One level of the tree per iteration, all of a node's children compared at once; writes
+    are masked once the walk has ended (Triton has no break)."""
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
+    offs = tl.arange(0, BLOCK_K)
+    is_draft = offs < n
+    drafts = tl.load(draft_ids_ptr + b * K + offs, mask=is_draft, other=-1)
+    parents = tl.load(parents_ptr + b * K + offs, mask=is_draft, other=-2)
+    out = tl.full([BLOCK_K], -1, dtype=tl.int64)
+    nodes = tl.full([BLOCK_K], -1, dtype=tl.int64)
+    cur = tl.full([], -1, dtype=tl.int64)
+    acc = tl.zeros([], dtype=tl.int64)
+    live = tl.full([], 1, dtype=tl.int32)
+    for _ in range(0, K + 1):
+        a = tl.load(target_argmax_ptr + b * (K + 1) + cur + 1)
+        # the lowest-index child carrying the argmax, as the reference's first match
+        child = tl.min(tl.where(is_draft & (parents == cur) & (drafts == a), offs, BLOCK_K), axis=0)
+        found = (child < BLOCK_K) & (live == 1)
+        out = tl.where((offs == acc) & (live == 1), a, out)
+        nodes = tl.where((offs == acc) & found, child, nodes)
+        acc = acc + found.to(tl.int64)
+        cur = tl.where(found, child.to(tl.int64), cur)
+        live = found.to(tl.int32)
+    tl.store(output_ids_ptr + b * (K + 1) + offs, out, mask=offs < K + 1)
+    tl.store(accepted_nodes_ptr + b * K + offs, nodes, mask=offs < K)
+    tl.store(num_accepted_ptr + b, acc)
+
+
+@triton.jit
+def _tree_race(
+    p_row_ptr,  # [V] float32
+    noise_row_ptr,  # [V] float32
+    drafts,  # [BLOCK_K] int64, the tree's tokens
+    rejected,  # [BLOCK_K] int1: which of them are zeroed in the residual
+    V,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """argmax_v w_v / noise_v (lowest index on ties) with w = p, zero at the rejected tokens;
+    also max_v w_v."""
+    best_score = tl.full([], float("-inf"), tl.float32)
+    best_id = tl.zeros([], dtype=tl.int64)
+    w_max = tl.zeros([], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        in_vocab = offs < V
+        p = tl.load(p_row_ptr + offs, mask=in_vocab, other=0.0)
+        hit = (offs[:, None] == drafts[None, :]) & rejected[None, :]  # [BLOCK_V, BLOCK_K]
+        w = tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, 0.0, p)
+        noise = tl.load(noise_row_ptr + offs, mask=in_vocab, other=1.0)
+        score = tl.where(in_vocab, tl.div_rn(w, noise), float("-inf"))
+        chunk_best, chunk_id = tl.max(score, axis=0, return_indices=True)
+        better = chunk_best > best_score
+        best_id = tl.where(better, start + chunk_id, best_id)
+        best_score = tl.where(better, chunk_best, best_score)
+        w_max = tl.maximum(w_max, tl.max(w, axis=0))
+    return best_id, w_max
+
+
+@triton.jit
+def _tree_sample_kernel(
+    draft_ids_ptr,  # [B, K] int64
+    parents_ptr,  # [B, K] int64
+    num_drafts_ptr,  # [B] int64
+    target_probs_ptr,  # [B, K+1, V] float32
+    uniform_ptr,  # [B, K] float32
+    exp_noise_ptr,  # [B, V] float32
+    output_ids_ptr,  # [B, K+1] int64
+    num_accepted_ptr,  # [B] int64
+    accepted_nodes_ptr,  # [B, K] int64
+    K,
+    V,
+    BLOCK_K: tl.constexpr,  # power of two >= K + 1
+    BLOCK_V: tl.constexpr,
+):
+    """Per level, the children are tested one by one in index order (the residual's mass S is
+    subtracted sequentially, as in the reference: a cumulative sum could round differently)."""
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
+    offs = tl.arange(0, BLOCK_K)
+    is_draft = offs < n
+    drafts = tl.load(draft_ids_ptr + b * K + offs, mask=is_draft, other=-1)
+    parents = tl.load(parents_ptr + b * K + offs, mask=is_draft, other=-2)
+    out = tl.full([BLOCK_K], -1, dtype=tl.int64)
+    nodes = tl.full([BLOCK_K], -1, dtype=tl.int64)
+    cur = tl.full([], -1, dtype=tl.int64)
+    last = tl.full([], -1, dtype=tl.int64)  # the node the walk ended at
+    acc = tl.zeros([], dtype=tl.int64)
+    live = tl.full([], 1, dtype=tl.int32)
+    for _ in range(0, K + 1):
+        p_row = target_probs_ptr + (b * (K + 1) + cur + 1) * V
+        left = tl.full([], 1.0, tl.float32)
+        taken = tl.full([], -1, dtype=tl.int64)
+        for j in range(0, K):
+            pj = tl.load(parents_ptr + b * K + j)
+            xj = tl.load(draft_ids_ptr + b * K + j)
+            uj = tl.load(uniform_ptr + b * K + j)
+            test = (live == 1) & (j < n) & (pj == cur) & (taken < 0) & (xj >= 0) & (xj < V)
+            px = tl.load(p_row + xj, mask=test, other=0.0)
+            ok = test & (px > 0.0) & (px >= uj * left)
+            taken = tl.where(ok, j, taken)
+            left = tl.where(test & ~ok, left - px, left)
+        found = (taken >= 0) & (live == 1)
+        token = tl.sum(tl.where(offs == taken, drafts, 0), axis=0)
+        out = tl.where((offs == acc) & found, token, out)
+        nodes = tl.where((offs == acc) & found, taken, nodes)
+        last = tl.where((live == 1) & ~found, cur, last)
+        acc = acc + found.to(tl.int64)
+        cur = tl.where(found, taken, cur)
+        live = found.to(tl.int32)
+    # every child of the last node was tested and rejected (a leaf has none): zero them
+    rejected = is_draft & (parents == last) & (drafts >= 0) & (drafts < V)
+    p_row = target_probs_ptr + (b * (K + 1) + last + 1) * V
+    extra, w_max = _tree_race(p_row, exp_noise_ptr + b * V, drafts, rejected, V, BLOCK_K, BLOCK_V)
+    if w_max <= 0.0:  # all of p's mass was on rejected tokens: race over p itself
+        extra, w_max = _tree_race(p_row, exp_noise_ptr + b * V, drafts, rejected & (offs < 0), V,
+                                  BLOCK_K, BLOCK_V)
+    out = tl.where(offs == acc, extra, out)
+    tl.store(output_ids_ptr + b * (K + 1) + offs, out, mask=offs < K + 1)
+    tl.store(accepted_nodes_ptr + b * K + offs, nodes, mask=offs < K)
+    tl.store(num_accepted_ptr + b, acc)
+
+
 def greedy_accept(
     draft_ids: torch.Tensor,  # [B, K] int64
     num_drafts: torch.Tensor,  # [B] int64
@@ -195,3 +330,51 @@ def rejection_sample(
             BLOCK_V=min(MAX_BLOCK_V, triton.next_power_of_2(V)),
         )
     return output_ids, num_accepted
+
+
+def tree_greedy_accept(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    parents: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+    target_argmax: torch.Tensor,  # [B, K+1] int64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # output_ids [B, K+1], num_accepted [B], nodes [B, K]
+    """The tree contract (reference.check_tree) is the caller's: checking it here would cost a
+    host round trip per step."""
+    check_greedy_args(draft_ids, num_drafts, target_argmax)
+    check_tree_args(draft_ids, parents, num_drafts)
+    B, K = draft_ids.shape
+    dev = draft_ids.device
+    output_ids = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
+    accepted_nodes = torch.empty((B, K), dtype=torch.int64, device=dev)
+    if B > 0:
+        _tree_greedy_kernel[(B,)](
+            draft_ids.contiguous(), parents.contiguous(), num_drafts.contiguous(), target_argmax.contiguous(),
+            output_ids, num_accepted, accepted_nodes, K, BLOCK_K=triton.next_power_of_2(K + 1),
+        )
+    return output_ids, num_accepted, accepted_nodes
+
+
+def tree_rejection_sample(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    parents: torch.Tensor,  # [B, K] int64
+    num_drafts: torch.Tensor,  # [B] int64
+    target_probs: torch.Tensor,  # [B, K+1, V] float32
+    uniform: torch.Tensor,  # [B, K] float32
+    exp_noise: torch.Tensor,  # [B, V] float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # output_ids [B, K+1], num_accepted [B], nodes [B, K]
+    check_tree_args(draft_ids, parents, num_drafts)
+    check_sampling_args(draft_ids, num_drafts, None, target_probs, uniform, exp_noise)
+    B, K = draft_ids.shape
+    V = target_probs.shape[-1]
+    dev = draft_ids.device
+    output_ids = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
+    accepted_nodes = torch.empty((B, K), dtype=torch.int64, device=dev)
+    if B > 0:
+        _tree_sample_kernel[(B,)](
+            draft_ids.contiguous(), parents.contiguous(), num_drafts.contiguous(), target_probs.contiguous(),
+            uniform.contiguous(), exp_noise.contiguous(), output_ids, num_accepted, accepted_nodes, K, V,
+            BLOCK_K=triton.next_power_of_2(K + 1), BLOCK_V=min(MAX_BLOCK_V, triton.next_power_of_2(V)),
+        )
+    return output_ids, num_accepted, accepted_nodes

@@ -253,7 +253,125 @@ CASES: dict[str, Case] = {
 }
 
 
-def _run_reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+def _tree_hand_greedy() -> Case:
+    return Case(
+        "tree_greedy_accept",
+        (
+            _ids([[5, 6, 7], [5, 6, 7], [5, 6, 7], [9, 9, 9], [1, 2, 3]]),
+            _ids([[-1, -1, 1], [-1, 0, 1], [-1, -1, 1], [-1, 0, 1], [-1, -1, -1]]),
+            _ids([3, 3, 3, 0, 3]),
+            _ids([[6, 0, 7, 4], [5, 6, 7, 8], [9, 1, 1, 1], [3, 9, 9, 9], [3, 0, 0, 8]]),
+        ),
+        expected=(
+            [[6, 7, 4, -1], [5, 6, 7, 8], [9, -1, -1, -1], [3, -1, -1, -1], [3, 8, -1, -1]],
+            [2, 3, 0, 0, 1],
+            [[1, 2, -1], [0, 1, 2], [-1, -1, -1], [-1, -1, -1], [2, -1, -1]],
+        ),
+    )
+
+
+def _tree_hand_sampled() -> Case:
+    """Explicit distributions, V = 37: siblings tested in order against the residual."""
+    B, K, V = 5, 3, 37
+    g = torch.Generator().manual_seed(9)
+    target_probs = _random_probs(g, (B, K + 1, V))
+    exp_noise = torch.empty(B, V).exponential_(generator=g)
+    draft_ids = _ids([[4, 5, 0], [4, 5, 0], [40, 4, 0], [4, 6, 7], [0, 0, 0]])
+    parents = _ids([[-1, -1, 0], [-1, -1, 0], [-1, -1, 0], [-1, 0, 0], [-1, 0, 1]])
+    uniform = torch.tensor([[0.9, 0.5, 0.5], [0.9, 0.9, 0.5], [0.5, 0.5, 0.5], [0.5, 0.5, 0.2],
+                            [0.5, 0.5, 0.5]])
+    # Row 0: 4 rejected (0.3 < 0.9), S = 0.7; 5 accepted (0.5 >= 0.5 * 0.7); 5 is a leaf, so the
+    # bonus comes from its row (row 2), one-hot at 11.
+    target_probs[0, 0] = _dist(V, {4: 0.3, 5: 0.5, 8: 0.2})
+    target_probs[0, 2] = _dist(V, {11: 1.0})
+    # Row 1: both rejected (0.1 < 0.9, 0.1 < 0.9 * 0.9): the residual's only mass is on 8.
+    target_probs[1, 0] = _dist(V, {4: 0.1, 5: 0.1, 8: 0.8})
+    # Row 2: 40 is out of the vocabulary (rejected, S unchanged); 4 accepted with p = 1; node 1 is a
+    # leaf: the bonus from row 2, one-hot at 12.
+    target_probs[2, 0] = _dist(V, {4: 1.0})
+    target_probs[2, 2] = _dist(V, {12: 1.0})
+    # Row 3: 4 accepted, then its children 6 (0.2 < 0.5, S = 0.8) and 7 (0.2 >= 0.2 * 0.8); the
+    # bonus after node 2 is 33.
+    target_probs[3, 0] = _dist(V, {4: 1.0})
+    target_probs[3, 1] = _dist(V, {6: 0.2, 7: 0.2, 20: 0.6})
+    target_probs[3, 3] = _dist(V, {33: 1.0})
+    # Row 4: no drafts: a plain sample, one-hot at 30.
+    target_probs[4, 0] = _dist(V, {30: 1.0})
+    return Case(
+        "tree_rejection_sample",
+        (draft_ids, parents, _ids([2, 2, 2, 3, 0]), target_probs, uniform, exp_noise),
+        expected=(
+            [[5, 11, -1, -1], [8, -1, -1, -1], [4, 12, -1, -1], [4, 7, 33, -1], [30, -1, -1, -1]],
+            [1, 0, 1, 2, 0],
+            [[1, -1, -1], [-1, -1, -1], [1, -1, -1], [0, 2, -1], [-1, -1, -1]],
+        ),
+    )
+
+
+def _random_tree(g: torch.Generator, n: int, K: int, tokens_for) -> tuple[list[int], list[int]]:
+    """n nodes (padded to K) with random parents; `tokens_for(parent, count)` gives each sibling
+    group its distinct tokens."""
+    parents = [int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n)]
+    tokens = [0] * n
+    for par in [-1, *range(n)]:
+        kids = [i for i in range(n) if parents[i] == par]
+        if not kids:
+            continue
+        for i, t in zip(kids, tokens_for(par, len(kids))):
+            tokens[i] = t
+    return tokens + [0] * (K - n), parents + [-1] * (K - n)
+
+
+def _tree_greedy_random(seed: int, B: int, K: int, num_drafts: list[int]) -> Case:
+    """Vocabulary of 5: siblings take distinct tokens, so some child often carries the argmax."""
+    g = torch.Generator().manual_seed(seed)
+    target_argmax = torch.randint(0, 5, (B, K + 1), generator=g)
+    rows = [_random_tree(g, n, K, lambda par, c: torch.randperm(5, generator=g)[:c].tolist())
+            for n in num_drafts]
+    return Case("tree_greedy_accept", (_ids([r[0] for r in rows]), _ids([r[1] for r in rows]),
+                                       _ids(num_drafts), target_argmax))
+
+
+def _tree_sampling_random(seed: int, B: int, K: int, V: int, num_drafts: list[int], *,
+                          chain: bool = False, oov: bool = False) -> Case:
+    """Each sibling group's tokens drawn without replacement from the target at its parent's row
+    (so accepting and rejecting both happen); `chain`: parents i - 1; `oov`: some tokens past V."""
+    g = torch.Generator().manual_seed(seed)
+    target_probs = _random_probs(g, (B, K + 1, V), keep=0.5)
+    draft_ids, parents = [], []
+    for b, n in enumerate(num_drafts):
+        def tokens_for(par, c, b=b):
+            picked = torch.multinomial(target_probs[b, par + 1] + 1e-3, c, replacement=False, generator=g)
+            return [V + int(t) if oov and t % 3 == 0 else int(t) for t in picked]
+        if chain:
+            toks = [tokens_for(i - 1, 1)[0] for i in range(n)]
+            draft_ids.append(toks + [0] * (K - n))
+            parents.append(list(range(-1, n - 1)) + [-1] * (K - n))
+        else:
+            t, p = _random_tree(g, n, K, tokens_for)
+            draft_ids.append(t)
+            parents.append(p)
+    uniform = 1.0 - torch.rand(B, K, generator=g)
+    exp_noise = torch.empty(B, V).exponential_(generator=g)
+    return Case("tree_rejection_sample", (_ids(draft_ids), _ids(parents), _ids(num_drafts), target_probs,
+                                          uniform, exp_noise))
+
+
+TREE_CASES: dict[str, Case] = {
+    "tree_greedy_hand": _tree_hand_greedy(),
+    "tree_sample_hand_v37": _tree_hand_sampled(),
+    "tree_greedy_random": _tree_greedy_random(31, B=6, K=7, num_drafts=[7, 0, 3, 7, 5, 1]),
+    "tree_greedy_k1": _tree_greedy_random(32, B=3, K=1, num_drafts=[1, 0, 1]),
+    "tree_greedy_k0": _tree_greedy_random(33, B=2, K=0, num_drafts=[0, 0]),
+    "tree_sample_v37": _tree_sampling_random(34, B=6, K=7, V=37, num_drafts=[7, 0, 4, 7, 6, 2]),
+    "tree_sample_v1500_two_chunks": _tree_sampling_random(35, B=3, K=6, V=1500, num_drafts=[6, 3, 6]),
+    "tree_sample_oov": _tree_sampling_random(36, B=4, K=5, V=37, num_drafts=[5, 5, 2, 4], oov=True),
+    "tree_sample_chain": _tree_sampling_random(37, B=4, K=5, V=37, num_drafts=[5, 3, 5, 0], chain=True),
+    "tree_sample_k0": _tree_sampling_random(38, B=2, K=0, V=37, num_drafts=[0, 0]),
+}
+
+
+def _run_reference(case: Case) -> tuple[torch.Tensor, ...]:
     return getattr(reference, case.fn)(*case.args)
 
 
@@ -363,6 +481,90 @@ def _chisquare_pvalue(
     return scipy_stats.chisquare(counts.double().numpy(), expected.numpy()).pvalue
 
 
+@pytest.mark.parametrize("name", [n for n, c in TREE_CASES.items() if c.expected is not None])
+def test_tree_reference_known_answers(name):
+    got = _run_reference(TREE_CASES[name])
+    assert [t.tolist() for t in got] == list(TREE_CASES[name].expected)
+
+
+def test_tree_reference_path_is_consistent():
+    """Every tree case: the committed tokens are the accepted nodes' tokens along a parent chain,
+    then one extra token (positive target probability when sampling), then -1."""
+    outcomes = []
+    for name, case in TREE_CASES.items():
+        out, acc, nodes = _run_reference(case)
+        draft_ids, parents, num = case.args[0], case.args[1], case.args[2]
+        for b in range(out.shape[0]):
+            a = int(acc[b])
+            path = nodes[b, :a].tolist()
+            assert (nodes[b, a:] == -1).all() and all(0 <= i < int(num[b]) for i in path), name
+            assert [int(parents[b, i]) for i in path] == [-1, *path][:a], name
+            assert out[b, :a].tolist() == [int(draft_ids[b, i]) for i in path], name
+            assert out[b, a] >= 0 and (out[b, a + 1:] == -1).all(), name
+            if case.fn == "tree_rejection_sample":
+                row = path[-1] + 1 if path else 0
+                assert case.args[3][b, row, out[b, a]] > 0, name
+            outcomes.append((a, int(num[b])))
+    assert sum(0 < a for a, n in outcomes) >= 8 and sum(a == 0 < n for a, n in outcomes) >= 3
+    assert any(a >= 2 for a, _ in outcomes)
+
+
+def test_tree_as_chain_equals_chain_kernels():
+    """A chain given as a tree (parents i - 1) gets the chain kernels' result, bit for bit, from
+    the same random numbers."""
+    case = TREE_CASES["tree_sample_chain"]
+    draft_ids, parents, num, probs, u, e = case.args
+    out, acc, nodes = reference.tree_rejection_sample(*case.args)
+    out_c, acc_c = reference.rejection_sample(draft_ids, num, None, probs, u, e)
+    assert torch.equal(out, out_c) and torch.equal(acc, acc_c)
+    assert acc.tolist() != [0, 0, 0, 0]
+    argmax = probs.argmax(-1)
+    chain_drafts = torch.where(torch.rand(draft_ids.shape, generator=torch.Generator().manual_seed(3)) < 0.8,
+                               argmax[:, :-1], draft_ids)
+    out, acc, _ = reference.tree_greedy_accept(chain_drafts, parents, num, argmax)
+    out_c, acc_c = reference.greedy_accept(chain_drafts, num, argmax)
+    assert torch.equal(out, out_c) and torch.equal(acc, acc_c)
+
+
+def test_tree_reference_rejects_bad_trees():
+    ids = _ids([[1, 2]])
+    with pytest.raises(ValueError, match="parent"):
+        reference.tree_greedy_accept(ids, _ids([[0, -1]]), _ids([2]), _ids([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="repeats token"):
+        reference.tree_greedy_accept(_ids([[1, 1]]), _ids([[-1, -1]]), _ids([2]), _ids([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="parents"):
+        reference.tree_greedy_accept(ids, _ids([[-1]]), _ids([2]), _ids([[1, 2, 3]]))
+
+
+def test_tree_sampling_follows_target():
+    """Losslessness of the sibling rule: with a fixed tree (three guesses after the pending token,
+    two after the first of them), the first committed token is distributed as p_0 and the token
+    after it, when it is the first guess, as p_1 (the row of node 0)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    N, V = 20000, 6
+    g = torch.Generator().manual_seed(4321)
+    p0 = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.05, 0.2])
+    p1 = torch.tensor([0.3, 0.0, 0.1, 0.4, 0.2, 0.0])
+    rest = torch.full((V,), 1.0 / V)
+    target_probs = torch.stack([p0, p1, rest, rest, rest, rest]).expand(N, 6, V).contiguous()
+    draft_ids = _ids([[2, 0, 4, 3, 1]]).expand(N, 5).contiguous()
+    parents = _ids([[-1, -1, -1, 0, 0]]).expand(N, 5).contiguous()
+    uniform = 1.0 - torch.rand(N, 5, generator=g)
+    exp_noise = torch.empty(N, V).exponential_(generator=g)
+    out, acc, nodes = reference.tree_rejection_sample(draft_ids, parents, torch.full((N,), 5), target_probs,
+                                                       uniform, exp_noise)
+    first = torch.bincount(out[:, 0], minlength=V)
+    assert _chisquare_pvalue(scipy_stats, first, p0) > 1e-3
+    after = out[out[:, 0] == 2, 1]
+    counts = torch.bincount(after, minlength=V)
+    support = p1 > 0
+    assert (counts[~support] == 0).all()
+    assert _chisquare_pvalue(scipy_stats, counts[support], p1[support]) > 1e-3
+    # the drafts are accepted as often as the target picks them: p0 over the guesses, then p1(3, 1)
+    assert abs((acc >= 1).float().mean() - (p0[2] + p0[0] + p0[4])) < 0.02
+    assert abs((acc == 2).float().mean() - p0[2] * (p1[3] + p1[1])) < 0.02
+
+
 @pytest.fixture(scope="module")
 def triton_outputs(tmp_path_factory) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Run every case through the public dispatch with TANDEM_FORCE_TRITON=1 in a child process
@@ -371,7 +573,7 @@ def triton_outputs(tmp_path_factory) -> dict[str, tuple[torch.Tensor, torch.Tens
         pytest.skip("triton is not installed")
     folder = tmp_path_factory.mktemp("triton_verify")
     cases_path, outputs_path = folder / "cases.pt", folder / "outputs.pt"
-    torch.save({name: (case.fn, case.args) for name, case in CASES.items()}, cases_path)
+    torch.save({name: (case.fn, case.args) for name, case in {**CASES, **TREE_CASES}.items()}, cases_path)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("TANDEM_FORCE_TRITON", None)
     child = subprocess.run(
@@ -389,6 +591,15 @@ def test_triton_matches_reference(name, triton_outputs):
     assert output_ids.dtype == num_accepted.dtype == torch.int64
     assert torch.equal(output_ids, expected_ids), (output_ids, expected_ids)
     assert torch.equal(num_accepted, expected_accepted), (num_accepted, expected_accepted)
+
+
+@pytest.mark.parametrize("name", list(TREE_CASES))
+def test_triton_tree_matches_reference(name, triton_outputs):
+    expected = _run_reference(TREE_CASES[name])
+    got = triton_outputs[name]
+    assert len(got) == 3 and all(t.dtype == torch.int64 for t in got)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e), (got, expected)
 
 
 def _child_run_triton(cases_path: str, outputs_path: str) -> None:
