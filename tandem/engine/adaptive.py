@@ -29,6 +29,12 @@ turns repetitive half-way would never find out. Two things keep the controller l
   Long prompt-lookup matches (8+ tokens: text the context continues) are always worth a look: their
   first decline is probed and their interval never exceeds `LONG_MATCH_MAX_INTERVAL`.
 
+Token trees (suffix decoding's, tandem.engine.suffix.best_tree) are counted apart, per node rank
+rather than per position: nodes come best first, so a k-node tree is the first k nodes, and
+E(k) = 1 + P_1 + ... + P_k where P_i = P(node i lies on the accepted path), measured as such
+(siblings exclude each other, so conditional rates would not multiply). Their prior is the chain's
+prior compounded (P_i = a^i).
+
 Worked example: on a host where a second token costs as much as the first (forward(2) = 2
 forward(1)), drafting never pays and every offer is declined; a short-match bucket is probed at its
 8th, 24th, 56th, 120th, 184th ... decline (then every 64th), each probe costing one extra token's
@@ -70,10 +76,12 @@ def _group(length: int) -> int:
     return 5 if length < 8 else 6 if length < 16 else 7
 
 
-def _bucket(proposer: str, bucket: int) -> tuple[str, int]:
+def _bucket(proposer: str, bucket: int, tree: bool = False) -> tuple[str, int]:
     """Prompt lookup's match lengths grouped (_group); suffix decoding's too, its matches in the
-    cross-session store (bucket = 16 + length) apart from the session's own (8 + group). Other
-    proposers' buckets (0-7) are taken as they are."""
+    cross-session store (bucket = 16 + length) apart from the session's own (8 + group); trees
+    apart from chains (proposer "<name>/tree"). Other proposers' buckets (0-7) are taken as they are."""
+    if tree:
+        return proposer + "/tree", _bucket(proposer, bucket)[1]
     if proposer == "ngram":
         return proposer, _group(bucket)
     if proposer == "suffix":
@@ -107,6 +115,20 @@ class AcceptanceCounts:
             else:
                 break  # positions after the first rejection were not tested
 
+    def observe_tree(self, key: tuple[str, int], drafted: int, accepted_nodes: list[int], forget: float = 1.0) -> None:
+        """Count one verified tree of `drafted` nodes: every rank was offered, the path's nodes
+        were accepted (unconditional counts, see the module docstring)."""
+        row = self.row(key)
+        if forget < 1.0:
+            for cell in row:
+                cell[0] *= forget
+                cell[1] *= forget
+        on_path = set(accepted_nodes)
+        for i in range(min(drafted, MAX_POSITIONS)):
+            row[i][0] += 1
+            if i in on_path:
+                row[i][1] += 1
+
 
 class BlockLengthController:
     """Chooses k per step. One per sequence; `shared` and `costs` are the runner's."""
@@ -123,8 +145,10 @@ class BlockLengthController:
         self._probing: tuple[str, int] | None = None  # the bucket of the probe in flight
         self.probes = 0  # probes taken (for tests and stats)
 
-    def rates(self, proposer: str, bucket: int, k: int) -> list[float]:
-        key = _bucket(proposer, bucket)
+    def rates(self, proposer: str, bucket: int, k: int, tree: bool = False) -> list[float]:
+        """Per position: the conditional acceptance rate; for a tree (`tree`), per node rank: the
+        probability that the node is on the accepted path."""
+        key = _bucket(proposer, bucket, tree)
         if proposer == "suffix":  # a match is a match, in the session or in the store
             prior = _PRIOR.get(key[1] % 8, 0.3)
         else:
@@ -133,7 +157,8 @@ class BlockLengthController:
         out = []
         for i in range(k):
             s_reached, s_acc = shared[i]
-            global_rate = (s_acc + _PRIOR_WEIGHT * prior) / (s_reached + _PRIOR_WEIGHT)
+            p = prior ** (i + 1) if tree else prior
+            global_rate = (s_acc + _PRIOR_WEIGHT * p) / (s_reached + _PRIOR_WEIGHT)
             o_reached, o_acc = own[i]
             out.append((o_acc + _SESSION_SHRINK * global_rate) / (o_reached + _SESSION_SHRINK))
         return out
@@ -148,7 +173,7 @@ class BlockLengthController:
         return batch_committed + 1.0, self.costs.estimate(batch_tokens + 1) or 0.0
 
     def plan_detail(self, proposer: str, bucket: int, available: int, batch_tokens: int = 0,
-                    batch_committed: float = 0.0) -> tuple[int, float, float]:
+                    batch_committed: float = 0.0, tree: bool = False) -> tuple[int, float, float]:
         """(best block length in 0..min(max_k, available), its expected committed tokens, its cost
         in seconds); cost 0 = nothing measured yet.
 
@@ -172,8 +197,8 @@ class BlockLengthController:
         draft_cost = self.draft_cost_per_token.get(proposer, 0.0)
         best = plain
         expected, survive = 1.0, 1.0
-        for k, rate in enumerate(self.rates(proposer, bucket, limit), start=1):
-            survive *= rate
+        for k, rate in enumerate(self.rates(proposer, bucket, limit, tree), start=1):
+            survive = rate if tree else survive * rate  # a tree's rates are already unconditional
             expected += survive
             cost = self.costs.estimate(batch_tokens + k + 1) + draft_cost * k
             if (batch_committed + expected) / cost > best[1] / best[2]:
@@ -207,14 +232,14 @@ class BlockLengthController:
             with_look += w / total * max(drafting, alt_expected / (alt_cost + look))
         return with_look > alt_expected / alt_cost
 
-    def probe(self, proposer: str, bucket: int, available: int) -> int:
+    def probe(self, proposer: str, bucket: int, available: int, tree: bool = False) -> int:
         """An offer of `available` drafts was declined (the plan chose a plain step): how many
         drafts to verify anyway to test its bucket (0: not now). See the module docstring."""
         if not self.adaptive or available <= 0 or proposer not in ("ngram", "suffix"):
             # Only prompt lookup and suffix decoding are probed: their drafts cost nothing to
             # make, while a draft model's probe would pay its own steps on top of the larger forward.
             return 0
-        key = _bucket(proposer, bucket)
+        key = _bucket(proposer, bucket, tree)
         long_match = key[1] % 8 >= LONG_MATCH
         state = self._probes.setdefault(key, [0, 1 if long_match else PROBE_INTERVAL])
         state[0] += 1
@@ -237,10 +262,16 @@ class BlockLengthController:
         cheapest = min(costs)
         return max(k for k, c in enumerate(costs, start=1) if c <= 1.05 * cheapest)
 
-    def observe(self, proposer: str, bucket: int, drafted: int, accepted: int) -> None:
-        key = _bucket(proposer, bucket)
-        self.own.observe(key, drafted, accepted, FORGET)
-        self.shared.observe(key, drafted, accepted, SHARED_FORGET)
+    def observe(self, proposer: str, bucket: int, drafted: int, accepted: int,
+                tree_nodes: list[int] | None = None) -> None:
+        """One verified block; `tree_nodes`: it was a token tree and these nodes were accepted."""
+        key = _bucket(proposer, bucket, tree_nodes is not None)
+        if tree_nodes is not None:
+            self.own.observe_tree(key, drafted, tree_nodes, FORGET)
+            self.shared.observe_tree(key, drafted, tree_nodes, SHARED_FORGET)
+        else:
+            self.own.observe(key, drafted, accepted, FORGET)
+            self.shared.observe(key, drafted, accepted, SHARED_FORGET)
         if self._probing == key:
             self._probing = None  # a probe's outcome: the interval already grew
         elif drafted and key in self._probes:

@@ -19,6 +19,10 @@
  *   k, v key j of KV head g at k[(g * cap + j) * D]   (a layer of the [KV, cap, D] cache)
  *   out  row t, head h at out[t * o_stride + h * D]   (the [n, H * D] input of the output projection)
  * D must be a multiple of 16 (one AVX-512 register of floats) and at most 256; the loader checks.
+ *
+ * Token trees: with `tree` non-NULL, row t sees the cache's keys 0 .. s-1 and the block's keys s + i
+ * for the bits i set in tree[t] (itself and its ancestors; a block has at most 32 rows) instead of
+ * the causal s .. s+t. Keys it cannot see add exact zeros, as keys past a causal row's position do.
  */
 #ifndef __AVX512F__
 #error "this kernel needs AVX-512, which this CPU lacks: attention stays on torch's kernel"
@@ -93,6 +97,7 @@ static inline __attribute__((always_inline)) void values(const int V, const int 
 static inline __attribute__((always_inline)) void run_v(const int V, const float *restrict q, int q_stride,
                                                         const float *restrict kg, const float *restrict vg, int G,
                                                         int n, int s, int g, int j0, int j1, float scale,
+                                                        const unsigned *restrict tree,
                                                         float *restrict m, float *restrict l, float *restrict acc) {
     const int R = G * n, D = 16 * V;
     enum { RC = 6 }; /* rows per register block of the value pass (6 x 4 accumulators for D = 64) */
@@ -117,9 +122,17 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
                     for (int e = 1; e < V; e++) a = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kj + 16 * e), a);
                     part[i] = a;
                 }
-                int lim = s + t - j + 1; /* keys j .. j+lim-1 are visible to this row */
-                lim = lim < 0 ? 0 : (lim > cnt ? cnt : lim);
-                const __mmask16 vis = (__mmask16)(lim >= 16 ? 0xFFFFu : (1u << lim) - 1u);
+                __mmask16 vis;
+                if (tree == 0 || j + cnt <= s) {
+                    int lim = (tree ? s - 1 : s + t) - j + 1; /* keys j .. j+lim-1 are visible to this row */
+                    lim = lim < 0 ? 0 : (lim > cnt ? cnt : lim);
+                    vis = (__mmask16)(lim >= 16 ? 0xFFFFu : (1u << lim) - 1u);
+                } else { /* a tile reaching into a tree block: the cache part, then the row's ancestors */
+                    unsigned bits = 0;
+                    for (int i = 0; i < cnt; i++)
+                        if (j + i < s || ((tree[t] >> (j + i - s)) & 1u)) bits |= 1u << i;
+                    vis = (__mmask16)bits;
+                }
                 _mm512_store_ps(sc + r * TILE + (j - t0), _mm512_mask_blend_ps(vis, ninf, _mm512_mul_ps(hsum16(part), vscale)));
             }
         }
@@ -165,20 +178,20 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
 }
 
 static void run(const float *restrict q, int q_stride, const float *restrict kg, const float *restrict vg,
-                int G, int n, int D, int s, int g, int j0, int j1, float scale,
+                int G, int n, int D, int s, int g, int j0, int j1, float scale, const unsigned *restrict tree,
                 float *restrict m, float *restrict l, float *restrict acc) {
     switch (D / 16) { /* head sizes in use: 64 (SmolLM2, Llama 3.2 1B), 128 (most others) */
-    case 4: run_v(4, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, m, l, acc); break;
-    case 8: run_v(8, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, m, l, acc); break;
+    case 4: run_v(4, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, tree, m, l, acc); break;
+    case 8: run_v(8, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, tree, m, l, acc); break;
     default: /* 16 .. 256 in steps of 16: one generic instance */
         for (int v = 1; v <= MAX_VEC; v++)
-            if (v == D / 16) { run_v(v, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, m, l, acc); break; }
+            if (v == D / 16) { run_v(v, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, tree, m, l, acc); break; }
     }
 }
 
 int tandem_attend(const float *restrict q, int q_stride, const float *restrict k, const float *restrict v,
                   float *restrict out, int o_stride, int H, int KV, int n, int D, int s, int cap,
-                  float scale, int threads) {
+                  float scale, int threads, const unsigned *restrict tree) {
     if (D % 16 || D > 16 * MAX_VEC || H % KV) return -1;
     const int G = H / KV, R = G * n, L = s + n;
     /* Runs of SPAN keys at fixed positions (0, SPAN, 2 SPAN, ...), whatever the block's length and
@@ -195,7 +208,7 @@ int tandem_attend(const float *restrict q, int q_stride, const float *restrict k
         const int j0 = c * span, j1 = (j0 + span < L) ? j0 + span : L;
         float *m = part + (size_t)item * per;
         run(q, q_stride, k + (size_t)g * cap * D, v + (size_t)g * cap * D, G, n, D, s, g, j0, j1, scale,
-            m, m + R, m + 2 * R);
+            tree, m, m + R, m + 2 * R);
     }
     /* merge the runs of each row: out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M) */
     for (int g = 0; g < KV; g++) {

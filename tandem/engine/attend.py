@@ -24,7 +24,7 @@ MAX_HEAD_DIM = 256
 def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.tandem_attend
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-                   + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
+                   + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
     fn.restype = ctypes.c_int
 
 
@@ -43,8 +43,24 @@ def serves(n: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> b
             and head_dim <= MAX_HEAD_DIM and library() is not None)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, start: int, scale: float) -> None:
-    """Causal attention of a block's queries over one layer's cache, written into `out`.
+def tree_bits(parents: list[int]) -> ctypes.Array:
+    """The rows' visibility masks of a token-tree block for `attend(tree=...)`: bit i of row r set
+    when block row i is r itself or one of its ancestors. parents[r] is the block row r follows
+    (-1 for row 0, the pending token); at most MAX_ROWS rows."""
+    if len(parents) > MAX_ROWS:
+        raise ValueError(f"a tree block has at most {MAX_ROWS} rows, got {len(parents)}")
+    bits: list[int] = []
+    for r, par in enumerate(parents):
+        if not -1 <= par < r:
+            raise ValueError(f"row {r}'s parent {par} is not an earlier row")
+        bits.append((1 << r) | (bits[par] if par >= 0 else 0))
+    return (ctypes.c_uint32 * len(bits))(*bits)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, start: int, scale: float,
+           tree: ctypes.Array | None = None) -> None:
+    """Causal attention of a block's queries over one layer's cache, written into `out`; with
+    `tree` (`tree_bits` of the block) each row sees the cache and its own ancestors in the block.
 
     q `# [n, H, D]` (rows may be strided; heads and dims contiguous): the queries at positions
     start .. start+n-1; k, v `# [KV, cap, D]` contiguous, positions 0 .. start+n-1 valid; out
@@ -62,11 +78,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
           and out.stride(1) == 1 and tuple(out.shape) == (n, H * D) and H % KV == 0 and 0 < n <= MAX_ROWS
           and D % 16 == 0 and D <= MAX_HEAD_DIM and 0 <= start and start + n <= cap
           and all(t.device.type == "cpu" for t in (q, k, v, out)))
+    if tree is not None and len(tree) != n:
+        raise ValueError(f"tree has {len(tree)} rows' masks for a block of {n} rows")
     if not ok:  # the kernel reads raw pointers: anything else would read the wrong memory
         raise ValueError(f"attend takes float32 CPU q [n <= {MAX_ROWS}, H, D (a multiple of 16)], k/v contiguous "
                          f"[KV, cap, D] with start + n <= cap, out [n, H*D]; got q {tuple(q.shape)} {q.stride()}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}, start {start}")
     rc = lib.tandem_attend(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), out.stride(0),
-                           H, KV, n, D, start, cap, scale, torch.get_num_threads())
+                           H, KV, n, D, start, cap, scale, torch.get_num_threads(),
+                           None if tree is None else ctypes.addressof(tree))
     if rc != 0:
         raise MemoryError(f"the CPU attention kernel failed ({rc})")

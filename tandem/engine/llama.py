@@ -270,7 +270,8 @@ class NativeLlama:
 
     @torch.inference_mode()
     def forward_batch(
-        self, blocks: list[tuple[list[int], KVCache]], need_logits: list[bool | str] | None = None
+        self, blocks: list[tuple[list[int], KVCache]], need_logits: list[bool | str] | None = None,
+        trees: list[list[int] | None] | None = None,
     ) -> list[torch.Tensor | None]:
         """One forward for the blocks of several sequences (ragged: any lengths, any contexts).
 
@@ -280,6 +281,12 @@ class NativeLlama:
         logits `# [len(block), vocab]`, as `forward` would, or None where `need_logits` says so
         (prefill blocks: the LM head over a long prompt would cost more than the rest), or only the
         last row's `# [1, vocab]` where it says "last" (a draft model catching up on its context).
+
+        `trees[b]`, where given, makes block b a token tree: parents[r] is the block row that row r
+        follows (-1 for row 0, the pending token). Row r then sits at position start + its depth and
+        attends to the cache and its own ancestors only, so its logits are those of the path that
+        leads to it; its KV lands at slot start + r (the caller keeps the accepted path's,
+        `keep_path`).
         """
         need = need_logits or [True] * len(blocks)
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
@@ -288,16 +295,23 @@ class NativeLlama:
         for (ids, cache), n in zip(blocks, lens):
             cache.ensure(cache.length + n)
         flat = torch.tensor([t for ids, _ in blocks for t in ids], dtype=torch.long, device=self.device)  # [N]
-        positions = torch.cat([torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lens)])  # [N]
+        trees = trees or [None] * len(blocks)
+        depths = [None if t is None else _depths(t, n) for t, n in zip(trees, lens)]
+        positions = torch.cat([torch.arange(s, s + n, device=self.device) if d is None
+                               else torch.tensor(d, device=self.device) + s
+                               for s, n, d in zip(starts, lens, depths)])  # [N]
         cos, sin = self._rope(positions)  # [N, 1, D] each
         # decode and verification blocks go through our CPU attention kernel where it is built
         # (tandem.engine.attend: torch's reads a long cache at a third of the memory's speed); a
         # prefill, a GPU or another dtype through torch's, with the block's causal mask
         kernel = [attend.serves(n, D, self.dtype, self.device) for n in lens]
         masks = [
-            None if n == 1 or use else torch.ones(n, s + n, dtype=torch.bool, device=self.device).tril(diagonal=s)
-            for s, n, use in zip(starts, lens, kernel)
+            None if n == 1 or use else
+            torch.ones(n, s + n, dtype=torch.bool, device=self.device).tril(diagonal=s) if t is None else
+            _tree_mask(t, s, self.device)
+            for s, n, use, t in zip(starts, lens, kernel, trees)
         ]
+        bits = [attend.tree_bits(t) if t is not None and use else None for t, use in zip(trees, kernel)]
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
@@ -318,7 +332,7 @@ class NativeLlama:
                 cache.k[li, :, s : s + (e - a)] = k[:, a:e]
                 cache.v[li, :, s : s + (e - a)] = v[:, a:e]
                 if kernel[b]:
-                    attend.attend(q[a:e], cache.k[li], cache.v[li], att[a:e], s, self.scale)
+                    attend.attend(q[a:e], cache.k[li], cache.v[li], att[a:e], s, self.scale, bits[b])
                     continue
                 att[a:e] = F.scaled_dot_product_attention(
                     q[a:e].transpose(0, 1).unsqueeze(0), cache.k[li, :, : s + e - a].unsqueeze(0),
@@ -351,9 +365,47 @@ class NativeLlama:
                 out.append(None)
         return out
 
+    @staticmethod
+    @torch.inference_mode()
+    def keep_path(cache: KVCache, start: int, rows: list[int]) -> None:
+        """After a tree block written at slots start .. : move the KV of its accepted `rows`
+        (ascending block rows, row 0 the pending token first) to slots start, start + 1, ...
+        Each row's keys were rotated at its depth, which is its slot on the path: a plain copy."""
+        src = [start + r for r in rows]
+        if src == list(range(start, start + len(rows))):
+            return
+        dst = list(range(start, start + len(rows)))
+        cache.k[:, :, dst] = cache.k[:, :, src]  # the right side is gathered first: overlaps are safe
+        cache.v[:, :, dst] = cache.v[:, :, src]
+
     def forward(self, input_ids: list[int], cache: KVCache, *, all_logits: bool = True) -> torch.Tensor | None:
         """Run `input_ids` after the cache's `length` positions; the cache grows by len(input_ids).
 
         Returns logits `# [n, vocab]` (float32) when `all_logits`, else None (prefill).
         """
         return self.forward_batch([(input_ids, cache)], [all_logits])[0]
+
+
+def _depths(parents: list[int], n: int) -> list[int]:
+    """Each row's depth in a tree block (row 0, the pending token, at 0)."""
+    if len(parents) != n or not parents or parents[0] != -1:
+        raise ValueError(f"a tree block's parents must cover its {n} rows, row 0 first (-1)")
+    depth = [0] * n
+    for r in range(1, n):
+        par = parents[r]
+        if not 0 <= par < r:
+            raise ValueError(f"row {r}'s parent {par} is not an earlier row")
+        depth[r] = depth[par] + 1
+    return depth
+
+
+def _tree_mask(parents: list[int], start: int, device) -> torch.Tensor:
+    """`# [n, start + n]` bool: each row sees the cache and itself and its ancestors in the block."""
+    n = len(parents)
+    mask = torch.zeros(n, start + n, dtype=torch.bool)
+    mask[:, :start] = True
+    for r, par in enumerate(parents):
+        if par >= 0:
+            mask[r, start:] = mask[par, start:]
+        mask[r, start + r] = True
+    return mask.to(device)

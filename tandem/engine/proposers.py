@@ -30,9 +30,18 @@ class Draft:
     support_probs: torch.Tensor | None = None  # [k, s] float32, rows sum to 1
     bucket: int = 0  # what the proposer knew about its confidence (ngram: matched suffix length)
     seconds: float = 0.0  # time spent drafting
+    # A token tree instead of a chain: parents[i] is the node that tokens[i] follows (-1: the pending
+    # token), always an earlier one, and siblings carry distinct tokens (check_tree). Deterministic
+    # drafts only (no support). Nodes come best first, so the first k nodes are the best k-node tree.
+    parents: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def is_tree(self) -> bool:
+        """True for a tree with a branch (a chain given as a tree is verified as a chain)."""
+        return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
 
     def truncated(self, k: int) -> "Draft":
         if k >= len(self.tokens):
@@ -44,7 +53,30 @@ class Draft:
             support_probs=None if self.support_probs is None else self.support_probs[:k],
             bucket=self.bucket,
             seconds=self.seconds,
+            parents=None if self.parents is None else self.parents[:k],
         )
+
+    def depth(self) -> int:
+        """Drafts on the longest path (the chain's length for a chain)."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 + (depth[p] if p >= 0 else 0))
+        return max(depth, default=0)
+
+    def as_chain(self) -> "Draft":
+        """The tree's first path (each node's first child: the most likely, nodes being best
+        first), as a chain; a chain as it is."""
+        if self.parents is None:
+            return self
+        path, cur = [], -1
+        for i, p in enumerate(self.parents):
+            if p == cur:
+                path.append(i)
+                cur = i
+        return Draft(tokens=[self.tokens[i] for i in path], proposer=self.proposer, bucket=self.bucket,
+                     seconds=self.seconds)
 
     def dense_probs(self, vocab: int) -> torch.Tensor | None:
         """q as a dense `# [k, vocab]` float32 tensor for the verification kernel (None = one-hot)."""
@@ -53,6 +85,22 @@ class Draft:
         q = torch.zeros(len(self.tokens), vocab, dtype=torch.float32)
         q.scatter_(1, self.support, self.support_probs.float())
         return q
+
+
+def check_tree(tokens: list[int], parents: list[int]) -> str | None:
+    """Why `parents` is not a valid token tree over `tokens` (None: it is): one parent per token,
+    each -1 or an earlier node, siblings' tokens distinct (a drafter's garbage is refused here,
+    before a kernel that assumes the contract)."""
+    if len(parents) != len(tokens):
+        return f"{len(parents)} parents for {len(tokens)} tokens"
+    seen: set[tuple[int, int]] = set()
+    for i, (p, t) in enumerate(zip(parents, tokens)):
+        if not -1 <= p < i:
+            return f"node {i}'s parent {p} is not -1 or an earlier node"
+        if (p, t) in seen:
+            return f"node {i} repeats token {t} among its siblings"
+        seen.add((p, t))
+    return None
 
 
 @dataclass
@@ -65,6 +113,7 @@ class Offer:
     # The bucket is known only after a costly look (a draft model's first step): the caller decides
     # from measured bucket frequencies whether that look pays, then calls `rate(proposer, ids)`.
     needs_peek: bool = False
+    tree: bool = False  # the drafts come as a token tree (the controller keeps trees' counts apart)
 
 
 UNBOUNDED = 1 << 30
@@ -116,6 +165,10 @@ class Proposer(ABC):
 
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         """A step committed `appended` (now the tail of `ids`); `next_k` drafts are wanted next."""
+
+    def allow_trees(self, ok: bool) -> None:
+        """Whether this generation can verify token trees (the backend runs them and nothing
+        needs the drafts position by position); a proposer that drafts trees drafts chains if not."""
 
     def begin(self, context_len: int) -> None:
         """A generation starts after the first `context_len` tokens (the prompt): what follows
@@ -589,6 +642,10 @@ class HybridProposer(Proposer):
         if self.suffix is not None:
             self.suffix.finish(ids)
 
+    def allow_trees(self, ok: bool) -> None:
+        if self.suffix is not None:
+            self.suffix.allow_trees(ok)
+
     def reset(self) -> None:
         for p in self.by_name.values():
             p.reset()
@@ -606,6 +663,7 @@ class ProposerFactory:
     # factory); None: suffix drafts from the sequence's own tokens only.
     suffix_store: object | None = None
     hybrid_suffix: bool = True  # the hybrid offers suffix decoding too (False: prompt lookup and the model)
+    suffix_trees: bool = True  # suffix decoding drafts token trees (where the generation can verify them)
 
     def build(self, spec: SpecConfig | None = None) -> Proposer | None:
         spec = spec or self.spec
@@ -616,7 +674,7 @@ class ProposerFactory:
         if spec.strategy.value == "suffix":
             from tandem.engine.suffix import SuffixProposer
 
-            return SuffixProposer(self.suffix_store)
+            return SuffixProposer(self.suffix_store, trees=self.suffix_trees)
         if self.draft_model is None:
             raise ValueError(
                 f"draft strategy {spec.strategy.value!r} needs a draft model (--draft-model PATH, or "
@@ -628,6 +686,6 @@ class ProposerFactory:
         if spec.strategy.value == "hybrid":
             from tandem.engine.suffix import SuffixProposer
 
-            suffix = SuffixProposer(self.suffix_store) if self.hybrid_suffix else None
+            suffix = SuffixProposer(self.suffix_store, trees=self.suffix_trees) if self.hybrid_suffix else None
             return HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max), model, suffix=suffix)
         return model

@@ -119,17 +119,23 @@ class HFBackend:
 
     batched = False  # one sequence per forward: a batch runs its blocks one after another
     shares_prefix = False  # no KV copy between sequences: each prefills its own
+    trees = False  # no token-tree blocks: proposers' trees are verified as their best chain
     rows_alone = False  # no forward whose rows get the bits they would alone (see NativeBackend)
 
     @torch.inference_mode()
-    def forward(self, cache: DynamicCache, input_ids: list[int], all_logits: bool, alone: bool = False) -> torch.Tensor | None:
+    def forward(self, cache: DynamicCache, input_ids: list[int], all_logits: bool, alone: bool = False,
+                tree: list[int] | None = None) -> torch.Tensor | None:
+        if tree is not None:
+            raise ValueError("the transformers backend runs no token trees (trees = False)")
         # `alone` cannot be honoured here (rows_alone is False): TargetRunner never asks for it.
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         return out.logits[0].float() if all_logits else None  # [n, vocab]
 
-    def forward_batch(self, blocks: list[tuple], need: list[bool], alone: bool = False) -> list[torch.Tensor | None]:
-        return [self.forward(cache, ids, n) for (cache, ids), n in zip(blocks, need)]
+    def forward_batch(self, blocks: list[tuple], need: list[bool], alone: bool = False,
+                      trees: list | None = None) -> list[torch.Tensor | None]:
+        trees = trees or [None] * len(blocks)
+        return [self.forward(cache, ids, n, tree=t) for (cache, ids), n, t in zip(blocks, need, trees)]
 
 
 class NativeBackend:
@@ -163,6 +169,13 @@ class NativeBackend:
 
     batched = True  # ragged blocks of many sequences in one forward
     shares_prefix = True  # a sequence can start from a copy of another's KV prefix
+    trees = True  # token-tree blocks (tree positions and mask; keep_path after verification)
+
+    @staticmethod
+    def keep_path(cache, start: int, rows: list[int]) -> None:
+        from tandem.engine.llama import NativeLlama
+
+        NativeLlama.keep_path(cache, start, rows)
 
     @property
     def rows_alone(self) -> bool:
@@ -170,12 +183,14 @@ class NativeBackend:
         one-token step gets (gemm.rows_alone with our attention and row kernels)."""
         return self.impl.can_run_rows_alone
 
-    def forward(self, cache, input_ids: list[int], all_logits: bool, alone: bool = False) -> torch.Tensor | None:
-        return self.forward_batch([(cache, input_ids)], [all_logits], alone)[0]
+    def forward(self, cache, input_ids: list[int], all_logits: bool, alone: bool = False,
+                tree: list[int] | None = None) -> torch.Tensor | None:
+        return self.forward_batch([(cache, input_ids)], [all_logits], alone, [tree])[0]
 
-    def forward_batch(self, blocks: list[tuple], need: list[bool], alone: bool = False) -> list[torch.Tensor | None]:
+    def forward_batch(self, blocks: list[tuple], need: list[bool], alone: bool = False,
+                      trees: list | None = None) -> list[torch.Tensor | None]:
         with rows_alone() if alone and self.rows_alone else contextlib.nullcontext():
-            return self.impl.forward_batch([(ids, cache) for cache, ids in blocks], need)
+            return self.impl.forward_batch([(ids, cache) for cache, ids in blocks], need, trees)
 
 
 def make_backend(model: torch.nn.Module, choice: str = "auto"):
@@ -208,23 +223,33 @@ class TargetRunner:
     def vocab_size(self) -> int:
         return self.loaded.vocab_size
 
+    @property
+    def trees_ok(self) -> bool:
+        """Whether generations may verify token trees here: the backend runs them, and the forward
+        is not the batch-invariant one (there a chain's rows have plain decoding's bits; a tree row's
+        ancestors sit at other key slots, so its attention sums in another order)."""
+        impl = getattr(self.backend, "impl", None)
+        return self.backend.trees and not (impl is not None and impl.batch_invariant)
+
     def new_sequence(self) -> "Sequence":
         return Sequence(self)
 
-    def forward(self, cache, input_ids: list[int], *, all_logits: bool = True, alone: bool = False) -> torch.Tensor | None:
+    def forward(self, cache, input_ids: list[int], *, all_logits: bool = True, alone: bool = False,
+                tree: list[int] | None = None) -> torch.Tensor | None:
         """Run `input_ids` on top of `cache` (which grows by len(input_ids)).
 
         Returns logits `# [len(input_ids), vocab]` float32 when `all_logits`, else None (prefill
         skips the LM head, ~20% of a small model's cost per token). `alone`: where the backend can
         (`backend.rows_alone`), each row is computed with the bits it would get in a one-token
         step, whatever the batch (for logprobs equal to plain decoding's); such forwards are slower
-        and left out of the cost model.
+        and left out of the cost model. `tree`: the block is a token tree (NativeLlama.forward_batch:
+        parents of its rows), where `backend.trees`; it costs what a chain of as many tokens costs.
         """
         alone = alone and self.backend.rows_alone
         if self.executor is not None:
-            return self.executor.forward(cache, input_ids, all_logits, alone)
+            return self.executor.forward(cache, input_ids, all_logits, alone, tree)
         start = time.perf_counter()
-        logits = self.backend.forward(cache, input_ids, all_logits, alone)
+        logits = self.backend.forward(cache, input_ids, all_logits, alone, tree)
         if all_logits and not alone:
             self.costs.observe(len(input_ids), time.perf_counter() - start)
         return logits
@@ -243,6 +268,7 @@ class _Job:
     all_logits: bool
     done: threading.Event
     alone: bool = False  # computed as rows alone (TargetRunner.forward): batched only with its kind
+    tree: list[int] | None = None  # a token-tree block's row parents
     result: torch.Tensor | None = None
     error: BaseException | None = None
 
@@ -278,8 +304,9 @@ class BatchExecutor:
             self._busy += delta
             self._cond.notify_all()
 
-    def forward(self, cache, ids: list[int], all_logits: bool, alone: bool = False) -> torch.Tensor | None:
-        job = _Job(cache, list(ids), all_logits, threading.Event(), alone=alone)
+    def forward(self, cache, ids: list[int], all_logits: bool, alone: bool = False,
+                tree: list[int] | None = None) -> torch.Tensor | None:
+        job = _Job(cache, list(ids), all_logits, threading.Event(), alone=alone, tree=tree)
         with self._cond:
             self._queue.append(job)
             self._cond.notify_all()
@@ -307,7 +334,9 @@ class BatchExecutor:
         start = time.perf_counter()
         try:
             blocks, need = [(j.cache, j.ids) for j in jobs], [j.all_logits for j in jobs]
-            outs = self.runner.backend.forward_batch(blocks, need, alone)
+            trees = [j.tree for j in jobs]
+            outs = self.runner.backend.forward_batch(blocks, need, alone,
+                                                     trees if any(t is not None for t in trees) else None)
         except BaseException as exc:  # every waiting session learns of it
             for j in jobs:
                 j.error = exc
@@ -362,6 +391,21 @@ class Sequence:
         `alone`: each row as a one-token step computes it (TargetRunner.forward)."""
         assert self.cached_len == len(self.ids) - 1, "cache must hold ids[:-1] between steps"
         return self.runner.forward(self.cache, [self.ids[-1], *drafts], alone=alone)
+
+    def forward_tree(self, drafts: list[int], parents: list[int]) -> torch.Tensor:
+        """One target forward over the pending token and a token tree (`parents[i]`: the draft node
+        that node i follows, -1 for the pending token; topological order); logits `# [k+1, vocab]`,
+        row i+1 after node i. Then `commit_tree` keeps the accepted path."""
+        assert self.cached_len == len(self.ids) - 1, "cache must hold ids[:-1] between steps"
+        rows = [-1] + [p + 1 for p in parents]
+        return self.runner.forward(self.cache, [self.ids[-1], *drafts], tree=rows)
+
+    def commit_tree(self, tokens: list[int], nodes: list[int]) -> None:
+        """`commit` after `forward_tree`: `nodes` are the accepted path's node indices (the first
+        len(nodes) of `tokens`); their KV moves next to the pending token's, the rest is dropped."""
+        start = len(self.ids) - 1
+        self.runner.backend.keep_path(self.cache, start, [0] + [i + 1 for i in nodes])
+        self.commit(tokens)
 
     def commit(self, tokens: list[int]) -> None:
         """Append the step's committed tokens (accepted drafts + one recovered/bonus token) and drop

@@ -28,7 +28,7 @@ from tandem.engine.models import LoadedModel
 from tandem.engine.proposers import Draft, Proposer, ProposerFactory
 from tandem.engine.runner import PrefillStats, Sequence, TargetRunner
 from tandem.engine.sampling import make_generator
-from tandem.engine.verify import verify
+from tandem.engine.verify import verify, verify_tree
 
 
 class FinishReason(str, Enum):
@@ -76,7 +76,9 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record(self, drafted: int, accepted: int, proposer: str | None = None) -> None:
+    def record(self, drafted: int, accepted: int, proposer: str | None = None, depth: int | None = None) -> None:
+        """One step; `depth`: its drafts were a token tree of `drafted` nodes on `depth` levels (by
+        position, a tree counts its levels)."""
         if proposer is not None and drafted:
             mine = self.by_proposer.setdefault(proposer, {"steps": 0, "drafted": 0, "accepted": 0})
             mine["steps"] += 1
@@ -91,10 +93,11 @@ class SpecStats:
             self.bonus += 1
         else:
             self.recovered += 1
-        while len(self.drafted_by_position) < drafted:
+        levels = drafted if depth is None else depth
+        while len(self.drafted_by_position) < levels:
             self.drafted_by_position.append(0)
             self.accepted_by_position.append(0)
-        for i in range(drafted):
+        for i in range(levels):
             self.drafted_by_position[i] += 1
             if i < accepted:
                 self.accepted_by_position[i] += 1
@@ -248,6 +251,12 @@ class Generation:
             AcceptanceCounts() if self.replayable else shared_acceptance,
             adaptive=spec.adaptive,
         )
+        # Token trees where the target runs them and nothing needs the drafts position by position
+        # (penalties, logit bias, a grammar, logprobs); elsewhere a tree proposer drafts chains.
+        self.trees = (runner.trees_ok and self.constraint is None and not sampling.adjusts_logits
+                      and sampling.top_logprobs is None)
+        if proposer is not None:
+            proposer.allow_trees(self.trees)
         self.stats = SpecStats()
         self.output: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -282,7 +291,7 @@ class Generation:
         def consider(offer) -> None:
             nonlocal best
             k, expected, cost = ctl.plan_detail(offer.proposer, offer.bucket, min(room, offer.available),
-                                                batch_tokens, batch_committed)
+                                                batch_tokens, batch_committed, offer.tree)
             if k > 0 and (best[3] <= 0 or expected / cost > best[2] / best[3]):
                 best = (offer, k, expected, cost)
             elif k <= 0:
@@ -311,7 +320,7 @@ class Generation:
             # then test a declined offer with a few drafts (adaptive.py: probes); not under batching,
             # where a probe would also slow the other sessions' step.
             for declined in declined_offers:
-                probe = ctl.probe(declined.proposer, declined.bucket, min(room, declined.available))
+                probe = ctl.probe(declined.proposer, declined.bucket, min(room, declined.available), declined.tree)
                 if probe:
                     offer, k = declined, probe
                     break
@@ -351,14 +360,20 @@ class Generation:
                 self.finish_reason = FinishReason.error
                 self.error = "no token of this model's vocabulary can continue the grammar"
                 return StepOutput(tokens=[], first_index=len(self.output), drafted=0, accepted=0)
-        # With logprobs, every row is computed as a one-token step would (where the backend can):
-        # the numbers are then plain decoding's to the bit, not only within rounding.
-        logits = self.seq.forward_block(draft.tokens if draft else [],
-                                        alone=self.sampling.top_logprobs is not None)  # [k+1, vocab]
+        tree = draft is not None and draft.is_tree
+        if tree:
+            logits = self.seq.forward_tree(draft.tokens, draft.parents)  # [k+1, vocab], row i+1 after node i
+        else:
+            # With logprobs, every row is computed as a one-token step would (where the backend can):
+            # the numbers are then plain decoding's to the bit, not only within rounding.
+            logits = self.seq.forward_block(draft.tokens if draft else [],
+                                            alone=self.sampling.top_logprobs is not None)  # [k+1, vocab]
         raw = logits
         if self.constraint is not None:
             logits = self.constraint.mask(logits, bitmask)
-        if self.sampling.adjusts_logits:
+        if tree:
+            verdict = verify_tree(logits, draft, self.sampling, self.gen)
+        elif self.sampling.adjusts_logits:
             ids = self.seq.ids
             verdict = verify(logits, draft, self.sampling, self.gen, prompt_ids=ids[: self.prompt_len],
                              generated_ids=ids[self.prompt_len:])
@@ -366,11 +381,17 @@ class Generation:
             verdict = verify(logits, draft, self.sampling, self.gen)
         self.stats.verify_seconds += time.perf_counter() - start
         if draft is not None:
-            self.controller.observe(draft.proposer, draft.bucket, len(draft), verdict.accepted)
-        self.seq.commit(verdict.tokens)
+            # a tree planned as such is counted as one even when it came out a single branch
+            nodes = None if draft.parents is None else verdict.nodes if tree else list(range(verdict.accepted))
+            self.controller.observe(draft.proposer, draft.bucket, len(draft), verdict.accepted, nodes)
+        if tree:
+            self.seq.commit_tree(verdict.tokens, verdict.nodes)
+        else:
+            self.seq.commit(verdict.tokens)
         if self.constraint is not None:
             self.constraint.advance(verdict.tokens)
-        self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None)
+        self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None,
+                          draft.depth() if tree else None)
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
         if self.sampling.top_logprobs is not None:
             out.logprobs = token_logprobs(raw[: len(out.tokens)], out.tokens, self.sampling.top_logprobs)

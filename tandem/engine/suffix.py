@@ -30,6 +30,7 @@ probability cut-off and a length limit that grows with the match length.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import threading
 import time
 from collections import OrderedDict, deque
@@ -227,6 +228,40 @@ class Continuations:
         return tokens, probs
 
 
+    def best_tree(self, nodes: int, limit: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+        """The most likely continuations as a token tree of at most `nodes` nodes and depth `limit`:
+        best first (each node's probability is the share of the match's occurrences that continue
+        with its whole path; a child's is never above its parent's, so every prefix of the list is
+        a tree, the likeliest of its size). Returns (tokens, parents, probabilities); nodes below
+        `min_prob` are left out. The first path (each node's first child) is `best_chain`'s."""
+        total = len(self.root)
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        heap: list[tuple[float, int, int, int, list[tuple[int, int]], int]] = []
+        order = 0
+
+        def push(node: list[tuple[int, int]], at: int, parent: int) -> None:
+            nonlocal order
+            if at >= min(limit, self.depth):
+                return
+            for tok, occ in self.children(node, at):
+                p = len(occ) / total
+                if p < min_prob:
+                    break  # most frequent first: the rest are rarer
+                heapq.heappush(heap, (-p, order, parent, tok, occ, at + 1))
+                order += 1
+
+        push(self.root, 0, -1)
+        while heap and len(tokens) < nodes:
+            neg_p, _, parent, tok, occ, at = heapq.heappop(heap)
+            tokens.append(tok)
+            parents.append(parent)
+            probs.append(-neg_p)
+            push(occ, at, len(tokens) - 1)
+        return tokens, parents, probs
+
+
 class SuffixStore:
     """Recent responses of many sessions, for cross-session drafts: each held as the tail of its
     prompt (PROMPT_TAIL tokens, matched but never proposed) plus the response. Bounded by
@@ -353,9 +388,11 @@ class _Candidate:
     length: int  # matched tokens
     tokens: list[int]
     probs: list[float]
+    parents: list[int] | None = None  # a token tree (best_tree); None: a chain
 
     @property
     def score(self) -> float:
+        """Expected accepted drafts: each node's probability of lying on the accepted path."""
         return sum(self.probs)
 
 
@@ -368,15 +405,26 @@ class SuffixProposer(Proposer):
     or above `min_prob`, for at most `factor` x the match length; the candidate with the higher
     score (expected accepted drafts) wins. The offer's bucket is the match length (capped at 15),
     plus 16 for a global match, so the controller learns acceptance per source and length.
-    A finished generation's response goes into the store."""
+    A finished generation's response goes into the store.
+
+    With `trees` (and where the caller's target runs trees, `allow_trees`) each candidate is a
+    token tree instead: the likeliest continuations, best first, up to `tree_nodes` nodes, so that
+    where earlier text went several ways one forward checks them all."""
 
     name = "suffix"
+    TREE_NODES = 16  # most nodes of a tree (the controller takes as many of the best as pay)
 
     def __init__(self, store: SuffixStore | None = None, *, min_prob: float = 0.1, factor: float = 4.0,
-                 max_len: int = 32):
+                 max_len: int = 32, trees: bool = False, tree_nodes: int = TREE_NODES):
         self.store = store
         self.min_prob, self.factor, self.max_len = min_prob, factor, max_len
+        self.trees, self.tree_nodes = trees, tree_nodes
         self.reset()
+
+    def allow_trees(self, ok: bool) -> None:
+        if not ok and self.trees:
+            self.trees = False
+            self._memo = None
 
     def reset(self) -> None:
         self.local = SuffixIndex()
@@ -409,22 +457,25 @@ class SuffixProposer(Proposer):
         self._sync(ids)
         if self._memo is not None and self._memo[0] == len(ids):
             return self._memo[1]
-        best = None
-        m = self.local.match(ids)
-        if m.length:
-            tokens, probs = self.local.continuations(m.where, self.max_len).best_chain(self._limit(m.length), self.min_prob)
-            if tokens:
-                best = _Candidate("local", m.length, tokens, probs)
+        best = self._from(self.local, ids, "local")
         if self.store is not None and self.store.responses:
             with self.store.lock:
-                g = self.store.index.match(ids)
-                if g.length:
-                    tokens, probs = self.store.index.continuations(g.where, self.max_len).best_chain(
-                        self._limit(g.length), self.min_prob)
-                    if tokens and (best is None or sum(probs) > best.score):
-                        best = _Candidate("global", g.length, tokens, probs)
+                other = self._from(self.store.index, ids, "global")
+            if other is not None and (best is None or other.score > best.score):
+                best = other
         self._memo = (len(ids), best)
         return best
+
+    def _from(self, index: SuffixIndex, ids: list[int], source: str) -> _Candidate | None:
+        m = index.match(ids)
+        if not m.length:
+            return None
+        cont = index.continuations(m.where, self.max_len)
+        if self.trees:
+            tokens, parents, probs = cont.best_tree(self.tree_nodes, self._limit(m.length), self.min_prob)
+            return _Candidate(source, m.length, tokens, probs, parents) if tokens else None
+        tokens, probs = cont.best_chain(self._limit(m.length), self.min_prob)
+        return _Candidate(source, m.length, tokens, probs) if tokens else None
 
     @staticmethod
     def _bucket(c: _Candidate) -> int:
@@ -433,14 +484,17 @@ class SuffixProposer(Proposer):
 
     def peek(self, ids: list[int]) -> Offer:
         c = self._candidate(ids)
-        return Offer(self.name, 0, 0) if c is None else Offer(self.name, self._bucket(c), len(c.tokens))
+        if c is None:
+            return Offer(self.name, 0, 0)
+        return Offer(self.name, self._bucket(c), len(c.tokens), tree=c.parents is not None)
 
     def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
         start = time.perf_counter()
         c = self._candidate(ids) if k > 0 else None
         tokens = [] if c is None else c.tokens[:k]
+        parents = None if c is None or c.parents is None else c.parents[:k]
         return Draft(tokens=tokens, proposer=self.name, bucket=0 if c is None else self._bucket(c),
-                     seconds=time.perf_counter() - start)
+                     seconds=time.perf_counter() - start, parents=parents)
 
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self._sync(ids)

@@ -22,6 +22,7 @@ class Verdict:
     tokens: list[int]  # committed this step: accepted drafts, then one recovered or bonus token
     accepted: int  # drafts accepted (len(tokens) - 1)
     drafted: int
+    nodes: list[int] | None = None  # a tree's accepted path (node indices); None for a chain
 
     @property
     def bonus(self) -> bool:
@@ -71,3 +72,34 @@ def verify(
         )
     a = int(acc[0])
     return Verdict(tokens=[int(t) for t in out[0, : a + 1].tolist()], accepted=a, drafted=k)
+
+
+def verify_tree(
+    logits: torch.Tensor,  # [k+1, vocab] target logits: row 0 after the pending token, row i+1 after node i
+    draft: Draft,  # a token tree (draft.parents), deterministic drafts
+    sampling: SamplingParams,
+    gen: torch.Generator | None,
+) -> Verdict:
+    """The tree's longest accepted path and one more token (tandem.kernels.tree_*): greedy, the
+    target's argmax at every node; sampled, recursive rejection over siblings, lossless. Penalties,
+    logit bias, grammars and logprobs need drafts position by position: those generations verify
+    chains (Generation never sends them a tree)."""
+    k = len(draft.tokens)
+    device = logits.device
+    if logits.shape[0] < k + 1:
+        raise ValueError("logits must cover the pending token and every node")
+    draft_ids = torch.tensor([draft.tokens], dtype=torch.long, device=device)  # [1, k]
+    parents = torch.tensor([draft.parents], dtype=torch.long, device=device)  # [1, k]
+    num_drafts = torch.tensor([k], dtype=torch.long, device=device)  # [1]
+    if sampling.greedy:
+        out, acc, nodes = kernels.tree_greedy_accept(draft_ids, parents, num_drafts, logits.argmax(-1).unsqueeze(0))
+    else:
+        probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
+        # The same draws, in the same order, as a chain of k drafts: k uniforms, one noise row.
+        uniform = (1.0 - torch.rand(1, k, generator=gen)).to(device)  # [1, k]
+        exp_noise = torch.empty(1, probs.shape[-1]).exponential_(generator=gen).to(device)  # [1, vocab]
+        out, acc, nodes = kernels.tree_rejection_sample(draft_ids, parents, num_drafts, probs.unsqueeze(0),
+                                                        uniform, exp_noise)
+    a = int(acc[0])
+    return Verdict(tokens=[int(t) for t in out[0, : a + 1].tolist()], accepted=a, drafted=k,
+                   nodes=[int(i) for i in nodes[0, :a].tolist()])

@@ -19,11 +19,14 @@ from tandem.engine import attend
 needs_kernel = pytest.mark.skipif(attend.library() is None, reason="no AVX-512 or no C compiler here: torch's kernel serves")
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """q [n, H, D], k/v [KV, cap, D] -> [n, H * D]: the block's rows at positions start .. start+n-1."""
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, H, D], k/v [KV, cap, D] -> [n, H * D]: the block's rows at positions start .. start+n-1
+    (`mask` [n, start + n] bool: which keys each row sees; default causal)."""
     n, H, D = q.shape
     KV = k.shape[0]
-    mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)  # [n, start + n]
+    if mask is None:
+        mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)  # [n, start + n]
     kk = k[:, : start + n].repeat_interleave(H // KV, 0)  # [H, L, D]
     vv = v[:, : start + n].repeat_interleave(H // KV, 0)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).double(), kk.double(), vv.double(), attn_mask=mask, scale=scale)
@@ -139,3 +142,42 @@ def test_a_rows_result_does_not_depend_on_its_block(H, KV, D) -> None:
                 assert torch.equal(alone[0], block[t]), (start, t)
         finally:
             torch.set_num_threads(threads)
+
+
+def _tree_mask(parents: list[int], start: int) -> torch.Tensor:  # [n, start + n] bool
+    n = len(parents)
+    mask = torch.zeros(n, start + n, dtype=torch.bool)
+    mask[:, :start] = True
+    for r, par in enumerate(parents):
+        mask[r, start + r] = True
+        if par >= 0:
+            mask[r, start:] |= mask[par, start:]
+    return mask
+
+
+@needs_kernel
+@pytest.mark.parametrize("start", [0, 7, 250, 1000])
+def test_tree_blocks_see_their_ancestors_only(start) -> None:
+    """A token-tree block: each row attends to the cache and to itself and its ancestors in the
+    block, against the reference with the same mask; a chain given as a tree is the causal call
+    bit for bit."""
+    gen = torch.Generator().manual_seed(start + 11)
+    H, KV, D = 9, 3, 64
+    for parents in ([-1, 0, 0, 1, 1, 2, 5, 5, 0], [-1, 0, 1, 2], [-1] + [0] * 20 + list(range(1, 11)),
+                    [-1, 0]):
+        n = len(parents)
+        k = torch.randn(KV, start + n, D, generator=gen)
+        v = torch.randn(KV, start + n, D, generator=gen)
+        q = torch.randn(n, H, D, generator=gen) * 2
+        out = torch.empty(n, H * D)
+        attend.attend(q, k, v, out, start, D**-0.5, tree=attend.tree_bits(parents))
+        want = reference(q, k, v, start, D**-0.5, _tree_mask(parents, start))
+        assert torch.allclose(out, want, rtol=1e-4, atol=2e-5), parents
+        if parents == list(range(-1, n - 1)):
+            causal = torch.empty(n, H * D)
+            attend.attend(q, k, v, causal, start, D**-0.5)
+            assert torch.equal(out, causal)
+    with pytest.raises(ValueError, match="earlier row"):
+        attend.tree_bits([-1, 1])
+    with pytest.raises(ValueError, match="rows' masks"):
+        attend.attend(q, k, v, out, start, D**-0.5, tree=attend.tree_bits([-1]))

@@ -654,6 +654,72 @@ def test_the_chi_square_test_catches_a_biased_sampler(sharp, near, sampling_cont
     assert min(p_first, p_joint) < P_MIN, (p_first, p_joint)
 
 
+def _tree_draws(engine: Engine, ctx: list[int], draws: int):
+    """`draws` sampled generations of 5 tokens (room for a 4-node tree) drafted from a store whose two answers fork at once:
+    the target's two likeliest first tokens, each followed by its likeliest second token, so the
+    tree has two branches of two. The store holds its answers (never grows): draws stay i.i.d."""
+    from tandem.engine.suffix import SuffixProposer, SuffixStore
+
+    p1, joint = exact_first_two(engine.target.model, ctx, TOP_K, 1.0)
+    t1, t2 = sorted(p1, key=p1.get, reverse=True)[:2]
+    second = {t: max((b for a, b in joint if a == t), key=lambda b: joint[(t, b)]) for t in (t1, t2)}
+    store = SuffixStore()
+    store.add(ctx, [t1, second[t1], 11, 12, 13])
+    store.add(ctx, [t2, second[t2], 14, 15, 16])
+    store.hold()
+    spec = SpecConfig(strategy="suffix", adaptive=False, max_draft_tokens=4)
+    firsts, pairs, accepted = [], [], 0
+    rng = random.Random(20241202)
+    for seed in (rng.getrandbits(62) for _ in range(draws)):
+        sampling = SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_new_tokens=5, ignore_eos=True)
+        gen = engine.start(ctx, sampling, spec, proposer=SuffixProposer(store, trees=True))
+        for step in gen:
+            accepted += step.accepted
+        out = gen.result().token_ids
+        firsts.append(out[0])
+        pairs.append(tuple(out[:2]))
+    store.release(keep=False)
+    return p1, joint, firsts, pairs, accepted
+
+
+@pytest.mark.slow
+def test_sampled_tree_drafts_follow_the_target_distribution(sharp, contexts, monkeypatch) -> None:
+    """Trees verified by recursive rejection over siblings: the first two committed tokens follow
+    the target's distribution (chi-square), drafts both accepted and rejected, every first step a
+    4-node tree with two branches (counted at the real tree forward)."""
+    from tandem.engine.runner import Sequence
+
+    calls = []
+    real = Sequence.forward_tree
+    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p: calls.append(list(p)) or real(self, d, p))
+    ctx = contexts["random"]
+    p1, joint, firsts, pairs, accepted = _tree_draws(Engine(sharp), ctx, DRAWS)
+    assert len(calls) >= DRAWS and calls[0] == [-1, -1, 0, 1]
+    assert 0.2 * DRAWS < accepted < 1.8 * DRAWS
+    p_first, p_joint = chi_square_p_values(firsts, pairs, p1, joint)
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
+
+
+@pytest.mark.slow
+def test_the_chi_square_test_catches_a_biased_tree_sampler(sharp, contexts, monkeypatch) -> None:
+    """Negative control: drawing the token after rejected siblings from p (not from p without
+    them) must fail the same test at half the sample size."""
+
+    def residual_keeps_siblings(draft_ids, parents, num_drafts, target_probs, uniform, exp_noise):
+        out, acc, nodes = kernels.reference.tree_rejection_sample(draft_ids, parents, num_drafts, target_probs,
+                                                                  uniform, exp_noise)
+        a = int(acc[0])
+        row = int(nodes[0, a - 1]) + 1 if a else 0
+        out[0, a] = int(torch.argmax(target_probs[0, row] / exp_noise[0]))
+        return out, acc, nodes
+
+    monkeypatch.setattr(kernels, "tree_rejection_sample", residual_keeps_siblings)
+    ctx = contexts["random"]
+    p1, joint, firsts, pairs, _ = _tree_draws(Engine(sharp), ctx, DRAWS // 2)
+    p_first, p_joint = chi_square_p_values(firsts, pairs, p1, joint)
+    assert min(p_first, p_joint) < P_MIN, (p_first, p_joint)
+
+
 @pytest.mark.parametrize("strategy", ["none", "ngram", "model"])
 def test_seeded_sampling_replays_exactly(strategy, sharp, near, contexts) -> None:
     """Same seed, same text, on the same engine even after other requests changed its shared
