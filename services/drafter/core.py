@@ -179,6 +179,7 @@ class DrafterCore:
         owner: str = "",
         target_model: str = "",
         cache_scope: str = "",
+        token_trees: bool = False,
     ) -> Iterator[DraftBlock]:
         """(Re)start a session; blocks: a regular one at len(context_ids) with up to
         next_block_len drafts, then a speculative one (none when next_block_len is 0).
@@ -187,6 +188,8 @@ class DrafterCore:
         DrafterSettings.max_block_len as bounds. A speculative block carries its guessed bonus
         plus at most that many drafts. A context longer than DrafterSettings.max_context_tokens is
         refused (InvalidRequest), and so is a later commit that would grow the session past it.
+        `token_trees`: the verifier verifies token trees for this session, so suffix decoding may
+        send them (in regular blocks; settings.suffix_trees switches them off here).
         """
         if not session_id:
             raise InvalidRequest("session_id is empty")
@@ -238,6 +241,7 @@ class DrafterCore:
                 max_id=max(ids, default=-1),
             )
             session.proposer.begin(len(ids))
+            session.proposer.allow_trees(token_trees and self.settings.suffix_trees)
             self._sessions[key] = session
         with self._stats_lock:
             self._stats.sessions_opened += 1
@@ -349,7 +353,7 @@ class DrafterCore:
         if strategy == DraftStrategy.suffix:
             if isinstance(reusable, SuffixProposer) and reusable.store is store:
                 return reusable
-            return SuffixProposer(store)
+            return SuffixProposer(store, trees=True)
         if strategy == DraftStrategy.hybrid:
             if (isinstance(reusable, HybridProposer) and reusable.model.vocab_limit == vocab_size
                     and reusable.suffix is not None and reusable.suffix.store is store):
@@ -359,7 +363,7 @@ class DrafterCore:
                 DraftModelProposer(self.settings.draft_model, draft_top_k=self.settings.draft_top_k,
                                    vocab_limit=vocab_size, stop_below=0.0, int8=self.settings.draft_int8),
                 min_lookup_match=self.settings.hybrid_min_match,
-                suffix=SuffixProposer(store),
+                suffix=SuffixProposer(store, trees=True),
             )
         if isinstance(reusable, DraftModelProposer) and reusable.vocab_limit == vocab_size:
             return reusable
@@ -387,9 +391,10 @@ class DrafterCore:
             return None
         ids, block = session.ids, pending.block
         committed = len(ids)
-        end = block.base_len + len(block.token_ids)
+        end = block.base_len + len(_path(block))
         consistent = (
             block.base_len <= committed < end
+            and (not block.parents or committed == block.base_len + 1)  # a tree: only its head trims off
             and ids[pending.start : committed] == pending.assumed[: committed - pending.start]
         )
         with self._stats_lock:
@@ -442,7 +447,8 @@ class DrafterCore:
         """The speculative block after the anchor: [guessed bonus, up to k drafts], based at the
         anchor's end. Records it as pending; None when no guess exists."""
         anchor, ids = session.anchor, session.ids
-        tail = anchor.token_ids[len(ids) - anchor.base_len :]  # anchor drafts not yet committed
+        anchor_path = _path(anchor)  # a tree anchor: the guess is that its first path is accepted whole
+        tail = anchor_path[len(ids) - anchor.base_len :]  # anchor drafts not yet committed
         k = min(session.next_block_len, session.max_block_len)
         if session.strategy in (DraftStrategy.ngram, DraftStrategy.suffix):
             # Prompt lookup (and suffix decoding) drafts by copying what followed an earlier occurrence; on the context
@@ -450,10 +456,21 @@ class DrafterCore:
             # ids yields the anchor's drafts, the bonus guess (the continuation token after them)
             # and the next drafts, and the n-gram index only ever holds committed tokens: no
             # rollback when the guess fails.
-            draft = self._propose(session, ids, len(tail) + 1 + k)
+            draft = self._propose(session, ids, len(tail) + 1 + k, chain=True)
             if draft is None or draft.tokens[: len(tail)] != tail:
                 return None
             draft = _drop_head(draft, len(tail))
+            proposer = session.proposer
+            if isinstance(proposer, SuffixProposer) and proposer.trees and len(draft) > 1:
+                # In tree mode the drafts after the guess are a tree too, matched on the context
+                # extended by the anchor and the guess (matched, never indexed): node 0 is the
+                # guess, every other node descends from it, so the verifier trims the guess off.
+                guess = draft.tokens[0]
+                tree = proposer.propose_after(ids, tail + [guess], k)
+                if tree.parents is not None and len(tree):
+                    draft = Draft(tokens=[guess, *tree.tokens], proposer=tree.proposer, bucket=tree.bucket,
+                                  seconds=draft.seconds + tree.seconds,
+                                  parents=[-1] + [p + 1 for p in tree.parents])
         else:
             # The draft model's next token after the anchor is the bonus guess (argmax, or
             # sampled with its q); its KV cache rolls back cheaply when the guess fails.
@@ -462,21 +479,24 @@ class DrafterCore:
                 return None
         with self._stats_lock:
             self._stats.draft_seconds += draft.seconds
-        block = self._block(session, anchor.base_len + len(anchor.token_ids), draft, speculative=True)
+        block = self._block(session, anchor.base_len + len(anchor_path), draft, speculative=True)
         if block is None or len(block.token_ids) < 2:
             return None  # a guess with no drafts after it gives the verifier nothing to check
         session.pending = _Pending(
-            block=block, start=len(ids), assumed=tail + block.token_ids, seconds=draft.seconds
+            block=block, start=len(ids), assumed=tail + _path(block), seconds=draft.seconds
         )
         with self._stats_lock:
             self._stats.speculative_blocks += 1
             self._stats.speculative_seconds += draft.seconds
         return block
 
-    def _propose(self, session: _Session, ids: list[int], k: int) -> Draft | None:
+    def _propose(self, session: _Session, ids: list[int], k: int, *, chain: bool = False) -> Draft | None:
+        """`chain`: a chain even where the proposer drafts trees (drafting ahead extends a chain)."""
         if k <= 0 or not ids:
             return None
-        if session.strategy not in (DraftStrategy.model, DraftStrategy.hybrid):
+        if chain and isinstance(session.proposer, SuffixProposer):
+            draft = session.proposer.propose_chain(ids, k, session.sampling, session.gen)
+        elif session.strategy not in (DraftStrategy.model, DraftStrategy.hybrid):
             draft = session.proposer.propose(ids, k, session.sampling, session.gen)
         elif session.max_id >= self._draft_vocab or len(ids) >= self._draft_context:
             # The draft model can read neither an id it has no embedding for (the target committed
@@ -494,7 +514,12 @@ class DrafterCore:
 
     def _block(self, session: _Session, base_len: int, draft: Draft, *, speculative: bool) -> DraftBlock | None:
         """Pack a draft, cut at its first id outside [0, vocab_size) (the verifier would reject
-        the whole block for it); None when nothing is left."""
+        the whole block for it); None when nothing is left. A speculative block is a chain (a
+        tree's first path) or a tree whose every node descends from node 0: its head is a guess that
+        the verifier trims off."""
+        if speculative and draft.parents is not None and (not draft.parents or draft.parents[0] != -1
+                                                          or -1 in draft.parents[1:]):
+            draft = draft.as_chain()
         tokens = draft.tokens
         n = next((i for i, t in enumerate(tokens) if not 0 <= t < session.vocab_size), len(tokens))
         if n == 0:
@@ -513,6 +538,7 @@ class DrafterCore:
             draft_time_us=int(draft.seconds * 1e6),
             speculative=speculative,
             confidence=draft.bucket,
+            parents=[] if draft.parents is None else list(draft.parents[:n]),  # a prefix of a tree is a tree
         )
 
 
@@ -535,6 +561,13 @@ def _check_ids(session_id: str, ids: list[int], vocab_size: int, what: str) -> N
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"session {session_id}: {what} holds id {bad}, outside [0, {vocab_size})")
+
+
+def _path(block: DraftBlock) -> list[int]:
+    """A block's tokens as the chain it guesses: a tree's first path (each node's first child)."""
+    if not block.parents:
+        return list(block.token_ids)
+    return Draft(tokens=list(block.token_ids), proposer="", parents=list(block.parents)).as_chain().tokens
 
 
 def _drop_head(draft: Draft, n: int) -> Draft:

@@ -151,6 +151,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 owner=owner,
                 target_model=msg.target_model,
                 cache_scope=msg.cache_scope,
+                token_trees=msg.token_trees,
             )
             stats.sessions += 1
             return blocks

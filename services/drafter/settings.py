@@ -44,6 +44,8 @@ class DrafterSettings(BaseModel):
     # tenant scope), the oldest evicted first; and how many such stores (least recently used go).
     suffix_store_tokens: int = Field(100_000, ge=0)
     suffix_max_stores: int = Field(64, ge=1)
+    # Suffix decoding answers with token trees where the verifier can verify them (OpenSession.token_trees).
+    suffix_trees: bool = True
     metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics (0 = any free port)
     # Mutual TLS on the service port: only callers with a certificate from tls.ca (the verifiers)
     # may open draft streams. None: plaintext (a trusted network only).

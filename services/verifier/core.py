@@ -27,7 +27,7 @@ from tandem.serving.metrics import VerifierMetrics, status_of
 from tandem.engine.ids import common_prefix_len
 from tandem.engine.models import LoadedModel
 from tandem.engine.runner import Sequence
-from tandem.engine.spec import Engine, FinishReason, GenerationResult, StepOutput
+from tandem.engine.spec import Engine, FinishReason, GenerationResult, StepOutput, trees_allowed
 from tandem.engine.suffix import scope_of
 from tandem.serving.telemetry import tracer
 
@@ -384,6 +384,7 @@ class VerifierCore:
                     local=(self.engine.factory.build(spec.model_copy(update={"strategy": DraftStrategy.ngram}))
                            if spec.strategy in (DraftStrategy.ngram, DraftStrategy.hybrid) else None),
                     target_model=self.target.model_id, cache_scope=scope_of(cache_salt),
+                    token_trees=trees_allowed(self.engine.runner, sampling),
                 )
                 proposer.open(list(context_ids))  # the drafter starts while we prefill
             elif spec.strategy != DraftStrategy.none:

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.proposers import Draft, Offer, Proposer
+from tandem.engine.proposers import Draft, Offer, Proposer, check_tree
 from tandem.serving.messages import DraftBlock, DraftSessionOpen
 
 log = logging.getLogger("tandem.verifier.drafting")
@@ -79,6 +79,7 @@ class _Block:
     probs: list[list[float]] | None
     proposer: str
     confidence: int
+    parents: list[int] | None = None  # a token tree (regular blocks only); None: a chain
 
 
 class RemoteProposer(Proposer):
@@ -100,6 +101,7 @@ class RemoteProposer(Proposer):
         local: Proposer | None = None,
         target_model: str = "",
         cache_scope: str = "",
+        token_trees: bool = False,
     ):
         self.connector = connector
         self.address = address
@@ -116,6 +118,8 @@ class RemoteProposer(Proposer):
         # Drafts a step whose remote block is late or missing (prompt lookup over the same ids).
         self.local = local
         self.target_model, self.cache_scope = target_model, cache_scope  # the drafter's suffix store
+        self.token_trees = token_trees  # the drafter may send token trees (OpenSession.token_trees)
+        self._asked_trees = False  # what the open stream asked for
         self._known = 0  # committed length the drafter has been told
         self._local_offer: int | None = None  # committed length at which `local` offered
         self._paused = False  # the last commit asked for no drafts
@@ -144,9 +148,10 @@ class RemoteProposer(Proposer):
             session_id=self.session_id, context_ids=list(context_ids), strategy=self.spec.strategy,
             max_draft_tokens=self.spec.max_draft_tokens, sampling=self.sampling,
             vocab_size=self.vocab_size, next_block_len=next_k,
-            target_model=self.target_model, cache_scope=self.cache_scope,
+            target_model=self.target_model, cache_scope=self.cache_scope, token_trees=self.token_trees,
         )
         self._known = len(context_ids)
+        self._asked_trees = self.token_trees
 
         def on_block(block: DraftBlock) -> None:
             valid = self._validate(block)
@@ -209,6 +214,16 @@ class RemoteProposer(Proposer):
                         break
                     support.append(ids)
                     probs.append(ps)
+        parents = list(msg.parents) or None
+        if bad is None and parents is not None:
+            if not self._asked_trees:
+                bad = "a token tree, which this session did not ask for"
+            elif msg.proposals:
+                bad = "a token tree with proposal distributions"
+            elif msg.speculative and (len(parents) < 2 or parents[0] != -1 or -1 in parents[1:]):
+                bad = "a speculative token tree whose nodes do not all descend from its guess (node 0)"
+            else:
+                bad = check_tree(tokens, parents)
         if bad is None and not self.sampling.greedy and not msg.proposals and msg.proposer == "model":
             # A sampling draft model must send q; without it the block cannot be verified exactly
             # (treating it as one-hot would bias the output), so it is useless, not harmful.
@@ -217,7 +232,7 @@ class RemoteProposer(Proposer):
             self.rejected_blocks += 1
             log.debug("dropped a draft block of session %s: %s", self.session_id, bad)
             return None
-        return _Block(msg.base_len, tokens, support, probs, msg.proposer or "remote", msg.confidence)
+        return _Block(msg.base_len, tokens, support, probs, msg.proposer or "remote", msg.confidence, parents)
 
     # -- Proposer interface -------------------------------------------------------------------
 
@@ -236,7 +251,9 @@ class RemoteProposer(Proposer):
                     keep.append(block)
                     found = found or block
                 continue
-            if overlap >= len(block.tokens) or block.tokens[:overlap] != ids[block.base_len:n]:
+            if (overlap >= len(block.tokens) or block.tokens[:overlap] != ids[block.base_len:n]
+                    or (block.parents is not None and overlap and (overlap > 1 or -1 in block.parents[1:]))):
+                # a tree trims at most its head, and only where every other node descends from it
                 self.rejected_blocks += 1  # stale: never verified against the wrong position
                 continue
             keep.append(block)
@@ -247,7 +264,13 @@ class RemoteProposer(Proposer):
         if not found.tokens:
             return NOTHING
         overlap = n - found.base_len
-        draft = Draft(tokens=found.tokens[overlap:], proposer=found.proposer, bucket=found.confidence)
+        parents = found.parents
+        if parents is not None and overlap:  # a speculative tree without its guess: node 0's children are roots
+            parents = [p - 1 for p in parents[1:]]
+        draft = Draft(tokens=found.tokens[overlap:], proposer=found.proposer, bucket=found.confidence,
+                      parents=parents)
+        if draft.parents is not None and not self.token_trees:
+            draft = draft.as_chain()  # trees were allowed at open, not by this generation
         if found.support is not None:
             rows = list(zip(found.support[overlap:], found.probs[overlap:]))
             width = max(len(r[0]) for r in rows)
@@ -308,7 +331,7 @@ class RemoteProposer(Proposer):
             return self._fallback(ids)
         self._misses = 0
         self._offer = (len(ids), draft)
-        return Offer(draft.proposer, draft.bucket, len(draft))
+        return Offer(draft.proposer, draft.bucket, len(draft), tree=draft.parents is not None)
 
     def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
         if self._local_offer == len(ids) and self.local is not None:
@@ -316,6 +339,10 @@ class RemoteProposer(Proposer):
         if self._offer is None or self._offer[0] != len(ids):
             return Draft(tokens=[], proposer=self.name)
         return self._offer[1].truncated(k)
+
+    def allow_trees(self, ok: bool) -> None:
+        if not ok:
+            self.token_trees = False
 
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self._offer = None

@@ -178,6 +178,14 @@ class StopStrings:
         return hit
 
 
+def trees_allowed(runner: TargetRunner, sampling: SamplingParams) -> bool:
+    """Whether a generation with `sampling` verifies token trees on `runner`: where the target
+    runs them and nothing needs the drafts position by position (penalties, logit bias, a grammar,
+    logprobs). Elsewhere a tree proposer drafts chains."""
+    return (runner.trees_ok and sampling.grammar is None and not sampling.adjusts_logits
+            and sampling.top_logprobs is None)
+
+
 class Generation:
     """The decode loop of one request on one sequence. Iterate to run it step by step."""
 
@@ -251,10 +259,7 @@ class Generation:
             AcceptanceCounts() if self.replayable else shared_acceptance,
             adaptive=spec.adaptive,
         )
-        # Token trees where the target runs them and nothing needs the drafts position by position
-        # (penalties, logit bias, a grammar, logprobs); elsewhere a tree proposer drafts chains.
-        self.trees = (runner.trees_ok and self.constraint is None and not sampling.adjusts_logits
-                      and sampling.top_logprobs is None)
+        self.trees = trees_allowed(runner, sampling)
         if proposer is not None:
             proposer.allow_trees(self.trees)
         self.stats = SpecStats()

@@ -418,13 +418,38 @@ class SuffixProposer(Proposer):
                  max_len: int = 32, trees: bool = False, tree_nodes: int = TREE_NODES):
         self.store = store
         self.min_prob, self.factor, self.max_len = min_prob, factor, max_len
-        self.trees, self.tree_nodes = trees, tree_nodes
+        self.tree_capable, self.tree_nodes = trees, tree_nodes
+        self.trees = trees
         self.reset()
 
     def allow_trees(self, ok: bool) -> None:
-        if not ok and self.trees:
-            self.trees = False
+        """Trees for this generation only where built for them and the caller can verify them."""
+        trees = ok and self.tree_capable
+        if trees != self.trees:
+            self.trees = trees
             self._memo = None
+
+    def propose_after(self, ids: list[int], extension: list[int], k: int) -> Draft:
+        """Drafts (a tree in tree mode) for the position after `ids` + `extension`, where
+        `extension` is not committed: it is matched as part of the pattern, never indexed (a
+        drafter drafting ahead past a block the verifier has not checked yet)."""
+        start = time.perf_counter()
+        self._sync(ids)
+        c = self._best(list(ids) + list(extension)) if k > 0 else None
+        tokens = [] if c is None else c.tokens[:k]
+        parents = None if c is None or c.parents is None else c.parents[:k]
+        return Draft(tokens=tokens, proposer=self.name, bucket=0 if c is None else self._bucket(c),
+                     seconds=time.perf_counter() - start, parents=parents)
+
+    def propose_chain(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
+        """A chain whatever the mode (a drafter drafting ahead extends chains only)."""
+        if not self.trees:
+            return self.propose(ids, k, sampling, gen)
+        self.trees, self._memo = False, None
+        try:
+            return self.propose(ids, k, sampling, gen)
+        finally:
+            self.trees, self._memo = True, None
 
     def reset(self) -> None:
         self.local = SuffixIndex()
@@ -457,13 +482,17 @@ class SuffixProposer(Proposer):
         self._sync(ids)
         if self._memo is not None and self._memo[0] == len(ids):
             return self._memo[1]
-        best = self._from(self.local, ids, "local")
+        best = self._best(ids)
+        self._memo = (len(ids), best)
+        return best
+
+    def _best(self, pattern: list[int]) -> _Candidate | None:
+        best = self._from(self.local, pattern, "local")
         if self.store is not None and self.store.responses:
             with self.store.lock:
-                other = self._from(self.store.index, ids, "global")
+                other = self._from(self.store.index, pattern, "global")
             if other is not None and (best is None or other.score > best.score):
                 best = other
-        self._memo = (len(ids), best)
         return best
 
     def _from(self, index: SuffixIndex, ids: list[int], source: str) -> _Candidate | None:
@@ -473,7 +502,9 @@ class SuffixProposer(Proposer):
         cont = index.continuations(m.where, self.max_len)
         if self.trees:
             tokens, parents, probs = cont.best_tree(self.tree_nodes, self._limit(m.length), self.min_prob)
-            return _Candidate(source, m.length, tokens, probs, parents) if tokens else None
+            if any(p != i - 1 for i, p in enumerate(parents)):
+                return _Candidate(source, m.length, tokens, probs, parents)
+            # one branch: the chain itself (planned and counted as one; it may run longer)
         tokens, probs = cont.best_chain(self._limit(m.length), self.min_prob)
         return _Candidate(source, m.length, tokens, probs) if tokens else None
 

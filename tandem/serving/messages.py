@@ -66,6 +66,7 @@ class DraftSessionOpen:
     next_block_len: int  # drafts wanted in the first block; 0 = wait for the first commit
     target_model: str = ""  # with cache_scope: which suffix store the session reads and feeds
     cache_scope: str = ""  # opaque, derived from the tenant (suffix_scope); "" = the open scope
+    token_trees: bool = False  # the verifier verifies token trees for this session (DraftBlock.parents)
 
 
 @dataclass(frozen=True)
@@ -81,3 +82,4 @@ class DraftBlock:
     confidence: int = 0  # the proposer's confidence bucket (n-gram: matched suffix length)
     speculative: bool = False  # drafted ahead, on the guess that the previous block is accepted whole
     draft_time_us: int = 0
+    parents: list[int] = field(default_factory=list)  # a token tree: each token's parent (-1: base_len); empty = chain

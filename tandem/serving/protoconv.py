@@ -251,7 +251,7 @@ def draft_open_to_proto(req: DraftSessionOpen) -> drafter_pb2.OpenSession:
     return drafter_pb2.OpenSession(
         context_ids=req.context_ids, strategy=STRATEGY_TO_PB[req.strategy], max_draft_tokens=req.max_draft_tokens,
         sampling=sampling_to_proto(req.sampling), vocab_size=req.vocab_size, next_block_len=req.next_block_len,
-        target_model=req.target_model, cache_scope=req.cache_scope,
+        target_model=req.target_model, cache_scope=req.cache_scope, token_trees=req.token_trees,
     )
 
 
@@ -260,7 +260,7 @@ def draft_block_to_proto(block: DraftBlock) -> drafter_pb2.DraftBlock:
         session_id=block.session_id, base_len=block.base_len, token_ids=block.token_ids,
         proposals=[drafter_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in block.proposals],
         proposer=block.proposer, draft_time_us=block.draft_time_us, speculative=block.speculative,
-        confidence=block.confidence,
+        confidence=block.confidence, parents=block.parents,
     )
 
 
@@ -269,7 +269,7 @@ def draft_block_from_proto(msg: drafter_pb2.DraftBlock) -> DraftBlock:
         session_id=msg.session_id, base_len=msg.base_len, token_ids=list(msg.token_ids),
         proposals=[(list(d.token_ids), list(d.probs)) for d in msg.proposals],
         proposer=msg.proposer, confidence=msg.confidence, speculative=msg.speculative,
-        draft_time_us=msg.draft_time_us,
+        draft_time_us=msg.draft_time_us, parents=list(msg.parents),
     )
 
 

@@ -57,7 +57,10 @@ from tandem.engine.spec import Engine, FinishReason, GenerationResult, SpecStats
 MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "suffix": DraftStrategy.suffix,
          "model": DraftStrategy.model, "hybrid": DraftStrategy.hybrid,
          # the hybrid of prompt lookup and the draft model alone, as it was before suffix decoding joined it
-         "hybrid-nosuffix": DraftStrategy.hybrid}
+         "hybrid-nosuffix": DraftStrategy.hybrid,
+         # suffix decoding (alone, and in the hybrid) drafting chains only, no token trees
+         "suffix-chain": DraftStrategy.suffix, "hybrid-chain": DraftStrategy.hybrid}
+SUFFIX_MODES = ("suffix", "hybrid", "suffix-chain", "hybrid-chain")  # the modes that read a suffix store
 PEER_MODES = ("hf-ar", "hf-prompt-lookup", "hf-assisted")
 ALL_MODES = (*MODES, *PEER_MODES)
 HF_LOOKUP_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens
@@ -191,6 +194,8 @@ class EngineTarget:
             "suffix": dataclasses.replace(engine.factory, suffix_store=suffix_store),
             "hybrid": dataclasses.replace(engine.factory, suffix_store=suffix_store),
             "hybrid-nosuffix": dataclasses.replace(engine.factory, hybrid_suffix=False),
+            "suffix-chain": dataclasses.replace(engine.factory, suffix_store=suffix_store, suffix_trees=False),
+            "hybrid-chain": dataclasses.replace(engine.factory, suffix_store=suffix_store, suffix_trees=False),
         }
 
     def prepare(self, rec: PromptRecord) -> tuple[list[int], int]:
@@ -526,7 +531,7 @@ def run_bench(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sampling": sampling.model_dump(mode="json"),
         "tools": tools,
-        "suffix_store": None if not any(m in ("suffix", "hybrid") for m in modes) else (
+        "suffix_store": None if not any(m in SUFFIX_MODES for m in modes) else (
             "warm: fed by the finished responses of earlier prompts of this run, never the measured prompt's own"
             if store is not None else "cold: empty, drafts from the session's own tokens only"
             if isinstance(target, EngineTarget) else
@@ -746,7 +751,7 @@ def _check_modes(target, modes: Sequence[str]) -> list[str]:
         )
     if len(set(modes)) != len(modes):
         raise ValueError(f"modes repeat: {list(modes)}")
-    for m in ("model", "hybrid", "hybrid-nosuffix", "hf-assisted"):
+    for m in ("model", "hybrid", "hybrid-nosuffix", "hybrid-chain", "hf-assisted"):
         if m in modes and target.draft_id is None:
             raise ValueError(f"mode {m!r} needs a draft model (--draft-model PATH)")
     out = list(modes)

@@ -307,7 +307,7 @@ def bench(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Prompt set: a bundled development set by name (humaneval, mt_bench, gsm8k, bfcl_multiple), a multi-session workload built from them (agent_tools: 12 two-turn sessions sharing one tool list; code_twice: HumanEval prompts asked twice, renamed the second time; use --turns 2 and --suffix-warm), or a file: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns and optional category.")],
     limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N prompts.", min=1)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens per generation.", min=1)] = 128,
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram (prompt lookup), suffix (suffix decoding: see --suffix-warm), model, hybrid (prompt lookup, suffix decoding or the draft model per step) and hybrid-nosuffix (the hybrid without suffix decoding) (a draft model: --draft-model, or the target's distilled draft); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs a draft model too).")] = "ar,ngram",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram (prompt lookup), suffix (suffix decoding: see --suffix-warm), model, hybrid (prompt lookup, suffix decoding or the draft model per step), hybrid-nosuffix (the hybrid without suffix decoding), suffix-chain and hybrid-chain (suffix decoding without token trees) (a draft model: --draft-model, or the target's distilled draft); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs a draft model too).")] = "ar,ngram",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Also print the JSON report on stdout (the tables go to stderr).")] = False,
     model: ModelOpt = "default",
@@ -367,7 +367,7 @@ def bench(
             result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats,
                                turns=turns)
         else:
-            needs = any(m in ("model", "hybrid", "hybrid-nosuffix", "hf-assisted") for m in mode_list)
+            needs = any(m in ("model", "hybrid", "hybrid-nosuffix", "hybrid-chain", "hf-assisted") for m in mode_list)
             target, draft_lm = _load(model, draft_model, needs_draft=needs)
             engine = Engine(target, draft_lm, spec)
             machine_curve = None
@@ -734,6 +734,7 @@ def drafter(
     health_port: HealthPortOpt = None,
     drain_grace_s: _drain_opt(5.0, "open draft streams (their verifiers then decode plainly)") = 5.0,
     suffix_store_tokens: Annotated[int, typer.Option("--suffix-store-tokens", help="Suffix decoding: tokens of recent responses kept per (target model, tenant) for cross-session drafts; the oldest go first (0: none kept).", min=0)] = 100_000,
+    suffix_trees: Annotated[bool, typer.Option("--suffix-trees/--no-suffix-trees", help="Suffix decoding sends token trees (several likely continuations checked in one forward) to verifiers that can verify them; off: chains only.")] = True,
 ) -> None:
     """Run a drafter: hosts the proposers (prompt lookup, suffix decoding with a cross-session
     store per target model and tenant, a draft model), keeps per-session draft
@@ -754,7 +755,7 @@ def drafter(
     fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
                   lookahead=lookahead, max_sessions=max_sessions, max_context_tokens=max_context_tokens,
                   metrics_port=metrics_port, tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port,
-                  suffix_store_tokens=suffix_store_tokens)
+                  suffix_store_tokens=suffix_store_tokens, suffix_trees=suffix_trees)
     if drafter_id:
         fields["drafter_id"] = drafter_id
     try:

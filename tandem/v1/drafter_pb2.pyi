@@ -45,6 +45,7 @@ class OpenSession(_message.Message):
     NEXT_BLOCK_LEN_FIELD_NUMBER: _builtins.int
     TARGET_MODEL_FIELD_NUMBER: _builtins.int
     CACHE_SCOPE_FIELD_NUMBER: _builtins.int
+    TOKEN_TREES_FIELD_NUMBER: _builtins.int
     strategy: _common_pb2.DraftStrategy.ValueType
     """Proposer to use (never UNSPECIFIED or NONE: the verifier resolves the default first)."""
     max_draft_tokens: _builtins.int
@@ -63,6 +64,11 @@ class OpenSession(_message.Message):
     cache_scope: _builtins.str
     """An opaque scope the verifier derives from the request's tenant (a hash, never the name), so
     one tenant's text is never drafted for another; empty: the open, single-tenant scope.
+    """
+    token_trees: _builtins.bool
+    """The verifier can verify token trees for this session (its target runs tree blocks and the
+    request needs no drafts in order: no penalties, logit bias, grammar or logprobs). A suffix
+    drafter may then answer with trees (DraftBlock.parents); without it, blocks are chains.
     """
     @_builtins.property
     def context_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -86,10 +92,11 @@ class OpenSession(_message.Message):
         next_block_len: _builtins.int = ...,
         target_model: _builtins.str = ...,
         cache_scope: _builtins.str = ...,
+        token_trees: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "context_ids", b"context_ids", "max_draft_tokens", b"max_draft_tokens", "next_block_len", b"next_block_len", "sampling", b"sampling", "strategy", b"strategy", "target_model", b"target_model", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "context_ids", b"context_ids", "max_draft_tokens", b"max_draft_tokens", "next_block_len", b"next_block_len", "sampling", b"sampling", "strategy", b"strategy", "target_model", b"target_model", "token_trees", b"token_trees", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -253,6 +260,7 @@ class DraftBlock(_message.Message):
     DRAFT_TIME_US_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     CONFIDENCE_FIELD_NUMBER: _builtins.int
+    PARENTS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Session the block belongs to."""
     base_len: _builtins.int
@@ -287,6 +295,16 @@ class DraftBlock(_message.Message):
         (n-gram, greedy draft model): q_i is one-hot at token_ids[i].
         """
 
+    @_builtins.property
+    def parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A token tree instead of a chain, only where OpenSession.token_trees allowed it and never in a
+        speculative block: parents[i] is the index of the token that token_ids[i] follows (-1 for the
+        first position, base_len), always an earlier one, and siblings carry distinct tokens; the
+        verifier checks the whole tree in one forward and commits its longest accepted path. Empty: a
+        chain. Deterministic drafts only (no proposals). Sent in tree mode even when the tree has one
+        branch, so the verifier keeps its statistics by the kind of draft it planned for.
+        """
+
     def __init__(
         self,
         *,
@@ -298,10 +316,11 @@ class DraftBlock(_message.Message):
         draft_time_us: _builtins.int = ...,
         speculative: _builtins.bool = ...,
         confidence: _builtins.int = ...,
+        parents: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_len", b"base_len", "confidence", b"confidence", "draft_time_us", b"draft_time_us", "proposals", b"proposals", "proposer", b"proposer", "session_id", b"session_id", "speculative", b"speculative", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_len", b"base_len", "confidence", b"confidence", "draft_time_us", b"draft_time_us", "parents", b"parents", "proposals", b"proposals", "proposer", b"proposer", "session_id", b"session_id", "speculative", b"speculative", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

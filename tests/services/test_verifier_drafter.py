@@ -16,6 +16,7 @@ from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.settings import VerifierSettings
 from tandem.engine.spec import Engine, GenerationResult
+from tandem.engine.suffix import scope_of
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
 CONTEXT = [5, 17, 42, 99, 17, 42, 7, 250, 17, 42, 99, 3, 11, 5, 17, 42]
@@ -145,6 +146,16 @@ class GarbageDrafter(drafter_pb2_grpc.DrafterServicer):
                 proposals=[drafter_pb2.SparseDistribution(token_ids=[5], probs=[1.0])])
             yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[])  # empty
             yield drafter_pb2.DraftBlock(session_id="someone-else", base_len=n, token_ids=[1])  # other session
+            # token trees: a parent that is not an earlier node, repeated siblings, a parent count
+            # that does not match, a tree in a speculative block, a tree with proposal distributions
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[1, 2], parents=[1, -1])
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[3, 3], parents=[-1, -1])
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[1, 2, 3], parents=[-1, 0])
+            yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[1, 2], parents=[-1, -1],
+                                         speculative=True)
+            yield drafter_pb2.DraftBlock(
+                session_id=sid, base_len=n, token_ids=[4], parents=[-1],
+                proposals=[drafter_pb2.SparseDistribution(token_ids=[4], probs=[1.0])])
             yield drafter_pb2.DraftBlock(session_id=sid, base_len=n, token_ids=[7, 7, 7, 7], proposer="ngram")  # wrong but valid
 
 
@@ -160,7 +171,7 @@ def test_garbage_drafter_changes_nothing(tiny_loaded):
         for sampling in (SamplingParams(max_new_tokens=24),):
             result = _run(core, f"127.0.0.1:{port}", DraftStrategy.ngram, max_new=24, sampling=sampling)
             assert result.token_ids == _reference(tiny_loaded, 24)
-            assert result.stats.rejected_blocks > 0, "garbage is counted"
+            assert result.stats.rejected_blocks >= 10, "garbage is counted"
     finally:
         server.stop(None)
 
@@ -298,3 +309,36 @@ def _until(ok, timeout_s: float = 10.0) -> None:
     while not ok():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def test_token_trees_over_the_wire_commit_the_targets_text(tiny_loaded, monkeypatch):
+    """The drafter's store holds two answers to one prompt that fork: its suffix decoding sends
+    token trees (DraftBlock.parents) to the verifier, which verifies them in one forward each;
+    the text is the target's. With trees switched off on the drafter, chains only, same text."""
+    from tandem.engine.runner import Sequence
+
+    calls = []
+    real = Sequence.forward_tree
+    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p: calls.append(list(p)) or real(self, d, p))
+    want = Engine(tiny_loaded).generate(FRESH, SamplingParams(max_new_tokens=40, ignore_eos=True),
+                                        SpecConfig(strategy=DraftStrategy.none)).token_ids
+    for trees in (True, False):
+        dcore = DrafterCore(DrafterSettings(drafter_id="d-trees", suffix_trees=trees))
+        server, bound = build_drafter(dcore, "127.0.0.1:0")
+        server.start()
+        address = f"127.0.0.1:{bound}"
+        try:
+            store = dcore.suffix_stores.get(tiny_loaded.model_id, scope_of("tenant-a"))
+            fork = 10
+            store.add(FRESH, want)
+            store.add(FRESH, want[:fork] + [(want[fork] + 1) % 500] + want[fork:])
+            core = _verifier(tiny_loaded, drafters=(address,))
+            calls.clear()
+            result = _suffix_run(core, address, f"t-{trees}", "tenant-a")
+            assert result.token_ids == want
+            if trees:
+                assert any(p != list(range(-1, len(p) - 1)) for p in calls), calls  # a real fork was verified
+            else:
+                assert calls == []
+        finally:
+            server.stop(None)
