@@ -1,6 +1,8 @@
 """Markdown tables of suffix decoding's benchmark records (scripts/suffix_bench.sh writes them):
 per prompt set, each mode's speedup over plain decoding in the same run (median over prompts),
-acceptance, tokens per target forward and lossless count; warm and cold side by side."""
+acceptance, tokens per target forward and lossless count; warm and cold side by side.
+
+    python scripts/suffix_table.py DIR [MODES]   # MODES: comma-separated columns (default: ORDER)"""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def cell(mode: dict) -> str:
 
 
 def table(records: dict[str, dict]) -> str:
+    """Median speedup per mode; modes a record did not run stay empty."""
     rows = ["| run | plain tok/s | " + " | ".join(ORDER) + " | lossless |",
             "|---|---:|" + "---:|" * len(ORDER) + "---:|"]
     for name, rec in records.items():
@@ -43,13 +46,17 @@ def totals(records: dict[str, dict]) -> str:
         ar = modes["ar"]["seconds"]
         cells = [f"{ar / modes[m]['seconds']:.2f}x" if m in modes else "" for m in ORDER]
         prompts = rec["prompts"]
-        faster = sum(p["modes"]["suffix"]["seconds"] < p["modes"]["ngram"]["seconds"] for p in prompts)
+        faster = sum(p["modes"]["suffix"]["seconds"] < p["modes"]["ngram"]["seconds"] for p in prompts
+                     if "ngram" in p["modes"])
         rows.append(f"| {name} | " + " | ".join(cells) + f" | {faster}/{len(prompts)} prompts |")
     return "\n".join(rows)
 
 
 def main() -> None:
+    global ORDER
     directory = Path(sys.argv[1])
+    if len(sys.argv) > 2:
+        ORDER = [m for m in sys.argv[2].split(",") if m]
     records = load(directory)
     if not records:
         raise SystemExit(f"no records in {directory}")
@@ -64,6 +71,10 @@ def main() -> None:
         end = rec["config"].get("suffix_store_end")
         print(f"- {name}: {rec['config']['date']}, {len(rec['prompts'])} prompts, store {store}"
               + (f" (at the end: {end['responses']} answers, {end['tokens']} tokens)" if end else ""))
+        trees = [f"{m} {mode['tree_steps']} of {mode['steps']} steps ({mode['tree_off_path']} off the first path)"
+                 for m, mode in rec["modes"].items() if mode.get("tree_steps") is not None and "steps" in mode]
+        if trees:
+            print("  branching trees verified: " + "; ".join(trees))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ class SpecStats:
     spec_steps: int = 0  # steps that verified at least one draft
     fallback_steps: int = 0  # steps without a usable drafter block in time (local prompt lookup or plain)
     rejected_blocks: int = 0  # stale or garbage draft blocks that were dropped
+    tree_steps: int = 0  # steps that verified a token tree with more than one branch
+    tree_off_path: int = 0  # of those, steps whose accepted path left the tree's first path
     prefill_reused_tokens: int = 0
     prefill_computed_tokens: int = 0
     draft_seconds: float = 0.0
@@ -397,6 +399,10 @@ class Generation:
             self.constraint.advance(verdict.tokens)
         self.stats.record(verdict.drafted, verdict.accepted, draft.proposer if draft is not None else None,
                           draft.depth() if tree else None)
+        if tree:
+            self.stats.tree_steps += 1
+            first = draft.as_chain().tokens
+            self.stats.tree_off_path += verdict.tokens[: verdict.accepted] != first[: verdict.accepted]
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
         if self.sampling.top_logprobs is not None:
             out.logprobs = token_logprobs(raw[: len(out.tokens)], out.tokens, self.sampling.top_logprobs)

@@ -595,6 +595,8 @@ def summarize(units: Sequence[dict[str, _Figures]], modes: Sequence[str], greedy
             s["drafted_by_position"] = st.drafted_by_position
             s["accepted_by_position"] = st.accepted_by_position
             s["steps_by_accepted"] = steps_by_accepted(st)
+            if m in SUFFIX_MODES:  # token trees: steps that verified one, and those it paid off on
+                s["steps"], s["tree_steps"], s["tree_off_path"] = st.steps, st.tree_steps, st.tree_off_path
             # which proposer drafted how often, and how well (a hybrid's choice and its outcome)
             s["by_proposer"] = {
                 name: {**c, "acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else None}
@@ -617,6 +619,8 @@ def _add_stats(stats: Sequence[SpecStats]) -> SpecStats:
         total.drafted += st.drafted
         total.accepted += st.accepted
         total.steps += st.steps
+        total.tree_steps += st.tree_steps
+        total.tree_off_path += st.tree_off_path
         for name in ("drafted_by_position", "accepted_by_position"):
             acc, add = getattr(total, name), getattr(st, name)
             acc.extend([0] * (len(add) - len(acc)))

@@ -141,7 +141,7 @@ def test_greedy_output_through_trees_equals_the_target_alone(tiny_loaded, adapti
     monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p: calls.append(len(d)) or real(self, d, p))
     sampling = SamplingParams(max_new_tokens=60, ignore_eos=True)
     spec = SpecConfig(strategy=DraftStrategy.suffix, adaptive=adaptive, max_draft_tokens=12)
-    accepted = 0
+    accepted = tree_steps = 0
     for ids in prompts:
         want = engine.generate(ids, sampling, SpecConfig(strategy=DraftStrategy.none)).token_ids
         for s in (None, store):
@@ -151,7 +151,9 @@ def test_greedy_output_through_trees_equals_the_target_alone(tiny_loaded, adapti
             res = gen.result()
             assert res.token_ids == want, (PROMPTS[prompts.index(ids)], s is not None)
             accepted += res.stats.accepted
-    assert accepted > 0
+            tree_steps += res.stats.tree_steps
+            assert res.stats.tree_off_path <= res.stats.tree_steps
+    assert accepted > 0 and tree_steps == len(calls)
     if not adaptive:  # fixed blocks of 12: the fork lies in one block of every warm run
         assert len(calls) >= len(prompts)
 
