@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ from tandem.serving.logs import session_context
 from tandem.serving.metrics import VerifierMetrics, status_of
 from tandem.engine.ids import common_prefix_len
 from tandem.engine.models import LoadedModel
-from tandem.engine.runner import Sequence
+from tandem.engine.runner import PrefillPolicy, Sequence
 from tandem.engine.spec import Engine, FinishReason, GenerationResult, StepOutput, trees_allowed
 from tandem.engine.suffix import scope_of
 from tandem.serving.telemetry import tracer
@@ -61,12 +62,61 @@ class Overloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class Cancelled(RuntimeError):
+    """The caller went away while its request waited for admission (CANCELLED)."""
+
+
+def kv_bytes_per_token(target: LoadedModel) -> int:
+    """Bytes of KV cache one token takes in `target`: K and V for every layer and KV head."""
+    cfg = target.model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype = next(target.model.parameters()).dtype
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def free_memory_bytes(device) -> int:
+    """Memory free for KV now: the GPU's (CUDA) or the host's available RAM (MemAvailable)."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_budget_tokens(settings: VerifierSettings, target: LoadedModel) -> int:
+    """The KV budget in tokens: kv_capacity_tokens, or less where kv_memory_fraction of the free
+    memory holds fewer tokens of this model's KV."""
+    if settings.kv_memory_fraction is None:
+        return settings.kv_capacity_tokens
+    device = next(target.model.parameters()).device
+    per_token = kv_bytes_per_token(target)
+    free = free_memory_bytes(device)
+    tokens = max(1, int(free * settings.kv_memory_fraction) // per_token)
+    chosen = min(tokens, settings.kv_capacity_tokens)
+    log.info("KV budget %d tokens: %.0f%% of %.1f GiB free on %s at %d bytes a token holds %d (cap %d)",
+             chosen, 100 * settings.kv_memory_fraction, free / 2**30, device, per_token, tokens,
+             settings.kv_capacity_tokens)
+    return chosen
+
+
 @dataclass
 class _Session:
     seq: Sequence
     salt: str = ""  # cache_salt: KV is shared only with sessions of the same salt (tenant)
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    reserved: int = 0  # context tokens admitted for while generating (its prefill may not have run yet)
+
+    @property
+    def held(self) -> int:
+        """KV tokens this session counts against the budget."""
+        return max(len(self.seq), self.reserved if self.busy else 0)
 
 
 class VerifierCore:
@@ -87,8 +137,14 @@ class VerifierCore:
         self.publisher = publisher
         self.connector = connector
         self.address = settings.advertise_address or f"{settings.host}:{settings.port}"
-        self.executor = self.engine.runner.enable_batching(settings.batch_wait_ms / 1000.0)
+        self.executor = self.engine.runner.enable_batching(
+            settings.batch_wait_ms / 1000.0,
+            PrefillPolicy(max_piece=settings.prefill_chunk_tokens, min_piece=settings.prefill_min_tokens,
+                          cost_factor=settings.prefill_cost_factor))
+        self.kv_capacity = kv_budget_tokens(settings, target)
         self._lock = threading.Lock()  # guards the session table
+        self._room = threading.Condition(self._lock)  # notified when a session stops generating
+        self._waiting: list[object] = []  # admission queue: tickets of requests waiting for room, FIFO
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -98,7 +154,11 @@ class VerifierCore:
         self._cut = threading.Event()
         self._running = 0  # generations in progress (guarded by _lock)
         self.metrics = metrics or VerifierMetrics()
-        self.metrics.watch_kv(settings.kv_capacity_tokens, self.kv_used_tokens, lambda: len(self._sessions))
+        self.metrics.watch_kv(self.kv_capacity, self.kv_used_tokens, lambda: len(self._sessions))
+        self.metrics.read("tandem_admission_waiting", "Requests waiting for KV room (admission queue).",
+                          lambda: len(self._waiting))
+        self.metrics.read("tandem_prefill_pieces", "Prompt pieces run (chunked prefill).",
+                          lambda: self.executor.prefill_pieces, kind="counter")
         if publisher is not None:
             self.metrics.read("tandem_redis_errors", "Failed Redis calls (residency publishing).",
                               lambda: publisher.errors, kind="counter")
@@ -167,7 +227,7 @@ class VerifierCore:
             "model_id": self.target.model_id,
             "vocab_size": self.target.vocab_size,
             "max_context_tokens": self.target.max_context,
-            "kv_capacity_tokens": self.settings.kv_capacity_tokens,
+            "kv_capacity_tokens": self.kv_capacity,
             "kv_used_tokens": used,
             "active_sessions": active,
             "resident_sessions": resident,
@@ -218,29 +278,77 @@ class VerifierCore:
                 f"verifier with --drafter HOST:PORT (or TANDEM_DRAFTERS) to allow one")
         raise InvalidRequest(f"drafter {shown!r} is not on this verifier's allowlist (its --drafter options)")
 
-    def _checkout(self, session_id: str, context_len: int, salt: str = "") -> _Session:
+    def _checkout(self, session_id: str, context_len: int, salt: str = "",
+                  is_active: Callable[[], bool] = lambda: True) -> _Session:
         """The session's resident state (created if new), marked busy; evicts idle sessions LRU to
         make room. A resident session of another salt is not this caller's: it is dropped and the
-        request starts fresh (its KV is never read across salts)."""
+        request starts fresh (its KV is never read across salts).
+
+        Admission: when running sessions hold the budget, the request waits its turn (FIFO) for
+        room, up to settings.admission_wait_s and behind at most settings.admission_queue others;
+        past either it gets Overloaded with a retry hint."""
+        if context_len > self.kv_capacity:  # could never fit here: no use waiting
+            raise Overloaded(f"verifier {self.settings.verifier_id}: a context of {context_len} tokens is larger "
+                             f"than its whole KV budget of {self.kv_capacity} tokens", retry_after_s=60.0)
+        ticket = object()
         with self._lock:
-            sess = self._sessions.get(session_id) if session_id else None
-            if sess is not None and sess.busy:
-                raise SessionBusy(f"session {session_id!r} is already generating on this verifier")
-            if sess is not None and sess.salt != salt:
-                del self._sessions[session_id]
-                self._evicted(session_id, sess.seq.ids, sess.salt)
-                sess = None
-            if sess is None:
-                sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt)
-                if session_id:
-                    self._make_room(context_len, exclude=None)
-                    self._sessions[session_id] = sess
-            else:
-                self._sessions.move_to_end(session_id)
-                self._make_room(context_len - len(sess.seq), exclude=session_id)
-            sess.busy = True
-            sess.last_used = time.monotonic()
-            return sess
+            try:
+                while True:
+                    try:
+                        if not self._waiting or self._waiting[0] is ticket:  # first come, first served
+                            return self._admit(session_id, context_len, salt)
+                    except Overloaded as full:
+                        if ticket not in self._waiting and len(self._waiting) >= self.settings.admission_queue:
+                            raise Overloaded(f"{full}; {len(self._waiting)} requests already wait for room "
+                                             f"(admission_queue={self.settings.admission_queue})",
+                                             retry_after_s=max(1.0, self.settings.admission_wait_s / 2)) from None
+                        if ticket in self._waiting and time.monotonic() >= deadline:
+                            raise Overloaded(f"{full}; waited {self.settings.admission_wait_s:g} s for room "
+                                             f"(admission_wait_s)") from None
+                    if ticket not in self._waiting:
+                        if len(self._waiting) >= self.settings.admission_queue:
+                            raise Overloaded(f"verifier {self.settings.verifier_id}: {len(self._waiting)} requests "
+                                             f"already wait for room (admission_queue="
+                                             f"{self.settings.admission_queue})",
+                                             retry_after_s=max(1.0, self.settings.admission_wait_s / 2))
+                        self._waiting.append(ticket)
+                        deadline = time.monotonic() + self.settings.admission_wait_s
+                        log.info("request for session %s waits for KV room (%d waiting)", session_id,
+                                 len(self._waiting))
+                    if self.draining:
+                        raise Draining(f"verifier {self.settings.verifier_id} is shutting down; send the "
+                                       f"request to another one")
+                    if not is_active():
+                        raise Cancelled("the caller went away while waiting for admission")
+                    # Woken when a session stops generating; the slice notices a caller that left.
+                    self._room.wait(max(0.0, min(0.25, deadline - time.monotonic())))
+            finally:
+                if ticket in self._waiting:
+                    self._waiting.remove(ticket)
+                    self._room.notify_all()  # the next in line may go now
+
+    def _admit(self, session_id: str, context_len: int, salt: str) -> _Session:
+        """_checkout's one attempt: caller holds self._lock; raises Overloaded when there is no room."""
+        sess = self._sessions.get(session_id) if session_id else None
+        if sess is not None and sess.busy:
+            raise SessionBusy(f"session {session_id!r} is already generating on this verifier")
+        if sess is not None and sess.salt != salt:
+            del self._sessions[session_id]
+            self._evicted(session_id, sess.seq.ids, sess.salt)
+            sess = None
+        if sess is None:
+            if session_id:
+                self._make_room(context_len, exclude=None)
+            sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt)
+            if session_id:
+                self._sessions[session_id] = sess
+        else:
+            self._make_room(context_len - len(sess.seq), exclude=session_id)
+            self._sessions.move_to_end(session_id)
+        sess.busy = True
+        sess.reserved = context_len
+        sess.last_used = time.monotonic()
+        return sess
 
     SHARE_MIN_TOKENS = 32  # shorter common prefixes are cheaper to recompute than to look up
 
@@ -275,8 +383,8 @@ class VerifierCore:
         evicted = []
 
         def over() -> bool:
-            used = sum(len(s.seq) for s in self._sessions.values())
-            return (used + new_tokens > self.settings.kv_capacity_tokens
+            used = sum(s.held for s in self._sessions.values())
+            return (used + new_tokens > self.kv_capacity
                     or len(self._sessions) + (1 if exclude is None else 0) > self.settings.max_sessions)
 
         for sid in list(self._sessions):
@@ -294,7 +402,7 @@ class VerifierCore:
                 self._evicted(sid, ids, salt)
             raise Overloaded(
                 f"verifier {self.settings.verifier_id} is full: KV budget "
-                f"{self.settings.kv_capacity_tokens} tokens / {self.settings.max_sessions} sessions "
+                f"{self.kv_capacity} tokens / {self.settings.max_sessions} sessions "
                 f"in use by active sessions"
             )
         for sid, ids, salt in evicted:
@@ -307,6 +415,7 @@ class VerifierCore:
 
     def _release(self, session_id: str, sess: _Session, keep: bool) -> None:
         with self._lock:
+            self._room.notify_all()  # an idle session can be evicted: room for a waiting request
             sess.busy = False
             sess.last_used = time.monotonic()
             if session_id and not keep and self._sessions.get(session_id) is sess:
@@ -370,7 +479,7 @@ class VerifierCore:
             raise InvalidRequest(f"resumed_tokens is {resumed_tokens}; it must be below the context's "
                                  f"{len(context_ids)} tokens")
         drafter_address = self.allowed_drafter(drafter_address)  # before any state changes or connections
-        sess = self._checkout(session_id, len(context_ids), cache_salt)
+        sess = self._checkout(session_id, len(context_ids), cache_salt, is_active)
         proposer = None
         keep = True
         try:
@@ -478,6 +587,7 @@ def gen_ok(sess: _Session) -> bool:
 
 __all__ = [
     "FinishReason",
+    "Cancelled",
     "Draining",
     "InvalidRequest",
     "Overloaded",

@@ -21,7 +21,7 @@ from tandem.serving.residency import VerifierRecord
 from tandem.serving.telemetry import inject_metadata
 from tandem.v1 import verifier_pb2, verifier_pb2_grpc
 
-from .core import Draining, InvalidRequest, Overloaded, SessionBusy, VerifierCore
+from .core import Cancelled, Draining, InvalidRequest, Overloaded, SessionBusy, VerifierCore
 from .drafter_client import GrpcDrafterConnector
 
 log = logging.getLogger("tandem.verifier.server")
@@ -40,6 +40,8 @@ def status_mapping(context: grpc.ServicerContext):
         context.abort(grpc.StatusCode.ABORTED, str(exc))
     except Draining as exc:
         context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    except Cancelled as exc:
+        context.abort(grpc.StatusCode.CANCELLED, str(exc))
     except Overloaded as exc:
         context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

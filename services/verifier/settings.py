@@ -63,6 +63,20 @@ class VerifierSettings(BaseModel):
     drafters: tuple[str, ...] = ()
     max_draft_tokens: int = Field(8, ge=1, le=64)
     batch_wait_ms: float = Field(2.0, ge=0)  # longest wait for busy sessions to join a batched forward
+    # Chunked prefill (runner.PrefillPolicy): prompts run in pieces that share steps with decoding;
+    # a step with pieces may cost up to prefill_cost_factor times the step without them (the cost
+    # model's estimate), with at least prefill_min_tokens and at most prefill_chunk_tokens of prompt.
+    prefill_chunk_tokens: int = Field(256, ge=1)
+    prefill_min_tokens: int = Field(16, ge=1)
+    prefill_cost_factor: float = Field(2.0, ge=1.0)
+    # Admission: a request that finds the KV budget or the session slots held by running sessions
+    # waits (first come, first served) up to admission_wait_s for room, behind at most
+    # admission_queue others; beyond either it is refused (RESOURCE_EXHAUSTED with a retry hint).
+    admission_queue: int = Field(32, ge=0)
+    admission_wait_s: float = Field(10.0, ge=0)
+    # The KV budget from free memory: this fraction of the memory free after the model loaded (RAM,
+    # or the GPU's on CUDA), in tokens of this model's KV; the smaller of it and kv_capacity_tokens.
+    kv_memory_fraction: float | None = Field(None, gt=0, le=0.95)
     default_strategy: DraftStrategy = DraftStrategy.ngram
     threads: int | None = Field(None, ge=1)  # torch CPU threads (default: all cores)
     device: str = "auto"  # where the target runs: auto (cuda when available), cpu, cuda, cuda:N
@@ -89,6 +103,9 @@ class VerifierSettings(BaseModel):
         if not self.redis_url and (self.redis_ca or self.redis_cert or self.redis_key):
             raise ValueError("redis_ca / redis_cert / redis_key need a redis_url (rediss://...)")
         self.residency_config()
+        if self.prefill_min_tokens > self.prefill_chunk_tokens:
+            raise ValueError(f"prefill_min_tokens ({self.prefill_min_tokens}) is above prefill_chunk_tokens "
+                             f"({self.prefill_chunk_tokens})")
         return self
 
     def residency_config(self) -> ResidencyConfig | None:

@@ -672,7 +672,21 @@ def verifier(
     verifier_id: Annotated[Optional[str], typer.Option("--id", envvar="TANDEM_VERIFIER_ID", help="Stable verifier id (default: POD_NAME or host-pid).")] = None,
     advertise_address: Annotated[Optional[str], typer.Option("--advertise-address", envvar="TANDEM_ADVERTISE_ADDRESS", help="host:port that gateways reach this verifier at (default: --host:--port).")] = None,
     kv_capacity_tokens: Annotated[int, typer.Option("--kv-capacity-tokens", help="KV cache budget over all resident sessions, in tokens.", min=1)] = 65536,
+    kv_memory_fraction: Annotated[Optional[float], typer.Option(
+        "--kv-memory-fraction", help="Size the KV budget from memory instead: this fraction of the memory free after "
+        "the model loaded (RAM, or the GPU's), capped by --kv-capacity-tokens.", min=0.01, max=0.95)] = None,
     max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most sessions kept resident.", min=1)] = 64,
+    admission_queue: Annotated[int, typer.Option(
+        "--admission-queue", help="Requests that may wait for KV room when running sessions hold the budget "
+        "(first come, first served); beyond it, RESOURCE_EXHAUSTED with a retry hint.", min=0)] = 32,
+    admission_wait_s: Annotated[float, typer.Option(
+        "--admission-wait-s", help="Longest wait in the admission queue before RESOURCE_EXHAUSTED.", min=0)] = 10.0,
+    prefill_chunk_tokens: Annotated[int, typer.Option(
+        "--prefill-chunk-tokens", help="Chunked prefill: the most prompt tokens one step runs. Prompts run in pieces "
+        "between other sessions' decoding steps, so a long prompt does not stop their streams.", min=1)] = 256,
+    prefill_cost_factor: Annotated[float, typer.Option(
+        "--prefill-cost-factor", help="A step carrying prompt pieces may cost up to this many times the decoding "
+        "step alone (higher: faster prefill, slower streams meanwhile).", min=1.0)] = 2.0,
     draft_wait_ms: Annotated[float, typer.Option("--draft-wait-ms", help="Longest wait for a draft block before a plain step.", min=0)] = 10.0,
     max_draft_tokens: MaxDraftOpt = 8,
     device: Annotated[str, typer.Option("--device", help="Where the target runs: auto (CUDA when a GPU is visible), cpu, cuda, cuda:N.")] = "auto",
@@ -699,6 +713,9 @@ def verifier(
 
     fields = dict(host=host, port=port, model=model, device=device, redis_url=redis_url, advertise_address=advertise_address,
                   kv_capacity_tokens=kv_capacity_tokens, max_sessions=max_sessions, draft_wait_ms=draft_wait_ms,
+                  kv_memory_fraction=kv_memory_fraction, admission_queue=admission_queue,
+                  admission_wait_s=admission_wait_s, prefill_chunk_tokens=prefill_chunk_tokens,
+                  prefill_min_tokens=min(16, prefill_chunk_tokens), prefill_cost_factor=prefill_cost_factor,
                   max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=threads,
                   metrics_port=metrics_port, drafters=_split_list(drafters),
                   redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),

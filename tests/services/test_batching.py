@@ -122,7 +122,7 @@ def test_concurrent_sessions_share_forwards_and_match_the_reference(tiny_loaded)
 
 
 def test_admission_control_when_every_slot_is_busy(tiny_loaded):
-    core = _verifier(tiny_loaded, kv_capacity_tokens=60)
+    core = _verifier(tiny_loaded, kv_capacity_tokens=60, admission_queue=0)  # no waiting: refused at once
     ctx = _contexts(3)[2][:30]
     assert len(ctx) == 30
     running = core.generate("a", ctx, SamplingParams(max_new_tokens=20), SpecConfig(strategy=DraftStrategy.none))

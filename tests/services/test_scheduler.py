@@ -1,0 +1,228 @@
+"""The verifier's step loop under load: chunked prefill next to decoding, and the admission queue.
+
+Real verifier cores on the tiny random Llama (native backend); progress is measured in steps
+(the executor's history and the streams' step counts), never in wall-clock time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.runner import PrefillPolicy
+from tandem.engine.spec import Engine, GenerationResult
+from tandem.services.verifier.core import Cancelled, Overloaded, VerifierCore
+from tandem.services.verifier.settings import VerifierSettings
+
+NONE = SpecConfig(strategy=DraftStrategy.none)
+NGRAM = SpecConfig(strategy=DraftStrategy.ngram, adaptive=False, max_draft_tokens=3)
+
+
+def _core(loaded, **kw) -> VerifierCore:
+    # batch_wait_ms: generous, so a stream between two steps is not left out of a batch on a busy
+    # machine (the test counts the steps that carried it).
+    return VerifierCore(VerifierSettings(**{"verifier_id": "v-sched", "port": 0, "batch_wait_ms": 200, **kw}), loaded)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def test_prefill_plan_keeps_steps_within_the_cost_factor_and_serves_short_prompts_first():
+    policy = PrefillPolicy(max_piece=64, min_piece=8, cost_factor=2.0)
+    linear = lambda n: 1.0 + 0.05 * n  # noqa: E731
+    # Nobody decoding: the whole max_piece, oldest gets its minimum, then shortest first.
+    assert policy.plan(0, [1000], linear) == [64]
+    assert policy.plan(0, [1000, 30, 10], linear) == [24, 30, 10]
+    # Decoding rows present: the step may cost twice the decode-only step, no more.
+    pieces = policy.plan(9, [1000], linear)
+    assert linear(9 + pieces[0]) <= 2 * linear(9) < linear(9 + pieces[0] + 1)
+    # Nothing measured yet: only the minimum joins a decoding step; a long prompt still advances.
+    assert policy.plan(9, [1000, 5], lambda n: None) == [8, 0]
+    # Cost proportional to tokens: 4 decoding tokens allow 4 more within 2x, below the minimum.
+    assert policy.plan(4, [1000], lambda n: 0.05 * n) == [8], "a step still carries the minimum"
+    assert policy.plan(3, [], linear) == []
+
+
+def test_a_long_prompt_does_not_stop_running_streams(tiny_loaded):
+    """The denial of service of one-piece prefill: a long prompt arriving while a session streams.
+    The streaming session must keep getting steps while the prompt is prefilled in pieces, and both
+    outputs are the target alone's."""
+    core = _core(tiny_loaded, prefill_chunk_tokens=16, prefill_min_tokens=8)
+    ctx_a, ctx_b = _ids(20, 1), _ids(440, 2)
+    sampling_a = SamplingParams(max_new_tokens=200, ignore_eos=True)  # 200 plain steps
+    sampling_b = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    a_steps: list = []
+    a_done = threading.Event()
+
+    def stream_a() -> None:
+        for item in core.generate("a", ctx_a, sampling_a, NONE):
+            a_steps.append(item)
+        a_done.set()
+
+    threading.Thread(target=stream_a, daemon=True).start()
+    _wait_until(lambda: len(a_steps) >= 3, "session a to stream")
+    before, h0 = len(a_steps), len(core.executor.history)
+    b_items = []
+    for item in core.generate("b", ctx_b, sampling_b, NONE):
+        if not b_items:  # b's first step: its prefill is over
+            during = len(a_steps) - before
+            history = list(core.executor.history)[h0:]
+        b_items.append(item)
+    a_done.wait(60)
+    pieces = [p for _, ps in history for p in ps]
+    assert sum(pieces) >= len(ctx_b) - 1, "b's prompt ran as pieces in these steps"
+    assert max(pieces) <= 16
+    mixed = sum(1 for rows, ps in history if rows and ps)
+    # 439 prompt tokens in pieces of at most 16: at least 28 steps of prefill, and a decoded in them
+    # (a one-piece prefill gives a at most one or two steps meanwhile).
+    assert mixed >= 20, history
+    assert during >= 20, f"a streamed {during} steps during b's prefill"
+    expected_a = Engine(tiny_loaded).generate(ctx_a, sampling_a, NONE).token_ids
+    expected_b = Engine(tiny_loaded).generate(ctx_b, sampling_b, NONE).token_ids
+    assert isinstance(a_steps[-1], GenerationResult) and a_steps[-1].token_ids == expected_a
+    assert b_items[-1].token_ids == expected_b
+
+
+def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded):
+    """Prefill pieces, verify blocks and plain rows in the same steps, greedy and sampled together:
+    greedy rows equal the target alone; a seeded sampled row replays itself in process."""
+    core = _core(tiny_loaded, prefill_chunk_tokens=24, prefill_min_tokens=8, batch_wait_ms=20)
+    prompts = [_ids(30, 3) * 2, _ids(300, 4), _ids(12, 5) * 3, _ids(250, 6)]
+    specs = [NGRAM, NONE, NGRAM, NGRAM]
+    samplings = [SamplingParams(max_new_tokens=30, ignore_eos=True),
+                 SamplingParams(max_new_tokens=20, ignore_eos=True),
+                 SamplingParams(max_new_tokens=25, ignore_eos=True, temperature=0.8, seed=7),
+                 SamplingParams(max_new_tokens=15, ignore_eos=True)]
+    results: dict[int, GenerationResult] = {}
+
+    def run(i: int) -> None:
+        results[i] = list(core.generate(f"m{i}", prompts[i], samplings[i], specs[i]))[-1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert core.executor.mixed_steps > 0, "some steps carried prompt pieces and decoding rows"
+    for i in (0, 1, 3):
+        assert results[i].token_ids == Engine(tiny_loaded).generate(prompts[i], samplings[i], NONE).token_ids, i
+    # The seeded sampled row: its block lengths follow the text only (NominalCosts) and its draws
+    # the seed, so it replays what it samples alone (batching moves logits by rounding only).
+    alone = Engine(tiny_loaded).generate(prompts[2], samplings[2], NGRAM).token_ids
+    assert len(alone) == 25 and results[2].token_ids == alone
+
+
+def test_in_process_prefill_in_pieces_equals_one_piece(tiny_loaded):
+    """TargetRunner without an executor runs a long prompt in prefill_chunk pieces; the next step's
+    logits match the one-piece prefill's (same greedy token, rounding-level differences only)."""
+    from tandem.engine.runner import TargetRunner
+
+    ctx = _ids(300, 8)
+    whole, pieces = TargetRunner(tiny_loaded, prefill_chunk=1000), TargetRunner(tiny_loaded, prefill_chunk=32)
+    a, b = whole.new_sequence(), pieces.new_sequence()
+    a.set_context(ctx), b.set_context(ctx)
+    assert a.cached_len == b.cached_len == len(ctx) - 1
+    la, lb = a.forward_block([5, 6]), b.forward_block([5, 6])
+    torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+def _hold(core: VerifierCore, sid: str, ctx: list[int]):
+    """Start a generation and stop it mid-way: the session is busy (not evictable) until resumed."""
+    running = core.generate(sid, ctx, SamplingParams(max_new_tokens=30, ignore_eos=True), NONE)
+    next(running)
+    return running
+
+
+def test_a_request_waits_for_room_and_gets_in_first_come_first_served(tiny_loaded):
+    core = _core(tiny_loaded, max_sessions=1, admission_queue=4, admission_wait_s=60)
+    a = _hold(core, "a", _ids(20, 10))
+    order: list[str] = []
+
+    def request(sid: str) -> None:
+        items = list(core.generate(sid, _ids(20, ord(sid)), SamplingParams(max_new_tokens=3), NONE))
+        assert isinstance(items[-1], GenerationResult)
+        order.append(sid)
+
+    tb = threading.Thread(target=request, args=("b",))
+    tb.start()
+    _wait_until(lambda: core.metrics.value("tandem_admission_waiting") == 1, "b to queue")
+    tc = threading.Thread(target=request, args=("c",))
+    tc.start()
+    _wait_until(lambda: core.metrics.value("tandem_admission_waiting") == 2, "c to queue")
+    assert order == [], "nobody got in while a held the only slot"
+    list(a)  # a finishes: its slot frees
+    tb.join(60), tc.join(60)
+    assert order == ["b", "c"], "admitted in arrival order"
+    assert core.metrics.value("tandem_admission_waiting") == 0
+
+
+def test_a_full_queue_refuses_at_once_with_a_retry_hint(tiny_loaded):
+    core = _core(tiny_loaded, max_sessions=1, admission_queue=1, admission_wait_s=60)
+    a = _hold(core, "a", _ids(20, 11))
+    waiter = threading.Thread(target=lambda: list(core.generate("b", _ids(20, 12), SamplingParams(max_new_tokens=2), NONE)))
+    waiter.start()
+    _wait_until(lambda: core.metrics.value("tandem_admission_waiting") == 1, "b to queue")
+    with pytest.raises(Overloaded) as err:
+        list(core.generate("c", _ids(20, 13), SamplingParams(max_new_tokens=2), NONE))
+    assert "already wait" in str(err.value) and err.value.retry_after_s >= 1
+    list(a)
+    waiter.join(60)
+    assert not waiter.is_alive()
+
+
+def test_a_queued_request_is_refused_at_its_deadline_and_a_departed_caller_leaves_the_queue(tiny_loaded):
+    core = _core(tiny_loaded, max_sessions=1, admission_queue=4, admission_wait_s=0.3)
+    a = _hold(core, "a", _ids(20, 14))
+    with pytest.raises(Overloaded) as err:
+        list(core.generate("b", _ids(20, 15), SamplingParams(max_new_tokens=2), NONE))
+    assert "waited 0.3 s" in str(err.value)
+    core.settings = core.settings.model_copy(update={"admission_wait_s": 60})
+    looks = iter([True])  # the caller is there at its first look, gone from the second on
+    with pytest.raises(Cancelled):
+        list(core.generate("c", _ids(20, 16), SamplingParams(max_new_tokens=2), NONE,
+                           is_active=lambda: next(looks, False)))
+    assert core.metrics.value("tandem_admission_waiting") == 0, "the departed caller left the queue"
+    list(a)
+    assert isinstance(list(core.generate("d", _ids(20, 17), SamplingParams(max_new_tokens=2), NONE))[-1],
+                      GenerationResult), "the verifier keeps serving"
+
+
+def test_a_context_larger_than_the_whole_budget_is_refused_without_waiting(tiny_loaded):
+    core = _core(tiny_loaded, kv_capacity_tokens=50, admission_wait_s=60)
+    with pytest.raises(Overloaded) as err:
+        list(core.generate("big", _ids(80, 18), SamplingParams(max_new_tokens=2), NONE))
+    assert "larger than its whole KV budget" in str(err.value)
+
+
+def test_the_kv_budget_can_come_from_free_memory(tiny_loaded):
+    from tandem.services.verifier.core import free_memory_bytes, kv_bytes_per_token
+
+    cfg = tiny_loaded.model.config
+    per_token = kv_bytes_per_token(tiny_loaded)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert per_token == 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4  # float32
+    core = _core(tiny_loaded, kv_memory_fraction=0.01, kv_capacity_tokens=10**9)
+    free = free_memory_bytes(torch.device("cpu"))
+    assert 0 < core.kv_capacity <= 10**9
+    assert abs(core.kv_capacity - free * 0.01 / per_token) < 0.2 * free * 0.01 / per_token  # memory moves a little
+    assert core.info()["kv_capacity_tokens"] == core.kv_capacity
+    capped = _core(tiny_loaded, kv_memory_fraction=0.5, kv_capacity_tokens=1000)
+    assert capped.kv_capacity == 1000, "the fixed budget caps the memory-derived one"
