@@ -276,42 +276,36 @@ class PrefillPolicy:
     """How a step mixes prompt pieces with decoding (chunked prefill).
 
     A prompt is not run as one forward: a step carries every decoding row (verify blocks, plain
-    steps) plus pieces of waiting prompts, as many prefill tokens as keep the step's estimated cost
-    (ForwardCosts) within `cost_factor` times the cost of the step without them, but at least
-    `min_piece` (a long prompt always advances) and at most `max_piece` in all. With nobody decoding a
-    step carries `max_piece` prompt tokens. Measured on the Intel host, SmolLM2-135M, 2 threads: a
-    forward of 1 token 22 ms, 16 tokens 52 ms, 32 tokens 74 ms, 64 105 ms, 256 328 ms.
+    steps) plus pieces of waiting prompts, as many prompt tokens as keep the step within
+    `cost_factor` times the decoding step without them, but at least `min_piece` (a long prompt
+    always advances) and at most `max_piece` in all (PieceBudget steers the count by measured step
+    times: a piece's cost grows with its context, which no token-count model knows). With nobody
+    decoding a step carries `max_piece` prompt tokens. Measured on the Intel host, SmolLM2-135M, 2
+    threads, context 1k: a forward of 1 token 22 ms, 16 tokens 52 ms, 64 105 ms, 256 328 ms.
+
+    While prompts wait, the step loop waits up to `wait_s` for every decoding session to queue its
+    block (one waiting on its drafter takes up to draft_wait_ms), so the pieces ride along in their
+    steps; a step without their rows while they decode may take only (cost_factor - 1) times their
+    step, which bounds what they wait for it.
     """
 
     max_piece: int = 256
     min_piece: int = 16
     cost_factor: float = 2.0
+    wait_s: float = 0.03
 
-    def plan(self, decode_tokens: int, waiting: list[int], cost) -> list[int]:
-        """Prefill tokens per waiting prompt for one step. `waiting`: remaining tokens of each
-        waiting prompt, oldest first; `cost(n)`: estimated seconds of a forward over n tokens (or
-        None, nothing measured yet). The oldest prompt gets its `min_piece` first (no starvation),
-        then the rest goes shortest first, so a short prompt is not queued behind a long one.
+    def split(self, budget: int, waiting: list[int]) -> list[int]:
+        """Prompt tokens per waiting prompt for a step carrying `budget` of them. `waiting`:
+        remaining tokens of each prompt, oldest first. The oldest gets its `min_piece` first (no
+        starvation), then the rest goes shortest first, so a short prompt is not queued behind a
+        long one.
 
-        >>> PrefillPolicy(64, 8, 2.0).plan(0, [500, 20], lambda n: None)
+        >>> PrefillPolicy(64, 8).split(64, [500, 20])
         [44, 20]
-        >>> PrefillPolicy(64, 8, 2.0).plan(4, [500], lambda n: 1.0 + 0.1 * n)  # 1.4 s -> 2.8 s: 14 more
-        [14]
         """
-        if not waiting:
-            return []
-        budget = self.max_piece
-        if decode_tokens:
-            base = cost(decode_tokens)
-            budget = self.min_piece
-            if base is not None:  # the largest prefill share whose step stays within the factor
-                lo, hi = self.min_piece, self.max_piece
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    c = cost(decode_tokens + mid)
-                    lo, hi = (mid, hi) if c is not None and c <= self.cost_factor * base else (lo, mid - 1)
-                budget = lo
         pieces = [0] * len(waiting)
+        if not waiting:
+            return pieces
         pieces[0] = min(waiting[0], self.min_piece, budget)
         budget -= pieces[0]
         for i in sorted(range(len(waiting)), key=lambda i: waiting[i] - pieces[i]):
@@ -319,6 +313,54 @@ class PrefillPolicy:
             pieces[i] += take
             budget -= take
         return pieces
+
+
+class PieceBudget:
+    """Prompt tokens the next step may carry, steered by the step times measured.
+
+    Two budgets: for a step with decoding rows (target: cost_factor x the median decoding step) and
+    for one without while sessions decode (target: cost_factor - 1 of it). After each such step the
+    budget is scaled by target / measured (a step's time is nearly linear in its tokens), growing
+    at most 1.5x a step so one fast step cannot overshoot, within [min_piece, max_piece]. Until a
+    decoding step was measured, steps beside decoding carry min_piece.
+
+    >>> b = PieceBudget(PrefillPolicy(max_piece=256, min_piece=16, cost_factor=2.0))
+    >>> b.observe_decode(0.040)
+    >>> for _ in range(30):  # a step costs 40 ms + 2 ms a prompt token: 2x at 20 tokens
+    ...     b.observe(True, 0.040 + 0.002 * b.next(True, True), b.next(True, True))
+    >>> 18 <= b.next(True, True) <= 22
+    True
+    """
+
+    WINDOW = 15
+
+    def __init__(self, policy: PrefillPolicy):
+        self.policy = policy
+        self._decode_s: deque[float] = deque(maxlen=self.WINDOW)
+        self._budget = {True: float(policy.min_piece), False: float(policy.min_piece)}
+
+    def observe_decode(self, seconds: float) -> None:
+        """A step with decoding rows and no prompt pieces took `seconds`."""
+        self._decode_s.append(seconds)
+
+    def next(self, rows: bool, decoding: bool) -> int:
+        """The budget of a step with (`rows`) or without decoding rows; `decoding`: sessions are
+        decoding (without, a step carries max_piece)."""
+        if not rows and not decoding:
+            return self.policy.max_piece
+        return int(self._budget[rows])
+
+    def observe(self, rows: bool, seconds: float, carried: int) -> None:
+        """A step with prompt pieces (`carried` tokens of them; with decoding rows or not, while
+        sessions decode) took `seconds`."""
+        if not self._decode_s or seconds <= 0:
+            return
+        target = statistics.median(self._decode_s) * (self.policy.cost_factor if rows else self.policy.cost_factor - 1)
+        current = self._budget[rows]
+        if carried < int(current) and seconds < target:
+            return  # the prompts ran out, not the budget: nothing learned about growing it
+        scaled = current * min(1.5, target / seconds)
+        self._budget[rows] = min(float(self.policy.max_piece), max(float(self.policy.min_piece), scaled))
 
 
 @dataclass
@@ -357,6 +399,7 @@ class BatchExecutor:
         self.runner = runner
         self.max_wait_s = max_wait_s
         self.policy = policy or PrefillPolicy()
+        self.budget = PieceBudget(self.policy)
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._prefills: list[_Job] = []  # prompts being prefilled, oldest first (worker thread only)
@@ -366,8 +409,8 @@ class BatchExecutor:
         self.batches = 0
         self.prefill_pieces = 0  # prompt pieces run
         self.mixed_steps = 0  # steps that carried prompt pieces and decoding rows together
-        # Per step: (decoding rows, prompt pieces' token counts). Bounded: a debugging view.
-        self.history: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=self.HISTORY)
+        # Per step: (decoding rows, prompt pieces' token counts, seconds). Bounded: a debugging view.
+        self.history: deque[tuple[int, tuple[int, ...], float]] = deque(maxlen=self.HISTORY)
         threading.Thread(target=self._loop, daemon=True, name="batch-executor").start()
 
     @property
@@ -403,7 +446,10 @@ class BatchExecutor:
             with self._cond:
                 while not self._queue and not self._prefills:
                     self._cond.wait()
-                deadline = time.monotonic() + self.max_wait_s
+                # With prompts waiting, wait longer for the decoding sessions: a step they miss is a
+                # prefill step they wait for (PrefillPolicy.wait_s).
+                wait = max(self.max_wait_s, self.policy.wait_s) if self._prefills else self.max_wait_s
+                deadline = time.monotonic() + wait
                 while len(self._queue) < self._busy and time.monotonic() < deadline:
                     self._cond.wait(max(0.0, deadline - time.monotonic()))
                 queued, self._queue = self._queue, []
@@ -417,14 +463,17 @@ class BatchExecutor:
 
     def _step(self, decode: list[_Job]) -> None:
         """plan (which prompt pieces join the decoding rows) and forward."""
-        tokens = sum(len(j.ids) for j in decode)
-        plan = self.policy.plan(tokens, [len(j.ids) - j.done_tokens for j in self._prefills],
-                                self.runner.costs.estimate)
+        decoding = self._busy > 0
+        budget = self.budget.next(bool(decode), decoding)
+        plan = self.policy.split(budget, [len(j.ids) - j.done_tokens for j in self._prefills])
         pieces = [(j, n) for j, n in zip(self._prefills, plan) if n > 0]
         if decode or pieces:
-            self._run(decode, pieces)
+            seconds = self._run(decode, pieces)
+            if seconds is not None and pieces and decoding:
+                self.budget.observe(bool(decode), seconds, sum(n for _, n in pieces))
 
-    def _run(self, jobs: list[_Job], pieces: list[tuple[_Job, int]], alone: bool = False) -> None:
+    def _run(self, jobs: list[_Job], pieces: list[tuple[_Job, int]], alone: bool = False) -> float | None:
+        """One forward of `jobs` and prompt `pieces`; its seconds (None: it failed)."""
         start = time.perf_counter()
         blocks = [(j.cache, j.ids) for j in jobs] + [(j.cache, j.ids[j.done_tokens : j.done_tokens + n])
                                                      for j, n in pieces]
@@ -438,14 +487,16 @@ class BatchExecutor:
                 j.error = exc
                 j.done.set()
             self._prefills = [j for j in self._prefills if j.error is None]
-            return
+            return None
         seconds = time.perf_counter() - start
         total = sum(len(ids) for _, ids in blocks)
         if jobs and not pieces and all(j.all_logits for j in jobs) and not alone:
             self.runner.costs.observe(total, seconds)
+        if jobs and not pieces and not alone:
+            self.budget.observe_decode(seconds)
         self.last_batch_tokens, self.last_batch_size = total, len(jobs) + len(pieces)
         self.batches += 1
-        self.history.append((len(jobs), tuple(n for _, n in pieces)))
+        self.history.append((len(jobs), tuple(n for _, n in pieces), seconds))
         self.prefill_pieces += len(pieces)
         self.mixed_steps += bool(jobs and pieces)
         for j, out in zip(jobs, outs):
@@ -456,6 +507,7 @@ class BatchExecutor:
             if j.done_tokens == len(j.ids):
                 j.done.set()
         self._prefills = [j for j in self._prefills if not j.done.is_set()]
+        return seconds
 
 
 class Sequence:

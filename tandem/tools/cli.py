@@ -475,10 +475,14 @@ def loadtest(
     conversations: Annotated[int, typer.Option("--conversations", help="Conversations per concurrent worker and phase.", min=1)] = 1,
     limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N records.", min=1)] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON report here (and a PNG plot beside it).")] = None,
+    mixed: Annotated[bool, typer.Option("--mixed", help="The mixed workload instead: per concurrency, the short conversations for --duration alone, then again while long prompts (--long-tokens) arrive one after another; reports the streams' chunk gaps and TTFT during the long prefills.")] = False,
+    long_tokens: Annotated[str, typer.Option("--long-tokens", help="--mixed: approximate sizes of the long prompts, in tokens, comma-separated (sent in turn).")] = "4000,7500",
+    long_gap: Annotated[float, typer.Option("--long-gap", help="--mixed: seconds between one long prompt's end and the next one's start.", min=0)] = 3.0,
 ) -> None:
     """Load-test a running stack: concurrent multi-turn sessions, speculation off and on at each
     concurrency; aggregate tokens/s, TTFT and inter-token latency (p50, p99), acceptance and KV
-    residency hit rate, plus a PNG plot of throughput and latency against concurrency."""
+    residency hit rate, plus a PNG plot of throughput and latency against concurrency. --mixed:
+    whether running streams keep going while long prompts arrive (chunked prefill)."""
     _setup(1, "warning")
     from rich.console import Console
 
@@ -494,6 +498,33 @@ def loadtest(
     except ValueError as exc:
         _fail(str(exc))
     base = endpoint if endpoint.startswith("http") else f"http://{endpoint}"
+    if mixed:
+        from tandem.tools.loadtest import run_mixed
+
+        try:
+            sizes = [int(t) for t in long_tokens.split(",") if t.strip()]
+        except ValueError:
+            _fail(f"--long-tokens needs integers, e.g. 4000,7500 (got {long_tokens!r})")
+
+        def show_mixed(row: dict) -> None:
+            console.print(
+                f"c={row['concurrency']:<3} speculation={'on ' if row['speculation'] else 'off'} "
+                f"long={'yes' if row['with_long'] else 'no '} {row['tokens_per_s']:7.1f} tok/s  "
+                f"gap p50 {row['gap_p50_ms'] or 0:6.1f} p99 {row['gap_p99_ms'] or 0:7.1f} ms  "
+                f"during long p99 {row['gap_during_long_p99_ms'] or 0:7.1f} ms  "
+                f"TTFT p99 {row['ttft_p99_ms'] or 0:7.0f} ms (during long {row['ttft_during_long_p99_ms'] or 0:7.0f})  "
+                f"long TTFT {row['long_ttft_ms']} ms ({row['errors']} + {row['long_errors']} errors)")
+
+        result = run_mixed(base, records, levels, long_tokens=sizes, long_gap_s=long_gap, turns=turns,
+                           max_tokens=max_tokens, duration_s=duration, on_phase=show_mixed)
+        text = json.dumps(result, indent=2)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text + "\n")
+            console.print(f"wrote {out}")
+        else:
+            print(text)
+        return
 
     def show(row: dict) -> None:
         console.print(
@@ -684,6 +715,9 @@ def verifier(
     prefill_chunk_tokens: Annotated[int, typer.Option(
         "--prefill-chunk-tokens", help="Chunked prefill: the most prompt tokens one step runs. Prompts run in pieces "
         "between other sessions' decoding steps, so a long prompt does not stop their streams.", min=1)] = 256,
+    prefill_min_tokens: Annotated[int, typer.Option(
+        "--prefill-min-tokens", help="Chunked prefill: the fewest prompt tokens a step carries while others decode "
+        "(so a long prompt always advances); set it to --prefill-chunk-tokens for whole-piece steps.", min=1)] = 16,
     prefill_cost_factor: Annotated[float, typer.Option(
         "--prefill-cost-factor", help="A step carrying prompt pieces may cost up to this many times the decoding "
         "step alone (higher: faster prefill, slower streams meanwhile).", min=1.0)] = 2.0,
@@ -715,7 +749,7 @@ def verifier(
                   kv_capacity_tokens=kv_capacity_tokens, max_sessions=max_sessions, draft_wait_ms=draft_wait_ms,
                   kv_memory_fraction=kv_memory_fraction, admission_queue=admission_queue,
                   admission_wait_s=admission_wait_s, prefill_chunk_tokens=prefill_chunk_tokens,
-                  prefill_min_tokens=min(16, prefill_chunk_tokens), prefill_cost_factor=prefill_cost_factor,
+                  prefill_min_tokens=min(prefill_min_tokens, prefill_chunk_tokens), prefill_cost_factor=prefill_cost_factor,
                   max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=threads,
                   metrics_port=metrics_port, drafters=_split_list(drafters),
                   redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),

@@ -14,6 +14,16 @@ Per phase (JSON keys are fixed; the project is measured with them):
                         per request (the time per output token a user sees after the first)
     acceptance_rate     accepted / drafted over the phase (null when nothing was drafted)
     residency_hit_rate  fraction of later turns whose prompt found cached KV (cached_tokens > 0)
+
+The mixed workload (`run_mixed`, `tandem loadtest --mixed`): the same short conversations, twice
+per concurrency: alone (the baseline), then while long prompts (4k-8k tokens, a few output tokens
+each) arrive one after another. What a user of a running session feels while a long prompt is
+prefilled is the gap between streamed chunks, so the report compares
+    gap_p50/p99_ms          gaps between consecutive streamed chunks of the short requests
+    gap_during_long_p99_ms  ... only the gaps that overlap a long prompt's prefill (its request
+                            start to its first token)
+    ttft_during_long_p99_ms TTFT of short requests that started during a long prefill
+    long_ttft_ms            each long prompt's time to first token (~ its prefill)
 """
 
 from __future__ import annotations
@@ -41,6 +51,13 @@ class RequestResult:
     accepted: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    start: float = 0.0  # perf_counter at the request's start
+    chunks: list[float] = field(default_factory=list)  # perf_counter of each streamed content chunk
+    prompt_tokens: int = 0
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """(from, to) of each gap between consecutive streamed chunks."""
+        return list(zip(self.chunks, self.chunks[1:]))
 
 
 @dataclass
@@ -72,6 +89,56 @@ class Phase:
         }
 
 
+def _overlaps(a: float, b: float, windows: list[tuple[float, float]]) -> bool:
+    return any(a < f and b > s for s, f in windows)
+
+
+@dataclass
+class MixedPhase:
+    """Short conversations at one concurrency with (or without) long prompts arriving."""
+
+    short: Phase
+    long: list[RequestResult] = field(default_factory=list)
+
+    def windows(self) -> list[tuple[float, float]]:
+        """Each long prompt's prefill: its start to its first token (or its end, failed)."""
+        return [(r.start, r.chunks[0] if r.chunks else r.start + (r.ttft_s or 0.0)) for r in self.long]
+
+    def summary(self) -> dict:
+        ok = [r for r in self.short.results if r.ok]
+        windows = self.windows()
+        gaps = [b - a for r in ok for a, b in r.gaps()]
+        during = [b - a for r in ok for a, b in r.gaps() if _overlaps(a, b, windows)]
+        started_during = [r.ttft_s for r in ok if any(s <= r.start < f for s, f in windows)]
+        long_ok = [r for r in self.long if r.ok]
+        return {
+            **self.short.summary(),
+            "long_prompts": len(self.long),
+            "long_errors": len(self.long) - len(long_ok),
+            "long_prompt_tokens": [r.prompt_tokens for r in long_ok],
+            "long_ttft_ms": [round(r.ttft_s * 1000.0, 1) for r in long_ok if r.ttft_s is not None],
+            "gap_p50_ms": _pct(gaps, 50),
+            "gap_p99_ms": _pct(gaps, 99),
+            "gap_during_long_p99_ms": _pct(during, 99),
+            "gaps_during_long": len(during),
+            "ttft_during_long_p50_ms": _pct(started_during, 50),
+            "ttft_during_long_p99_ms": _pct(started_during, 99),
+            "requests_started_during_long": len(started_during),
+        }
+
+
+def long_prompt(records: list[PromptRecord], tokens: int, nonce: str) -> list[dict]:
+    """A chat of about `tokens` tokens (4 characters a token for English text: the report gives the
+    true count), built from the prompt set's text, unique by `nonce` so no prefix is shared."""
+    parts, size = [f"Document {nonce}."], 0
+    pool = itertools.cycle([t for r in records for t in r.turns] or ["The quick brown fox jumps over the lazy dog."])
+    while size < tokens * 4:
+        text = next(pool)
+        parts.append(text)
+        size += len(text) + 1
+    return [{"role": "user", "content": "\n".join(parts) + "\nSummarise the document above in one sentence."}]
+
+
 def stream_chat_body(messages: list[dict], *, strategy: str, max_tokens: int) -> dict:
     """A greedy streamed chat completion that reports usage at the end (the gateway's OpenAI API)."""
     return {
@@ -99,6 +166,7 @@ async def _one_request(client: httpx.AsyncClient, session: str, messages: list[d
     body = stream_chat_body(messages, strategy="ngram" if speculation else "none", max_tokens=max_tokens)
     start = time.perf_counter()
     first = last = None
+    chunks: list[float] = []
     parts: list[str] = []
     usage: dict = {}
     try:
@@ -121,6 +189,7 @@ async def _one_request(client: httpx.AsyncClient, session: str, messages: list[d
                         now = time.perf_counter()
                         first = first or now
                         last = now
+                        chunks.append(now)
                         parts.append(choice["delta"]["content"])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
@@ -133,6 +202,7 @@ async def _one_request(client: httpx.AsyncClient, session: str, messages: list[d
         turn, True, tokens=n, ttft_s=(first - start) if first else None, itl_s=itl,
         drafted=int(spec.get("drafted", 0)), accepted=int(spec.get("accepted", 0)),
         cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
+        start=start, chunks=chunks, prompt_tokens=int(usage.get("prompt_tokens", 0)),
     ), "".join(parts)
 
 
@@ -193,6 +263,64 @@ def run_loadtest(base_url: str, records: list[PromptRecord], concurrencies: list
         "results": out,
         "config": {"endpoint": base_url, "turns": turns, "max_tokens": max_tokens, "duration_s": duration_s,
                    "conversations_per_worker": conversations_per_worker, "prompts": len(records)},
+    }
+
+
+async def _long_driver(client, records, phase: MixedPhase, *, speculation: bool, tokens: list[int], gap_s: float,
+                       max_tokens: int, deadline: float) -> None:
+    """Long prompts one after another, `gap_s` apart, until the phase's deadline."""
+    for n in itertools.cycle(tokens):
+        await asyncio.sleep(gap_s)
+        if time.monotonic() >= deadline:
+            return
+        messages = long_prompt(records, n, uuid.uuid4().hex[:12])
+        result, _ = await _one_request(client, f"loadtest-long-{uuid.uuid4().hex[:12]}", messages,
+                                       speculation=speculation, max_tokens=max_tokens, turn=0)
+        phase.long.append(result)
+
+
+async def run_mixed_phase(base_url: str, records: list[PromptRecord], concurrency: int, speculation: bool, *,
+                          long_tokens: list[int], long_gap_s: float, turns: int, max_tokens: int,
+                          duration_s: float) -> MixedPhase:
+    """`run_phase` plus (when `long_tokens`) a driver sending long prompts meanwhile. The short
+    workers run until the deadline (conversations repeat), so long prompts meet running streams."""
+    phase = MixedPhase(Phase(concurrency, speculation))
+    pool = itertools.cycle(records)
+    plans = [(next(pool) for _ in itertools.count()) for _ in range(concurrency)]
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(900.0), limits=limits) as client:
+        start = time.perf_counter()
+        deadline = time.monotonic() + duration_s
+        tasks = [_worker(client, plan, phase.short, speculation=speculation, turns=turns, max_tokens=max_tokens,
+                         deadline=deadline) for plan in plans]
+        if long_tokens:
+            tasks.append(_long_driver(client, records, phase, speculation=speculation, tokens=long_tokens,
+                                      gap_s=long_gap_s, max_tokens=8, deadline=deadline))
+        await asyncio.gather(*tasks)
+        phase.short.wall_s = time.perf_counter() - start
+    return phase
+
+
+def run_mixed(base_url: str, records: list[PromptRecord], concurrencies: list[int], *, long_tokens: list[int],
+              long_gap_s: float = 3.0, turns: int = 2, max_tokens: int = 64, duration_s: float = 120.0,
+              speculation: tuple[bool, ...] = (False, True), on_phase=None) -> dict:
+    """The mixed workload: per concurrency and speculation setting, the short conversations alone
+    (baseline) then with long prompts arriving. Returns {"mixed": [...], "config": {...}}."""
+    out = []
+    for c in concurrencies:
+        for spec in speculation:
+            for longs in ([], long_tokens):
+                phase = asyncio.run(run_mixed_phase(
+                    base_url, records, c, spec, long_tokens=longs, long_gap_s=long_gap_s, turns=turns,
+                    max_tokens=max_tokens, duration_s=duration_s))
+                summary = {**phase.summary(), "with_long": bool(longs)}
+                out.append(summary)
+                if on_phase is not None:
+                    on_phase(summary)
+    return {
+        "mixed": out,
+        "config": {"endpoint": base_url, "turns": turns, "max_tokens": max_tokens, "duration_s": duration_s,
+                   "prompts": len(records), "long_tokens": long_tokens, "long_gap_s": long_gap_s},
     }
 
 

@@ -175,6 +175,24 @@ def test_loadtest_over_the_chain(chain, tmp_path):
     assert (tmp_path / "lt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_mixed_loadtest_sends_long_prompts_beside_running_streams(chain):
+    from tandem.tools.loadtest import run_mixed
+
+    gw, _ = chain
+    records = [PromptRecord(id=str(i), dataset="tiny", category=None, system=None,
+                            turns=[f"the answer is {i} the answer is", "and again the answer"]) for i in range(4)]
+    result = run_mixed(gw.url, records, [2], long_tokens=[120], long_gap_s=0.1, max_tokens=8, duration_s=4,
+                       speculation=(True,))
+    base, mixed = result["mixed"]
+    assert (base["with_long"], mixed["with_long"]) == (False, True)
+    assert base["long_prompts"] == 0 and base["gap_during_long_p99_ms"] is None
+    assert base["errors"] == mixed["errors"] == mixed["long_errors"] == 0
+    assert mixed["long_prompts"] >= 1 and min(mixed["long_prompt_tokens"]) > 60, "the long prompts are long"
+    assert len(mixed["long_ttft_ms"]) == mixed["long_prompts"]
+    assert mixed["gap_p99_ms"] > 0 and mixed["tokens_per_s"] > 0
+    assert result["config"]["long_tokens"] == [120]
+
+
 def test_demo_compares_like_for_like_over_the_chain(chain):
     """The README's demo against a real gateway, verifiers and drafter: every pair's speculative
     text equals plain decoding, both sides found the same prompt KV resident, and the summary line

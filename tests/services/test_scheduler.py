@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.runner import PrefillPolicy
+from tandem.engine.runner import PieceBudget, PrefillPolicy
 from tandem.engine.spec import Engine, GenerationResult
 from tandem.services.verifier.core import Cancelled, Overloaded, VerifierCore
 from tandem.services.verifier.settings import VerifierSettings
@@ -40,20 +40,40 @@ def _wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.002)
 
 
-def test_prefill_plan_keeps_steps_within_the_cost_factor_and_serves_short_prompts_first():
+def test_prefill_split_serves_the_oldest_its_minimum_then_short_prompts_first():
     policy = PrefillPolicy(max_piece=64, min_piece=8, cost_factor=2.0)
-    linear = lambda n: 1.0 + 0.05 * n  # noqa: E731
-    # Nobody decoding: the whole max_piece, oldest gets its minimum, then shortest first.
-    assert policy.plan(0, [1000], linear) == [64]
-    assert policy.plan(0, [1000, 30, 10], linear) == [24, 30, 10]
-    # Decoding rows present: the step may cost twice the decode-only step, no more.
-    pieces = policy.plan(9, [1000], linear)
-    assert linear(9 + pieces[0]) <= 2 * linear(9) < linear(9 + pieces[0] + 1)
-    # Nothing measured yet: only the minimum joins a decoding step; a long prompt still advances.
-    assert policy.plan(9, [1000, 5], lambda n: None) == [8, 0]
-    # Cost proportional to tokens: 4 decoding tokens allow 4 more within 2x, below the minimum.
-    assert policy.plan(4, [1000], lambda n: 0.05 * n) == [8], "a step still carries the minimum"
-    assert policy.plan(3, [], linear) == []
+    assert policy.split(64, [1000]) == [64]
+    assert policy.split(64, [1000, 30, 10]) == [24, 30, 10]
+    assert policy.split(8, [1000, 5]) == [8, 0], "the oldest always advances"
+    assert policy.split(64, [3]) == [3] and policy.split(64, []) == []
+
+
+def test_piece_budget_steers_steps_to_the_cost_factor():
+    """Steps whose time grows with their prompt tokens (and with their context: a growing slope):
+    the budget follows, so a step beside decoding stays near 2x the decoding step and a step without
+    rows near 1x, never outside [min_piece, max_piece]."""
+    policy = PrefillPolicy(max_piece=256, min_piece=16, cost_factor=2.0)
+    budget = PieceBudget(policy)
+    assert budget.next(True, True) == 16, "nothing measured: the minimum"
+    assert budget.next(False, False) == 256, "nobody decoding: whole pieces"
+    budget.observe(True, 1.0, 16)
+    assert budget.next(True, True) == 16, "no decoding step measured yet: nothing learned"
+    for _ in range(5):
+        budget.observe_decode(0.040)
+    for slope in (0.001, 0.0015):  # s per prompt token grows with the prompt's context
+        for _ in range(60):
+            for rows in (True, False):
+                n = budget.next(rows, True)
+                budget.observe(rows, (0.040 if rows else 0.0) + 0.010 + slope * n, n)
+        with_rows, alone = budget.next(True, True), budget.next(False, True)
+        assert abs((0.050 + slope * with_rows) / 0.040 - 2.0) < 0.15, (slope, with_rows)
+        assert abs((0.010 + slope * alone) / 0.040 - 1.0) < 0.15, (slope, alone)
+    for _ in range(20):  # a preempted machine: steps far over target shrink it to the minimum
+        budget.observe(True, 5.0, budget.next(True, True))
+    assert budget.next(True, True) == 16
+    for _ in range(40):  # free steps grow it, to the maximum at most
+        budget.observe(True, 0.001, budget.next(True, True))
+    assert budget.next(True, True) == 256
 
 
 def test_a_long_prompt_does_not_stop_running_streams(tiny_loaded):
@@ -82,10 +102,10 @@ def test_a_long_prompt_does_not_stop_running_streams(tiny_loaded):
             history = list(core.executor.history)[h0:]
         b_items.append(item)
     a_done.wait(60)
-    pieces = [p for _, ps in history for p in ps]
+    pieces = [p for _, ps, _ in history for p in ps]
     assert sum(pieces) >= len(ctx_b) - 1, "b's prompt ran as pieces in these steps"
     assert max(pieces) <= 16
-    mixed = sum(1 for rows, ps in history if rows and ps)
+    mixed = sum(1 for rows, ps, _ in history if rows and ps)
     # 439 prompt tokens in pieces of at most 16: at least 28 steps of prefill, and a decoded in them
     # (a one-piece prefill gives a at most one or two steps meanwhile).
     assert mixed >= 20, history
