@@ -294,25 +294,38 @@ class PrefillPolicy:
     cost_factor: float = 2.0
     wait_s: float = 0.03
 
-    def split(self, budget: int, waiting: list[int]) -> list[int]:
-        """Prompt tokens per waiting prompt for a step carrying `budget` of them. `waiting`:
-        remaining tokens of each prompt, oldest first. The oldest gets its `min_piece` first (no
-        starvation), then the rest goes shortest first, so a short prompt is not queued behind a
-        long one.
+    def split(self, budget: int, waiting: list[int]) -> tuple[list[int], int]:
+        """Prompt tokens per waiting prompt for one step, and how many of them went whole.
+        `waiting`: remaining tokens of each prompt, oldest first.
 
-        >>> PrefillPolicy(64, 8).split(64, [500, 20])
-        [44, 20]
+        Prompts that fit in one piece (at most `max_piece` left) go whole, shortest first, up to
+        `max_piece` of them a step: a new chat turn starts as fast as it did before chunking,
+        whatever long prompt is in the middle of its prefill. The longer ones share `budget`
+        (less what went whole, but at least `min_piece`): the oldest its `min_piece` first (it
+        always advances), then shortest first.
+
+        >>> PrefillPolicy(64, 8).split(16, [500, 20, 900])  # 20 goes whole, 500 (oldest) gets 8
+        ([8, 20, 0], 20)
+        >>> PrefillPolicy(64, 8).split(64, [900, 500])  # 900 (oldest) its minimum, then shortest first
+        ([8, 56], 0)
         """
         pieces = [0] * len(waiting)
-        if not waiting:
-            return pieces
-        pieces[0] = min(waiting[0], self.min_piece, budget)
-        budget -= pieces[0]
-        for i in sorted(range(len(waiting)), key=lambda i: waiting[i] - pieces[i]):
+        whole = 0
+        for i in sorted(range(len(waiting)), key=lambda i: waiting[i]):
+            if waiting[i] <= self.max_piece and whole + waiting[i] <= self.max_piece:
+                pieces[i] = waiting[i]
+                whole += waiting[i]
+        rest = [i for i in range(len(waiting)) if not pieces[i]]
+        if not rest:
+            return pieces, whole
+        budget = max(self.min_piece, budget - whole)
+        pieces[rest[0]] = min(waiting[rest[0]], self.min_piece, budget)
+        budget -= pieces[rest[0]]
+        for i in sorted(rest, key=lambda i: waiting[i] - pieces[i]):
             take = min(waiting[i] - pieces[i], budget)
             pieces[i] += take
             budget -= take
-        return pieces
+        return pieces, whole
 
 
 class PieceBudget:
@@ -465,11 +478,12 @@ class BatchExecutor:
         """plan (which prompt pieces join the decoding rows) and forward."""
         decoding = self._busy > 0
         budget = self.budget.next(bool(decode), decoding)
-        plan = self.policy.split(budget, [len(j.ids) - j.done_tokens for j in self._prefills])
+        plan, whole = self.policy.split(budget, [len(j.ids) - j.done_tokens for j in self._prefills])
         pieces = [(j, n) for j, n in zip(self._prefills, plan) if n > 0]
         if decode or pieces:
             seconds = self._run(decode, pieces)
-            if seconds is not None and pieces and decoding:
+            # Steps with whole prompts are outside the budget's control: they teach it nothing.
+            if seconds is not None and pieces and decoding and not whole:
                 self.budget.observe(bool(decode), seconds, sum(n for _, n in pieces))
 
     def _run(self, jobs: list[_Job], pieces: list[tuple[_Job, int]], alone: bool = False) -> float | None:

@@ -40,12 +40,15 @@ def _wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.002)
 
 
-def test_prefill_split_serves_the_oldest_its_minimum_then_short_prompts_first():
+def test_prefill_split_runs_short_prompts_whole_and_long_ones_in_the_budget():
     policy = PrefillPolicy(max_piece=64, min_piece=8, cost_factor=2.0)
-    assert policy.split(64, [1000]) == [64]
-    assert policy.split(64, [1000, 30, 10]) == [24, 30, 10]
-    assert policy.split(8, [1000, 5]) == [8, 0], "the oldest always advances"
-    assert policy.split(64, [3]) == [3] and policy.split(64, []) == []
+    assert policy.split(64, [1000]) == ([64], 0)
+    assert policy.split(64, [1000, 900]) == ([8, 56], 0), "the oldest its minimum, then shortest first"
+    # Short prompts go whole whatever the budget (a new turn is not slowed by a long prefill)...
+    assert policy.split(16, [1000, 30, 10]) == ([8, 30, 10], 40)
+    # ...up to max_piece of them a step, shortest first; the long one still advances.
+    assert policy.split(16, [1000, 50, 40, 30]) == ([8, 0, 0, 30], 30)
+    assert policy.split(8, [3]) == ([3], 3) and policy.split(64, []) == ([], 0)
 
 
 def test_piece_budget_steers_steps_to_the_cost_factor():
