@@ -139,6 +139,7 @@ class _Session:
     closed: bool = False
     anchor: DraftBlock | None = None  # the block the verifier is checking now (draft-ahead extends it)
     pending: _Pending | None = None
+    span: object = None  # the session's `draft_session` span, parent of its draft_block spans
 
 
 SessionKey = tuple[str, str]  # (owner, session_id)
@@ -180,6 +181,7 @@ class DrafterCore:
         target_model: str = "",
         cache_scope: str = "",
         token_trees: bool = False,
+        trace_context: dict[str, str] | None = None,
     ) -> Iterator[DraftBlock]:
         """(Re)start a session; blocks: a regular one at len(context_ids) with up to
         next_block_len drafts, then a speculative one (none when next_block_len is 0).
@@ -190,6 +192,8 @@ class DrafterCore:
         refused (InvalidRequest), and so is a later commit that would grow the session past it.
         `token_trees`: the verifier verifies token trees for this session, so suffix decoding may
         send them (in regular blocks; settings.suffix_trees switches them off here).
+        `trace_context`: the W3C context of the verifier's request (OpenSession.trace_context); the
+        session's `draft_session` span is its child (without: a child of the current span).
         """
         if not session_id:
             raise InvalidRequest("session_id is empty")
@@ -242,6 +246,7 @@ class DrafterCore:
             )
             session.proposer.begin(len(ids))
             session.proposer.allow_trees(token_trees and self.settings.suffix_trees)
+            session.span = _session_span(session, trace_context)
             self._sessions[key] = session
         with self._stats_lock:
             self._stats.sessions_opened += 1
@@ -377,6 +382,9 @@ class DrafterCore:
     def _end(self, session: _Session) -> None:
         """Mark a session closed (its lazy iterators stop) and count its pending block as wasted."""
         session.closed = True
+        if session.span is not None:
+            session.span.end()
+            session.span = None
         if session.pending is not None:
             with self._stats_lock:
                 self._stats.speculative_wasted += 1
@@ -410,7 +418,7 @@ class DrafterCore:
             with session.lock:
                 if session.closed or session.epoch != epoch:
                     return
-                with tracer.start_as_current_span("draft_block") as span:
+                with tracer.start_as_current_span("draft_block", context=_in(session)) as span:
                     block = self._draft_regular(session)
                     _trace_block(span, session, block, speculative=False)
                 session.anchor = block
@@ -422,7 +430,7 @@ class DrafterCore:
         with session.lock:
             if session.closed or session.epoch != epoch or session.anchor is None:
                 return
-            with tracer.start_as_current_span("draft_block") as span:
+            with tracer.start_as_current_span("draft_block", context=_in(session)) as span:
                 block = self._draft_ahead(session)
                 _trace_block(span, session, block, speculative=True)
         if block is not None:
@@ -540,6 +548,26 @@ class DrafterCore:
             confidence=draft.bucket,
             parents=[] if draft.parents is None else list(draft.parents[:n]),  # a prefix of a tree is a tree
         )
+
+
+def _session_span(session: _Session, trace_context: dict[str, str] | None):
+    """A session's `draft_session` span: a child of the verifier request's context when it came
+    with the session (one stream carries many requests' sessions), else of the current span."""
+    from opentelemetry import propagate
+
+    parent = propagate.extract(trace_context) if trace_context else None
+    span = tracer.start_span("draft_session", context=parent)
+    if span.is_recording():
+        span.set_attributes({"tandem.session_id": session.session_id, "tandem.strategy": session.strategy.value,
+                             "tandem.context_tokens": len(session.ids)})
+    return span
+
+
+def _in(session: _Session):
+    """The context whose current span is the session's (for its draft_block spans)."""
+    from opentelemetry import trace
+
+    return trace.set_span_in_context(session.span) if session.span is not None else None
 
 
 def _trace_block(span, session: _Session, block: DraftBlock | None, *, speculative: bool) -> None:

@@ -14,15 +14,23 @@ so an error about one session must not end the others:
   ends with INVALID_ARGUMENT, which closes all its sessions.
 - When the stream ends (half-close, cancellation, deadline, server stop), all its sessions close.
 Status codes are chosen in one place, `status_for`.
+
+Flow on a stream: a reader thread takes the verifier's messages as they come and queues each on
+its session's lane; lanes run on a shared pool (DrafterSettings.draft_workers), one message of a
+session at a time and in order, so the blocks of a fast session (prompt lookup, microseconds) never
+wait behind a slow one's (a draft model's block), and the stream is always read. Blocks go out in
+the order they are ready.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import signal
 import threading
 import uuid
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -80,9 +88,21 @@ class _StreamStats:
     errors: Counter = field(default_factory=Counter)  # status name -> failed messages
 
 
+@dataclass
+class _Lane:
+    """One session's messages on one stream, waiting for a worker (run in order, one at a time)."""
+
+    pending: deque = field(default_factory=deque)
+    scheduled: bool = False
+
+
+_WAKE = object()  # a stream's reader or a lane ended: the sender checks whether the stream is done
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, core: DrafterCore):
         self.core = core
+        self._pool = ThreadPoolExecutor(max_workers=core.settings.draft_workers, thread_name_prefix="draft")
 
     def Draft(
         self, request_iterator: Iterator[drafter_pb2.DraftRequest], context: grpc.ServicerContext
@@ -93,12 +113,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         # A cancelled stream may never resume this generator (so `finally` would wait for garbage
         # collection): the termination callback frees its sessions at once. Closing is idempotent.
         context.add_callback(lambda: self.core.close_owner(owner))
-        try:
-            for request in request_iterator:
-                sid = request.session_id
-                if not sid:
-                    exc = InvalidRequest("DraftRequest without session_id: the stream cannot be attributed")
-                    context.abort(status_for(exc), str(exc))
+        out: queue.Queue = queue.Queue()  # blocks ready to send, _WAKE, or an abort (code, message)
+        lanes: dict[str, _Lane] = {}
+        lock = threading.Lock()
+        state = {"reading": True, "running": 0}
+
+        def work(sid: str) -> None:
+            while True:
+                with lock:
+                    lane = lanes[sid]
+                    if not lane.pending:
+                        lane.scheduled = False
+                        del lanes[sid]
+                        state["running"] -= 1
+                        out.put(_WAKE)
+                        return
+                    request = lane.pending.popleft()
                 with session_context(sid):  # log lines name the session
                     try:
                         for block in self._dispatch(request, owner, stats):
@@ -106,11 +136,46 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                 stats.speculative_blocks += 1
                             else:
                                 stats.regular_blocks += 1
-                            yield draft_block_to_proto(block)
+                            out.put(draft_block_to_proto(block))
                         if request.WhichOneof("kind") == "open":
                             dropped.discard(sid)
                     except Exception as exc:  # noqa: BLE001 - one session's failure must not end the stream
                         self._drop(sid, owner, exc, stats, dropped)
+
+        def read() -> None:
+            try:
+                for request in request_iterator:
+                    sid = request.session_id
+                    if not sid:
+                        exc = InvalidRequest("DraftRequest without session_id: the stream cannot be attributed")
+                        out.put((status_for(exc), str(exc)))
+                        return
+                    with lock:
+                        lane = lanes.setdefault(sid, _Lane())
+                        lane.pending.append(request)
+                        if not lane.scheduled:
+                            lane.scheduled = True
+                            state["running"] += 1
+                            self._pool.submit(work, sid)
+            except Exception as exc:  # noqa: BLE001 - the stream broke (cancelled, reset): it ends
+                log.debug("draft stream read ended: %s", exc)
+            finally:
+                with lock:
+                    state["reading"] = False
+                out.put(_WAKE)
+
+        threading.Thread(target=read, daemon=True, name="draft-read").start()
+        try:
+            while True:
+                item = out.get()
+                if item is _WAKE:
+                    with lock:
+                        if not state["reading"] and state["running"] == 0 and out.empty():
+                            return
+                    continue
+                if isinstance(item, tuple):
+                    context.abort(*item)
+                yield item
         finally:
             left_open = self.core.close_owner(owner)
             core = self.core.stats()
@@ -152,6 +217,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 target_model=msg.target_model,
                 cache_scope=msg.cache_scope,
                 token_trees=msg.token_trees,
+                trace_context=dict(msg.trace_context),
             )
             stats.sessions += 1
             return blocks
@@ -192,9 +258,9 @@ def _sampling_from_pb(session_id: str, msg: common_pb2.SamplingParams) -> Sampli
 def _build(
     core: DrafterCore, address: str, max_workers: int, health_address: str | None = None
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    # Each open Draft stream holds one worker thread for its lifetime, and today's verifier opens
-    # one stream per drafted session: max_workers bounds the drafted sessions of all verifiers
-    # together, with room left for GetInfo and health checks.
+    # Each open Draft stream holds one worker thread for its lifetime (its sender; a reader and
+    # the lanes' pool do the rest). A verifier keeps one stream per drafter, so max_workers bounds
+    # the verifiers (and older per-session clients) served at once, with room for GetInfo and health.
     servicer = DrafterServicer(core)
     return build_grpc_server(
         lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),

@@ -33,6 +33,9 @@ class DrafterSettings(BaseModel):
     hybrid_min_match: int = Field(3, ge=1, le=64)
     lookahead: bool = True  # draft block n+1 while block n is verified (speculative blocks)
     max_sessions: int = Field(1024, ge=1)  # open sessions over all streams; more are refused
+    # Threads that draft for the sessions of every stream: a session's messages run in order on
+    # one of them at a time, different sessions' concurrently (a slow one holds only its own).
+    draft_workers: int = Field(16, ge=1)
     # Longest committed sequence (context + commits) one session may hold, in tokens. Prompt lookup
     # indexes every committed token, so without a bound one Open of a million tokens costs seconds
     # and hundreds of MB. Longer Opens and Commits drop the session (the verifier decodes plainly).

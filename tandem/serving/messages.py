@@ -67,6 +67,8 @@ class DraftSessionOpen:
     target_model: str = ""  # with cache_scope: which suffix store the session reads and feeds
     cache_scope: str = ""  # opaque, derived from the tenant (suffix_scope); "" = the open scope
     token_trees: bool = False  # the verifier verifies token trees for this session (DraftBlock.parents)
+    # W3C context (traceparent, tracestate) of the request the session drafts for: its spans' parent
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -252,6 +252,7 @@ def draft_open_to_proto(req: DraftSessionOpen) -> drafter_pb2.OpenSession:
         context_ids=req.context_ids, strategy=STRATEGY_TO_PB[req.strategy], max_draft_tokens=req.max_draft_tokens,
         sampling=sampling_to_proto(req.sampling), vocab_size=req.vocab_size, next_block_len=req.next_block_len,
         target_model=req.target_model, cache_scope=req.cache_scope, token_trees=req.token_trees,
+        trace_context=req.trace_context,
     )
 
 

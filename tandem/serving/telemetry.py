@@ -16,15 +16,16 @@ One request is one trace. Context crosses processes as W3C `traceparent`: from t
 header (FastAPI instrumentation) or gRPC metadata (gRPC server instrumentation) into the gateway,
 from the gateway to the verifier (`inject_metadata` on the grpc.aio client call: the aio client
 instrumentation would hide `Call.read()`, which the gateway uses), and from the verifier to the
-drafter (sync gRPC client instrumentation). The tree of one chat completion:
+drafter in each session's OpenSession (`trace_context`: one draft stream per drafter carries the
+sessions of many requests, so its own metadata and spans belong to none). The tree of one chat
+completion:
 
     POST /v1/chat/completions                 gateway: HTTP server span, child of the client's traceparent
       route                                   verifier chosen, reason (session|prefix|load), residency hit|miss
       /tandem.v1.Verifier/Generate            gateway: client span (or /tandem.v1.Gateway/Generate over gRPC)
         /tandem.v1.Verifier/Generate          verifier: server span
-          /tandem.v1.Drafter/Draft            verifier: client span of the draft stream
-            /tandem.v1.Drafter/Draft          drafter: server span
-              draft_block ...                 proposer, drafted, draft_time_us, speculative
+          draft_session                       drafter: the session's span (open to close)
+            draft_block ...                   proposer, drafted, draft_time_us, speculative
           prefill                             tokens reused vs computed
           verify_step ...                     block_len, drafted, accepted, recovered|bonus, batch_size;
                                               events drafter_fallback, draft_blocks_rejected
@@ -47,7 +48,9 @@ log = logging.getLogger("tandem.serving.telemetry")
 tracer = trace.get_tracer("tandem")  # a proxy: real once setup_tracing installs a provider
 
 # Calls that say nothing about a request: liveness probes, reflection, the gateway's polling.
-_UNTRACED_METHODS = ("GetInfo",)
+# GetInfo: polling. Draft: the drafter stream lives as long as the verifier and carries many
+# requests' sessions; each session's span joins its own request's trace (OpenSession.trace_context).
+_UNTRACED_METHODS = ("GetInfo", "Draft")
 
 _provider = None  # the SDK TracerProvider once installed
 

@@ -774,6 +774,7 @@ def drafter(
     draft_top_k: Annotated[int, typer.Option("--draft-top-k", help="Support size of a sampling draft model's proposals.", min=1)] = 16,
     lookahead: Annotated[bool, typer.Option("--lookahead/--no-lookahead", help="Draft the next block while the current one is verified.")] = True,
     max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most open draft sessions.", min=1)] = 1024,
+    draft_workers: Annotated[int, typer.Option("--draft-workers", help="Threads drafting for the sessions of all streams (a verifier sends all its sessions on one stream; each session's messages run in order, different sessions' concurrently).", min=1)] = 16,
     max_context_tokens: Annotated[int, typer.Option("--max-context-tokens", help="Longest session (context + committed tokens) drafted for; a longer one is dropped and its verifier decodes it plainly.", min=1)] = 131072,
     threads: ThreadsOpt = None,
     log_level: LogLevelOpt = "info",
@@ -805,6 +806,7 @@ def drafter(
             _fail(str(exc))
     fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
                   lookahead=lookahead, max_sessions=max_sessions, max_context_tokens=max_context_tokens,
+                  draft_workers=draft_workers,
                   metrics_port=metrics_port, tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port,
                   suffix_store_tokens=suffix_store_tokens, suffix_trees=suffix_trees)
     if drafter_id:

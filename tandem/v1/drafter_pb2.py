@@ -25,29 +25,33 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/drafter.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x81\x02\n\x0bOpenSession\x12\x13\n\x0b\x63ontext_ids\x18\x01 \x03(\x05\x12*\n\x08strategy\x18\x02 \x01(\x0e\x32\x18.tandem.v1.DraftStrategy\x12\x18\n\x10max_draft_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x16\n\x0enext_block_len\x18\x06 \x01(\r\x12\x14\n\x0ctarget_model\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x08 \x01(\t\x12\x13\n\x0btoken_trees\x18\t \x01(\x08\"M\n\x06\x43ommit\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x14\n\x0c\x61ppended_ids\x18\x02 \x03(\x05\x12\x16\n\x0enext_block_len\x18\x03 \x01(\r\"\x1e\n\x0c\x43loseSession\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xa1\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.tandem.v1.OpenSessionH\x00\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x11.tandem.v1.CommitH\x00\x12(\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x17.tandem.v1.CloseSessionH\x00\x42\x06\n\x04kind\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xda\x01\n\nDraftBlock\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\tproposals\x18\x04 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12\x10\n\x08proposer\x18\x05 \x01(\t\x12\x15\n\rdraft_time_us\x18\x06 \x01(\x04\x12\x13\n\x0bspeculative\x18\x07 \x01(\x08\x12\x12\n\nconfidence\x18\x08 \x01(\r\x12\x0f\n\x07parents\x18\t \x03(\x05\"\x14\n\x12\x44rafterInfoRequest\"\x8e\x01\n\x0b\x44rafterInfo\x12\x12\n\ndrafter_id\x18\x01 \x01(\t\x12,\n\nstrategies\x18\x02 \x03(\x0e\x32\x18.tandem.v1.DraftStrategy\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\r2\x88\x01\n\x07\x44rafter\x12;\n\x05\x44raft\x12\x17.tandem.v1.DraftRequest\x1a\x15.tandem.v1.DraftBlock(\x01\x30\x01\x12@\n\x07GetInfo\x12\x1d.tandem.v1.DrafterInfoRequest\x1a\x16.tandem.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/drafter.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xf7\x02\n\x0bOpenSession\x12\x13\n\x0b\x63ontext_ids\x18\x01 \x03(\x05\x12*\n\x08strategy\x18\x02 \x01(\x0e\x32\x18.tandem.v1.DraftStrategy\x12\x18\n\x10max_draft_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x16\n\x0enext_block_len\x18\x06 \x01(\r\x12\x14\n\x0ctarget_model\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x08 \x01(\t\x12\x13\n\x0btoken_trees\x18\t \x01(\x08\x12?\n\rtrace_context\x18\n \x03(\x0b\x32(.tandem.v1.OpenSession.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x06\x43ommit\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x14\n\x0c\x61ppended_ids\x18\x02 \x03(\x05\x12\x16\n\x0enext_block_len\x18\x03 \x01(\r\"\x1e\n\x0c\x43loseSession\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xa1\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.tandem.v1.OpenSessionH\x00\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x11.tandem.v1.CommitH\x00\x12(\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x17.tandem.v1.CloseSessionH\x00\x42\x06\n\x04kind\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xda\x01\n\nDraftBlock\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\tproposals\x18\x04 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12\x10\n\x08proposer\x18\x05 \x01(\t\x12\x15\n\rdraft_time_us\x18\x06 \x01(\x04\x12\x13\n\x0bspeculative\x18\x07 \x01(\x08\x12\x12\n\nconfidence\x18\x08 \x01(\r\x12\x0f\n\x07parents\x18\t \x03(\x05\"\x14\n\x12\x44rafterInfoRequest\"\x8e\x01\n\x0b\x44rafterInfo\x12\x12\n\ndrafter_id\x18\x01 \x01(\t\x12,\n\nstrategies\x18\x02 \x03(\x0e\x32\x18.tandem.v1.DraftStrategy\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\r2\x88\x01\n\x07\x44rafter\x12;\n\x05\x44raft\x12\x17.tandem.v1.DraftRequest\x1a\x15.tandem.v1.DraftBlock(\x01\x30\x01\x12@\n\x07GetInfo\x12\x1d.tandem.v1.DrafterInfoRequest\x1a\x16.tandem.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_OPENSESSION_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_OPENSESSION_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_OPENSESSION']._serialized_start=63
-  _globals['_OPENSESSION']._serialized_end=320
-  _globals['_COMMIT']._serialized_start=322
-  _globals['_COMMIT']._serialized_end=399
-  _globals['_CLOSESESSION']._serialized_start=401
-  _globals['_CLOSESESSION']._serialized_end=431
-  _globals['_DRAFTREQUEST']._serialized_start=434
-  _globals['_DRAFTREQUEST']._serialized_end=595
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=597
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=651
-  _globals['_DRAFTBLOCK']._serialized_start=654
-  _globals['_DRAFTBLOCK']._serialized_end=872
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=874
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=894
-  _globals['_DRAFTERINFO']._serialized_start=897
-  _globals['_DRAFTERINFO']._serialized_end=1039
-  _globals['_DRAFTER']._serialized_start=1042
-  _globals['_DRAFTER']._serialized_end=1178
+  _globals['_OPENSESSION']._serialized_end=438
+  _globals['_OPENSESSION_TRACECONTEXTENTRY']._serialized_start=387
+  _globals['_OPENSESSION_TRACECONTEXTENTRY']._serialized_end=438
+  _globals['_COMMIT']._serialized_start=440
+  _globals['_COMMIT']._serialized_end=517
+  _globals['_CLOSESESSION']._serialized_start=519
+  _globals['_CLOSESESSION']._serialized_end=549
+  _globals['_DRAFTREQUEST']._serialized_start=552
+  _globals['_DRAFTREQUEST']._serialized_end=713
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=715
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=769
+  _globals['_DRAFTBLOCK']._serialized_start=772
+  _globals['_DRAFTBLOCK']._serialized_end=990
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=992
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=1012
+  _globals['_DRAFTERINFO']._serialized_start=1015
+  _globals['_DRAFTERINFO']._serialized_end=1157
+  _globals['_DRAFTER']._serialized_start=1160
+  _globals['_DRAFTER']._serialized_end=1296
 # @@protoc_insertion_point(module_scope)

@@ -37,6 +37,26 @@ class OpenSession(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CONTEXT_IDS_FIELD_NUMBER: _builtins.int
     STRATEGY_FIELD_NUMBER: _builtins.int
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
@@ -46,6 +66,7 @@ class OpenSession(_message.Message):
     TARGET_MODEL_FIELD_NUMBER: _builtins.int
     CACHE_SCOPE_FIELD_NUMBER: _builtins.int
     TOKEN_TREES_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     strategy: _common_pb2.DraftStrategy.ValueType
     """Proposer to use (never UNSPECIFIED or NONE: the verifier resolves the default first)."""
     max_draft_tokens: _builtins.int
@@ -81,6 +102,13 @@ class OpenSession(_message.Message):
         random generator is derived from it.
         """
 
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (`traceparent`, optionally `tracestate`) of the verifier request this
+        session drafts for: the drafter's spans for the session join that request's trace. (The
+        stream's own metadata cannot say it: one stream carries the sessions of many requests.)
+        """
+
     def __init__(
         self,
         *,
@@ -93,10 +121,11 @@ class OpenSession(_message.Message):
         target_model: _builtins.str = ...,
         cache_scope: _builtins.str = ...,
         token_trees: _builtins.bool = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "context_ids", b"context_ids", "max_draft_tokens", b"max_draft_tokens", "next_block_len", b"next_block_len", "sampling", b"sampling", "strategy", b"strategy", "target_model", b"target_model", "token_trees", b"token_trees", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "context_ids", b"context_ids", "max_draft_tokens", b"max_draft_tokens", "next_block_len", b"next_block_len", "sampling", b"sampling", "strategy", b"strategy", "target_model", b"target_model", "token_trees", b"token_trees", "trace_context", b"trace_context", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

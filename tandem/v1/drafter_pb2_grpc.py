@@ -54,9 +54,11 @@ class DrafterServicer:
     def Draft(self, request_iterator, context):
         """The draft loop of one or more sessions. The verifier sends Open, then one Commit per
         verification step, then Close; the drafter streams DraftBlocks. A stream may carry several
-        sessions, told apart by session_id; ending the stream closes all of them. (The drafter
-        serves both shapes; today's verifier opens one stream per drafted session, and each open
-        stream holds one drafter worker thread.)
+        sessions, told apart by session_id; ending the stream closes all of them. The verifier keeps
+        one stream per drafter and carries every session it drafts there on it. The drafter reads a
+        stream without waiting on any session's drafting: each session's messages are handled in
+        order, different sessions' concurrently, and blocks go out as they are ready, so a slow
+        session (a long draft-model block) does not hold the others' blocks back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,9 +46,11 @@ class DrafterStub:
     Draft: _grpc.StreamStreamMultiCallable[_drafter_pb2.DraftRequest, _drafter_pb2.DraftBlock]
     """The draft loop of one or more sessions. The verifier sends Open, then one Commit per
     verification step, then Close; the drafter streams DraftBlocks. A stream may carry several
-    sessions, told apart by session_id; ending the stream closes all of them. (The drafter
-    serves both shapes; today's verifier opens one stream per drafted session, and each open
-    stream holds one drafter worker thread.)
+    sessions, told apart by session_id; ending the stream closes all of them. The verifier keeps
+    one stream per drafter and carries every session it drafts there on it. The drafter reads a
+    stream without waiting on any session's drafting: each session's messages are handled in
+    order, different sessions' concurrently, and blocks go out as they are ready, so a slow
+    session (a long draft-model block) does not hold the others' blocks back.
     """
     GetInfo: _grpc.UnaryUnaryMultiCallable[_drafter_pb2.DrafterInfoRequest, _drafter_pb2.DrafterInfo]
     """Describe this drafter: strategies, draft model, load."""
@@ -61,9 +63,11 @@ class DrafterAsyncStub(DrafterStub):
     Draft: _aio.StreamStreamMultiCallable[_drafter_pb2.DraftRequest, _drafter_pb2.DraftBlock]  # type: ignore[assignment]
     """The draft loop of one or more sessions. The verifier sends Open, then one Commit per
     verification step, then Close; the drafter streams DraftBlocks. A stream may carry several
-    sessions, told apart by session_id; ending the stream closes all of them. (The drafter
-    serves both shapes; today's verifier opens one stream per drafted session, and each open
-    stream holds one drafter worker thread.)
+    sessions, told apart by session_id; ending the stream closes all of them. The verifier keeps
+    one stream per drafter and carries every session it drafts there on it. The drafter reads a
+    stream without waiting on any session's drafting: each session's messages are handled in
+    order, different sessions' concurrently, and blocks go out as they are ready, so a slow
+    session (a long draft-model block) does not hold the others' blocks back.
     """
     GetInfo: _aio.UnaryUnaryMultiCallable[_drafter_pb2.DrafterInfoRequest, _drafter_pb2.DrafterInfo]  # type: ignore[assignment]
     """Describe this drafter: strategies, draft model, load."""
@@ -79,9 +83,11 @@ class DrafterServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_drafter_pb2.DraftBlock], _abc.AsyncIterator[_drafter_pb2.DraftBlock]]:
         """The draft loop of one or more sessions. The verifier sends Open, then one Commit per
         verification step, then Close; the drafter streams DraftBlocks. A stream may carry several
-        sessions, told apart by session_id; ending the stream closes all of them. (The drafter
-        serves both shapes; today's verifier opens one stream per drafted session, and each open
-        stream holds one drafter worker thread.)
+        sessions, told apart by session_id; ending the stream closes all of them. The verifier keeps
+        one stream per drafter and carries every session it drafts there on it. The drafter reads a
+        stream without waiting on any session's drafting: each session's messages are handled in
+        order, different sessions' concurrently, and blocks go out as they are ready, so a slow
+        session (a long draft-model block) does not hold the others' blocks back.
         """
 
     @_abc_1.abstractmethod

@@ -168,13 +168,16 @@ def test_sampled_model_blocks_carry_their_proposals(model_drafter, tiny_draft_lo
     sampling = common_pb2.SamplingParams(temperature=0.8, seed=5)
     stream.open("a", CONTEXT, strategy=common_pb2.DRAFT_STRATEGY_MODEL, sampling=sampling)
     stream.open("b", CONTEXT, strategy=common_pb2.DRAFT_STRATEGY_MODEL, sampling=sampling)
-    blocks = [stream.next() for _ in range(4)]  # a: regular, speculative; b: the same
+    # a: regular, speculative; b: the same. Sessions draft concurrently, so their blocks may
+    # interleave; each session's come in order.
+    blocks = [stream.next() for _ in range(4)]
     for block in blocks:
         assert block.proposer == "model" and len(block.proposals) == len(block.token_ids) > 0
         for tok, q in zip(block.token_ids, block.proposals):
             assert tok in q.token_ids and all(0 <= t < VOCAB for t in q.token_ids)
             assert all(p > 0 for p in q.probs) and sum(q.probs) == pytest.approx(1.0, abs=1e-5)
-    a, a_ahead, b, _ = blocks
+    by_session = {sid: [blk for blk in blocks if blk.session_id == sid] for sid in ("a", "b")}
+    (a, a_ahead), (b, _) = by_session["a"], by_session["b"]
     assert (a.base_len, a_ahead.base_len, a_ahead.speculative) == (13, 13 + len(a.token_ids), True)
     assert list(a.token_ids) == list(b.token_ids)  # same seed, same context: same draws
 

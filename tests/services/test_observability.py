@@ -199,10 +199,12 @@ def test_one_trace_across_the_three_services(observed: Observed) -> None:
     assert all(a["tandem.batch_size"] == 1 and a["tandem.block_len"] == a["tandem.drafted"] for a in step_attrs)
     assert spec["drafted"] > 0, "the request must actually speculate"
 
-    (draft_client,) = children(server, "/tandem.v1.Drafter/Draft", "tandem-verifier")
-    (draft_server,) = children(draft_client, "/tandem.v1.Drafter/Draft", "tandem-drafter")
-    blocks = children(draft_server, "draft_block", "tandem-drafter")
-    assert blocks, "each draft block is a span under the drafter's request span"
+    # One draft stream carries every session of the verifier: the session's own span on the
+    # drafter joins this request's trace (OpenSession.trace_context), and its blocks sit under it.
+    (draft_session,) = children(server, "draft_session", "tandem-drafter")
+    assert _attrs(draft_session)["tandem.session_id"] == SESSION
+    blocks = children(draft_session, "draft_block", "tandem-drafter")
+    assert blocks, "each draft block is a span under the drafter's session span"
     for b in map(_attrs, blocks):
         assert b["tandem.proposer"] == "ngram" and b["tandem.session_id"] == SESSION
         assert b["tandem.draft_time_us"] >= 0 and isinstance(b["tandem.speculative"], bool)

@@ -342,3 +342,84 @@ def test_token_trees_over_the_wire_commit_the_targets_text(tiny_loaded, monkeypa
                 assert calls == []
         finally:
             server.stop(None)
+
+
+def test_one_draft_stream_carries_64_concurrent_sessions(tiny_loaded):
+    """64 sessions of one verifier draft through one drafter at once, on one stream, with fewer
+    drafter workers than sessions: all complete, each equal to the target alone, and the drafter
+    saw one stream."""
+    import threading
+
+    dcore = DrafterCore(DrafterSettings(drafter_id="d-64", draft_workers=4))
+    server, bound = build_drafter(dcore, "127.0.0.1:0", max_workers=4)  # far below 64: no stream per session
+    server.start()
+    address = f"127.0.0.1:{bound}"
+    try:
+        core = _verifier(tiny_loaded, drafters=(address,), max_sessions=64, draft_wait_ms=50)
+        spec = SpecConfig(strategy=DraftStrategy.ngram, adaptive=False, max_draft_tokens=3)
+        contexts = [CONTEXT[i % 7:] + CONTEXT[: i % 7] + [10 + i] for i in range(64)]
+        results: dict[int, GenerationResult] = {}
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                items = list(core.generate(f"s{i}", contexts[i], SamplingParams(max_new_tokens=12), spec, address))
+                results[i] = items[-1]
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and len(results) == 64
+        assert core.connector.streams() == 1, "one stream to the drafter carried every session"
+        for i, result in results.items():
+            expected = Engine(tiny_loaded).generate(contexts[i], SamplingParams(max_new_tokens=12),
+                                                    SpecConfig(strategy=DraftStrategy.none)).token_ids
+            assert result.token_ids == expected, i
+        assert sum(r.stats.drafted for r in results.values()) > 0, "the drafter drafted"
+        assert dcore.stats()["sessions_opened"] == 64
+    finally:
+        server.stop(None)
+
+
+def test_a_slow_session_does_not_hold_back_the_others_on_the_shared_stream(tiny_loaded):
+    """Two sessions on one stream; the drafter's drafting for one of them is made slow (a real
+    draft blocked on an event). The other's blocks keep arriving: its generation completes with
+    drafts while the slow one is still stuck."""
+    import threading
+
+    dcore = DrafterCore(DrafterSettings(drafter_id="d-slow", draft_workers=4))
+    gate = threading.Event()
+    original = dcore._draft_regular
+
+    def slow(session):  # the drafter's own drafting, for session "slow" only after the gate
+        if session.session_id == "slow":
+            gate.wait(30)
+        return original(session)
+
+    dcore._draft_regular = slow
+    server, bound = build_drafter(dcore, "127.0.0.1:0")
+    server.start()
+    address = f"127.0.0.1:{bound}"
+    try:
+        core = _verifier(tiny_loaded, drafters=(address,), draft_wait_ms=50)
+        spec = SpecConfig(strategy=DraftStrategy.ngram, adaptive=False, max_draft_tokens=3)
+        slow_done = threading.Event()
+        t = threading.Thread(target=lambda: (list(core.generate("slow", CONTEXT, SamplingParams(max_new_tokens=8),
+                                                                spec, address)), slow_done.set()))
+        t.start()
+        # suffix: drafted on the drafter only (a verifier with others busy would prompt-look-up locally)
+        fast = _run(core, address, DraftStrategy.suffix, max_new=24, session="fast")
+        assert not gate.is_set()
+        assert fast.stats.drafted > 0 and fast.stats.fallback_steps < fast.stats.steps, \
+            "the fast session got its drafts while the slow one's drafting was stuck"
+        assert fast.token_ids == _reference(tiny_loaded, 24)
+        gate.set()
+        t.join(60)
+        assert slow_done.is_set()
+    finally:
+        gate.set()
+        server.stop(None)
