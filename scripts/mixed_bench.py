@@ -10,6 +10,7 @@ For each: `tandem loadtest --mixed` at the given concurrencies (short MT-bench c
 while 4k-7.5k-token prompts arrive one after another). Nothing else may run meanwhile.
 
     .venv/bin/python scripts/mixed_bench.py [--concurrency 1,4] [--duration 75] [--out docs/results/intel/mixed.json]
+    .venv/bin/python scripts/mixed_bench.py --table docs/results/intel/mixed/mixed.json   # the markdown table
 """
 
 from __future__ import annotations
@@ -34,6 +35,30 @@ CONFIGS = {
 }
 
 
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:,.0f}"
+
+
+def table(report: dict) -> str:
+    """docs/benchmarks.md's table: per prefill, concurrency and speculation, the phase alone and
+    with long prompts arriving."""
+    lines = [f"CPU: {report['cpu']}, {report['date']}.", "",
+             "| prefill | sessions | speculation | long prompts | tokens/s | chunk gap p50 / p99 ms | gap p99 during a long prefill ms "
+             "| short TTFT p50 / p99 ms | short TTFT p99, started during a long prefill ms | long prompts: tokens, TTFT s |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    for name, cfg in report["configs"].items():
+        for r in cfg["mixed"]:
+            longs = ", ".join(f"{t:,} in {ms / 1000:.1f}" for t, ms in zip(r["long_prompt_tokens"], r["long_ttft_ms"])) or "-"
+            during = (f"{_ms(r['ttft_during_long_p99_ms'])} ({r['requests_started_during_long']} requests)"
+                      if r["with_long"] else "-")
+            lines.append(
+                f"| {name} | {r['concurrency']} | {'on' if r['speculation'] else 'off'} | {'yes' if r['with_long'] else 'no'} "
+                f"| {r['tokens_per_s']:.1f} | {_ms(r['gap_p50_ms'])} / {_ms(r['gap_p99_ms'])} "
+                f"| {_ms(r['gap_during_long_p99_ms']) if r['with_long'] else '-'} "
+                f"| {_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p99_ms'])} | {during} | {longs} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,4")
@@ -41,7 +66,11 @@ def main() -> None:
     ap.add_argument("--long-tokens", default="4000,7500")
     ap.add_argument("--spec", default="on", choices=["on", "off", "both"])
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/intel/mixed.json")
+    ap.add_argument("--table", type=Path, help="only print the markdown table of a report")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
     records = load_prompts(dev_set("mt_bench"))
     levels = [int(c) for c in args.concurrency.split(",")]
     sizes = [int(t) for t in args.long_tokens.split(",")]
@@ -68,6 +97,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+    print(table(report))
 
 
 if __name__ == "__main__":

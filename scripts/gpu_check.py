@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""The CUDA check (issue 14): one unattended run on a machine with an NVIDIA GPU, under 8 minutes.
+
+1. the verification kernels (Triton on the GPU) against the PyTorch reference on the CPU, on every
+   case of tests/kernels (chains and trees; bit for bit is the claim, any difference is printed);
+2. kernel time per call at batch 1, 8 and 32 (K = 8 drafts, the default model's vocabulary), and
+   a verifier step on the embedded SmolLM2 at the same batches (one ragged forward of B blocks of
+   K + 1 tokens over 512 tokens of context, then the kernel): the kernel's share of a step;
+3. a short in-process run on the GPU: plain decoding against prompt lookup on 4 MT-Bench prompts,
+   64 tokens each, greedy (outputs compared token for token).
+
+    .venv/bin/python scripts/gpu_check.py [--out docs/results/gpu/gpu_check.json]
+
+Without CUDA it says so and checks what it can on the CPU (parts 2-3 on the CPU, no Triton),
+so the script itself is tested where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+
+from tandem import kernels  # noqa: E402
+from tandem.kernels import reference  # noqa: E402
+
+
+def _to(args: tuple, device) -> tuple:
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def check_kernels(device) -> dict:
+    """Every test case: Triton on `device` against the reference on the CPU."""
+    import test_verify_kernels as cases  # the cases of tests/kernels, not the tests
+
+    out = {"cases": 0, "equal": 0, "different": []}
+    for name, case in {**cases.CASES, **cases.TREE_CASES}.items():
+        expected = getattr(reference, case.fn)(*case.args)
+        got = getattr(kernels, case.fn)(*_to(case.args, device))
+        same = all(torch.equal(g.cpu(), e) for g, e in zip(got, expected))
+        out["cases"] += 1
+        out["equal"] += same
+        if not same:
+            out["different"].append(name)
+    return out
+
+
+def _time(fn, device, repeats: int = 30) -> float:
+    """Median seconds of fn() (CUDA: synchronised around each call)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_shares(device, batches=(1, 8, 32), k: int = 8, context: int = 512) -> list[dict]:
+    from tandem.engine.models import load_model
+    from tandem.engine.runner import TargetRunner
+
+    loaded = load_model(None, device=device, progress=False)
+    runner = TargetRunner(loaded)
+    vocab = loaded.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for b in batches:
+        seqs = []
+        for i in range(b):
+            seq = runner.new_sequence()
+            seq.set_context(torch.randint(100, 20000, (context,), generator=g).tolist())
+            seqs.append(seq)
+        blocks = [torch.randint(100, 20000, (k,), generator=g).tolist() for _ in range(b)]
+
+        def forward():
+            outs = runner.backend.forward_batch([(s.cache, [s.ids[-1], *d]) for s, d in zip(seqs, blocks)],
+                                                [True] * b)
+            for s in seqs:
+                s.rollback(len(s.ids) - 1)
+            return outs
+
+        logits = torch.stack(forward())  # [B, K+1, V]
+        draft_ids = torch.tensor(blocks, device=device)  # [B, K]
+        num = torch.full((b,), k, device=device)  # [B]
+        argmax = logits.argmax(-1)  # [B, K+1]
+        probs = torch.softmax(logits, -1)  # [B, K+1, V]
+        uniform = 1.0 - torch.rand(b, k, device=device)  # [B, K]
+        noise = torch.empty(b, vocab, device=device).exponential_()  # [B, V]
+        t_forward = _time(forward, device, 10)
+        t_greedy = _time(lambda: kernels.greedy_accept(draft_ids, num, argmax), device)
+        t_sampled = _time(lambda: kernels.rejection_sample(draft_ids, num, None, probs, uniform, noise), device)
+        rows.append({"batch": b, "k": k, "context": context, "forward_ms": 1e3 * t_forward,
+                     "greedy_kernel_ms": 1e3 * t_greedy, "sampled_kernel_ms": 1e3 * t_sampled,
+                     "greedy_share": t_greedy / (t_forward + t_greedy),
+                     "sampled_share": t_sampled / (t_forward + t_sampled)})
+        print(f"  batch {b:>2}: forward {1e3 * t_forward:7.2f} ms, greedy kernel {1e3 * t_greedy:.3f} ms "
+              f"({rows[-1]['greedy_share']:.1%}), sampled kernel {1e3 * t_sampled:.3f} ms "
+              f"({rows[-1]['sampled_share']:.1%})", flush=True)
+        del seqs
+    return rows
+
+
+def short_bench(device, prompts: int = 4, max_new: int = 64) -> dict:
+    from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+    from tandem.engine.models import apply_chat_template, load_model
+    from tandem.engine.spec import Engine
+    from tandem.tools.datasets import dev_set, load_prompts
+
+    loaded = load_model(None, device=device, progress=False)
+    engine = Engine(loaded)
+    records = load_prompts(dev_set("mt_bench"), prompts)
+    sampling = SamplingParams(max_new_tokens=max_new)
+    out = {"prompts": prompts, "max_new_tokens": max_new, "rows": []}
+    for rec in records:
+        ctx = apply_chat_template(loaded.tokenizer, [{"role": "user", "content": rec.turns[0]}])
+        row = {}
+        for mode, strategy in (("ar", DraftStrategy.none), ("ngram", DraftStrategy.ngram)):
+            engine.generate(ctx, SamplingParams(max_new_tokens=4), SpecConfig(strategy=strategy))  # warm
+            start = time.perf_counter()
+            result = engine.generate(ctx, sampling, SpecConfig(strategy=strategy))
+            row[mode] = {"seconds": time.perf_counter() - start, "tokens": result.token_ids,
+                         "accepted": result.stats.accepted, "drafted": result.stats.drafted}
+        row["lossless"] = row["ar"]["tokens"] == row["ngram"]["tokens"]
+        row["speedup"] = row["ar"]["seconds"] / row["ngram"]["seconds"]
+        out["rows"].append({k: ({kk: vv for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v)
+                            for k, v in row.items()})
+        print(f"  {rec.id}: ngram {row['speedup']:.2f}x, lossless {row['lossless']}", flush=True)
+    out["median_speedup"] = statistics.median(r["speedup"] for r in out["rows"])
+    out["lossless"] = all(r["lossless"] for r in out["rows"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu/gpu_check.json")
+    ap.add_argument("--batches", default="1,8,32")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA: Triton parts skipped)",
+              "torch": torch.__version__}
+    print(f"device: {report['device']}", flush=True)
+    if cuda:
+        import triton
+
+        report["triton"] = triton.__version__
+        report["kernels"] = check_kernels(device)
+        k = report["kernels"]
+        print(f"kernels: {k['equal']}/{k['cases']} cases equal to the reference; different: {k['different']}", flush=True)
+    print("verifier step, kernel share:", flush=True)
+    report["steps"] = step_shares(device, tuple(int(b) for b in args.batches.split(",")))
+    print("in-process ar vs ngram:", flush=True)
+    report["bench"] = short_bench(device)
+    print(f"  median {report['bench']['median_speedup']:.2f}x, lossless {report['bench']['lossless']}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
