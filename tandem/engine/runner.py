@@ -470,7 +470,14 @@ class BatchExecutor:
             decode = [j for j in queued if not j.prefill and not j.alone]
             # Rows-alone jobs run as their own batch: the others keep the plan's (faster) paths.
             alone = [j for j in queued if j.alone]
-            self._step(decode)
+            try:
+                self._step(decode)
+            except Exception as exc:  # a fault in planning: fail this step's sessions, never the loop
+                log.exception("step planning failed; %d sessions get the error", len(decode) + len(self._prefills))
+                for j in [*decode, *self._prefills]:
+                    j.error = exc
+                    j.done.set()
+                self._prefills = []
             if alone:
                 self._run(alone, [], alone=True)
 

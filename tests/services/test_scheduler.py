@@ -249,3 +249,22 @@ def test_the_kv_budget_can_come_from_free_memory(tiny_loaded):
     assert core.info()["kv_capacity_tokens"] == core.kv_capacity
     capped = _core(tiny_loaded, kv_memory_fraction=0.5, kv_capacity_tokens=1000)
     assert capped.kv_capacity == 1000, "the fixed budget caps the memory-derived one"
+
+
+def test_a_fault_in_step_planning_fails_that_step_and_the_loop_keeps_serving(tiny_loaded):
+    core = _core(tiny_loaded, batch_wait_ms=2)
+    real = core.executor.budget.next
+    calls = {"n": 0}
+
+    def broken_once(rows: bool, decoding: bool) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("planning bug")
+        return real(rows, decoding)
+
+    core.executor.budget.next = broken_once  # the next step's planning fails once
+    with pytest.raises(RuntimeError, match="planning bug"):
+        list(core.generate("x", _ids(20, 30), SamplingParams(max_new_tokens=4, ignore_eos=True), NONE))
+    result = list(core.generate("y", _ids(20, 31), SamplingParams(max_new_tokens=4, ignore_eos=True), NONE))[-1]
+    assert isinstance(result, GenerationResult) and len(result.token_ids) == 4, "the step loop is alive"
+    assert "x" not in core.session_ids(), "the failed session's KV is not trusted"
