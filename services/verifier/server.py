@@ -81,10 +81,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_info_to_proto(VerifierRecord.coerce(info), info["vocab_size"], info["eos_token_ids"])
 
 
-def build_server(core: VerifierCore, address: str = "127.0.0.1:0", max_workers: int = 32, *,
+HEADROOM_WORKERS = 16  # threads beyond the generations in flight: health checks, GetInfo, refusals
+
+
+def server_workers(settings) -> int:
+    """gRPC worker threads: one per generation that can be in flight (running sessions and those
+    waiting for admission) plus headroom. Each Generate stream holds a thread while it runs; with
+    fewer threads, streams past the count would queue inside gRPC and so would health checks,
+    which is what made a supervisor kill a verifier serving 64 sessions on the old fixed 32."""
+    return settings.max_sessions + settings.admission_queue + HEADROOM_WORKERS
+
+
+def build_server(core: VerifierCore, address: str = "127.0.0.1:0", max_workers: int | None = None, *,
                  tls=None, health_address: str | None = None):
     """(server, port, health) for `core`; the caller starts it (tests use port 0). `tls`: mutual
-    TLS (only clients with a certificate from tls.ca); `health_address`: plaintext health only."""
+    TLS (only clients with a certificate from tls.ca); `health_address`: plaintext health only.
+    `max_workers`: default `server_workers(core.settings)`."""
+    max_workers = max_workers or server_workers(core.settings)
     servicer = VerifierServicer(core)
     return _build(
         lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), [SERVICE], address,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -268,3 +269,38 @@ def test_a_fault_in_step_planning_fails_that_step_and_the_loop_keeps_serving(tin
     result = list(core.generate("y", _ids(20, 31), SamplingParams(max_new_tokens=4, ignore_eos=True), NONE))[-1]
     assert isinstance(result, GenerationResult) and len(result.token_ids) == 4, "the step loop is alive"
     assert "x" not in core.session_ids(), "the failed session's KV is not trusted"
+
+
+def test_health_is_answered_while_every_admission_slot_is_taken(tiny_loaded):
+    """One running session holds the only slot; 40 gRPC requests wait for admission, each holding
+    a server thread (more than the old fixed 32 threads). All 40 reach the queue, and a health
+    check is answered meanwhile: a supervisor kills a verifier whose health check goes unanswered
+    (found by the 64-session load test, where streams past 32 and the health checks queued)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tandem.services.verifier.server import build_server, server_workers
+    from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+    settings = VerifierSettings(verifier_id="v-slots", port=0, max_sessions=1, admission_queue=40,
+                                admission_wait_s=60, batch_wait_ms=2)
+    core = VerifierCore(settings, tiny_loaded)
+    assert server_workers(settings) > 41
+    server, port, _ = build_server(core)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = verifier_pb2_grpc.VerifierStub(channel)
+    holder = _hold(core, "a", _ids(12, 39))
+    streams = [stub.Generate(verifier_pb2.SessionGenerateRequest(
+        session_id=f"s{i}", context_ids=_ids(12, 40 + i),
+        sampling=common_pb2.SamplingParams(max_new_tokens=2, ignore_eos=True)), timeout=60) for i in range(40)]
+    try:
+        _wait_until(lambda: core.metrics.value("tandem_admission_waiting") == 40, "40 requests to queue", 30)
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        list(holder)  # the slot frees: the queue drains, first come first served
+        assert all(list(s)[-1].finish_reason for s in streams), "every queued request completed"
+    finally:
+        for s in streams:
+            s.cancel()
+        channel.close()
+        server.stop(None)
