@@ -140,7 +140,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         if request.WhichOneof("kind") == "open":
                             dropped.discard(sid)
                     except Exception as exc:  # noqa: BLE001 - one session's failure must not end the stream
-                        self._drop(sid, owner, exc, stats, dropped)
+                        try:
+                            self._drop(sid, owner, exc, stats, dropped)
+                        except Exception:  # noqa: BLE001 - the lane must finish, or the stream never ends
+                            log.exception("dropping draft session %s failed", sid)
 
         def read() -> None:
             try:
