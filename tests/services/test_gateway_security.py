@@ -396,3 +396,53 @@ def test_api_keys_rotate_without_a_restart(made, tiny_tokenizer, keys_file, capl
     gw.core.keys._checked -= 10
     assert gw.http.get("/v1/models", headers=_auth(new_key)).status_code == 200
     assert any("previous keys stay in force" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rival_tenant_drafts_nothing_from_anothers_answers(made, tiny_loaded, redis_url, keys_file):
+    """Suffix decoding's cross-session store through the whole chain (gateway with API keys, a real
+    verifier, a real drafter): acme's finished answer speeds up acme's next identical request, and
+    the rival asking the same gets none of it (its drafts come only from its own tokens), with
+    every output the same text. The drafter keeps one store per tenant scope."""
+    from tandem.services.drafter.core import DrafterCore
+    from tandem.services.drafter.server import build_server as build_drafter
+    from tandem.services.drafter.settings import DrafterSettings
+
+    redis.Redis.from_url(redis_url).flushdb()
+    dcore = DrafterCore(DrafterSettings(drafter_id="d-tenants"))
+    dserver, dport = build_drafter(dcore, "127.0.0.1:0")
+    dserver.start()
+    drafter = f"127.0.0.1:{dport}"
+    try:
+        v = RealVerifier("v0", tiny_loaded, redis_url, drafters=(drafter,))
+        made.append(v)
+        gw = _gateway(made, tiny_loaded.tokenizer, model=MODEL, verifiers=(v.address,), drafters=(drafter,),
+                      redis_url=redis_url, api_keys_file=keys_file)
+        prompt = "write the answer of the tool call and the code for it"
+
+        def ask(key: str) -> dict:
+            r = gw.http.post("/v1/chat/completions", headers=_auth(key), json={
+                "model": MODEL, "messages": chat(prompt), "max_tokens": 24, "temperature": 0,
+                "speculation": {"strategy": "suffix", "adaptive": False, "max_draft_tokens": 8}})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def settled(n: int) -> None:  # the finished answer reaches the drafter's store (its Close)
+            deadline = time.monotonic() + 10
+            while dcore.stats()["suffix"]["responses"] < n and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+        cold = ask(KEY_A)
+        settled(1)
+        warm = ask(KEY_A)
+        settled(2)
+        rival = ask(KEY_B)
+        settled(3)
+        texts = {r["choices"][0]["message"]["content"] for r in (cold, warm, rival)}
+        assert len(texts) == 1, "speculation never changes the text"
+        spec = {name: r["usage"]["speculation"] for name, r in (("cold", cold), ("warm", warm), ("rival", rival))}
+        assert spec["warm"]["accepted"] >= spec["cold"]["accepted"] + 8, spec  # acme's answer drafted acme's
+        assert spec["rival"]["accepted"] <= spec["cold"]["accepted"], spec  # the rival got nothing of it
+        assert spec["rival"]["steps"] >= spec["cold"]["steps"], spec
+        assert dcore.stats()["suffix"]["stores"] == 2, "one store per tenant scope"
+    finally:
+        dserver.stop(None)
