@@ -88,14 +88,6 @@ class _StreamStats:
     errors: Counter = field(default_factory=Counter)  # status name -> failed messages
 
 
-@dataclass
-class _Lane:
-    """One session's messages on one stream, waiting for a worker (run in order, one at a time)."""
-
-    pending: deque = field(default_factory=deque)
-    scheduled: bool = False
-
-
 _WAKE = object()  # a stream's reader or a lane ended: the sender checks whether the stream is done
 
 
@@ -114,21 +106,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         # collection): the termination callback frees its sessions at once. Closing is idempotent.
         context.add_callback(lambda: self.core.close_owner(owner))
         out: queue.Queue = queue.Queue()  # blocks ready to send, _WAKE, or an abort (code, message)
-        lanes: dict[str, _Lane] = {}
+        # A session's lane: its messages not yet handled. A lane exists exactly while a worker runs
+        # it (the worker removes it when it finds it empty), so len(lanes) is the workers busy.
+        lanes: dict[str, deque] = {}
         lock = threading.Lock()
-        state = {"reading": True, "running": 0}
+        state = {"reading": True}
 
         def work(sid: str) -> None:
             while True:
                 with lock:
-                    lane = lanes[sid]
-                    if not lane.pending:
-                        lane.scheduled = False
+                    if not lanes[sid]:
                         del lanes[sid]
-                        state["running"] -= 1
                         out.put(_WAKE)
                         return
-                    request = lane.pending.popleft()
+                    request = lanes[sid].popleft()
                 with session_context(sid):  # log lines name the session
                     try:
                         for block in self._dispatch(request, owner, stats):
@@ -154,11 +145,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         out.put((status_for(exc), str(exc)))
                         return
                     with lock:
-                        lane = lanes.setdefault(sid, _Lane())
-                        lane.pending.append(request)
-                        if not lane.scheduled:
-                            lane.scheduled = True
-                            state["running"] += 1
+                        if sid in lanes:
+                            lanes[sid].append(request)
+                        else:
+                            lanes[sid] = deque([request])
                             self._pool.submit(work, sid)
             except Exception as exc:  # noqa: BLE001 - the stream broke (cancelled, reset): it ends
                 log.debug("draft stream read ended: %s", exc)
@@ -173,7 +163,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 item = out.get()
                 if item is _WAKE:
                     with lock:
-                        if not state["reading"] and state["running"] == 0 and out.empty():
+                        if not state["reading"] and not lanes and out.empty():
                             return
                     continue
                 if isinstance(item, tuple):

@@ -56,10 +56,6 @@ class _DraftStream:
             otel_context.detach(token)
         threading.Thread(target=self._receive, daemon=True, name=f"draft-recv-{address}").start()
 
-    def sessions(self) -> int:
-        with self._lock:
-            return len(self._links)
-
     def _request_iter(self):
         while True:
             item = self._requests.get()

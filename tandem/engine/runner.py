@@ -430,11 +430,6 @@ class BatchExecutor:
     def busy_sessions(self) -> int:
         return self._busy
 
-    @property
-    def prefilling(self) -> int:
-        """Prompts waiting for or in the middle of their prefill."""
-        return len(self._prefills)
-
     def session_busy(self, delta: int) -> None:
         """+1 when a session enters its decode loop, -1 when it leaves (or waits on a drafter)."""
         with self._cond:
