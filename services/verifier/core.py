@@ -294,23 +294,20 @@ class VerifierCore:
         with self._lock:
             try:
                 while True:
+                    why = f"verifier {self.settings.verifier_id}"  # what is full, when _admit tried
                     try:
                         if not self._waiting or self._waiting[0] is ticket:  # first come, first served
                             return self._admit(session_id, context_len, salt)
                     except Overloaded as full:
-                        if ticket not in self._waiting and len(self._waiting) >= self.settings.admission_queue:
-                            raise Overloaded(f"{full}; {len(self._waiting)} requests already wait for room "
-                                             f"(admission_queue={self.settings.admission_queue})",
-                                             retry_after_s=max(1.0, self.settings.admission_wait_s / 2)) from None
+                        why = str(full)
                         if ticket in self._waiting and time.monotonic() >= deadline:
-                            raise Overloaded(f"{full}; waited {self.settings.admission_wait_s:g} s for room "
+                            raise Overloaded(f"{why}; waited {self.settings.admission_wait_s:g} s for room "
                                              f"(admission_wait_s)") from None
                     if ticket not in self._waiting:
                         if len(self._waiting) >= self.settings.admission_queue:
-                            raise Overloaded(f"verifier {self.settings.verifier_id}: {len(self._waiting)} requests "
-                                             f"already wait for room (admission_queue="
-                                             f"{self.settings.admission_queue})",
-                                             retry_after_s=max(1.0, self.settings.admission_wait_s / 2))
+                            raise Overloaded(f"{why}; {len(self._waiting)} requests already wait for room "
+                                             f"(admission_queue={self.settings.admission_queue})",
+                                             retry_after_s=max(1.0, self.settings.admission_wait_s / 2)) from None
                         self._waiting.append(ticket)
                         deadline = time.monotonic() + self.settings.admission_wait_s
                         log.info("request for session %s waits for KV room (%d waiting)", session_id,
