@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from tandem.engine.gemm import rows_alone
 from tandem.engine.ids import common_prefix_len
 from tandem.engine.models import LoadedModel
+from tandem.engine.verify import Check, verify_rows
 
 log = logging.getLogger("tandem.engine.runner")
 
@@ -237,7 +238,7 @@ class TargetRunner:
         return Sequence(self)
 
     def forward(self, cache, input_ids: list[int], *, all_logits: bool = True, alone: bool = False,
-                tree: list[int] | None = None) -> torch.Tensor | None:
+                tree: list[int] | None = None, check: Check | None = None) -> torch.Tensor | None:
         """Run `input_ids` on top of `cache` (which grows by len(input_ids)).
 
         Returns logits `# [len(input_ids), vocab]` float32 when `all_logits`, else None (prefill
@@ -246,10 +247,12 @@ class TargetRunner:
         step, whatever the batch (for logprobs equal to plain decoding's); such forwards are slower
         and left out of the cost model. `tree`: the block is a token tree (NativeLlama.forward_batch:
         parents of its rows), where `backend.trees`; it costs what a chain of as many tokens costs.
+        `check`: the block's verification, run on these logits (tandem.engine.verify.verify_rows;
+        the step loop runs every row's check of a step together); its outcome lands in the check.
         """
         alone = alone and self.backend.rows_alone
         if self.executor is not None:
-            return self.executor.forward(cache, input_ids, all_logits, alone, tree)
+            return self.executor.forward(cache, input_ids, all_logits, alone, tree, check)
         if not all_logits and tree is None and len(input_ids) > self.prefill_chunk:
             # A long prompt in pieces: attention memory grows with piece x context, not context^2
             # (an 8k prompt in one piece is slower too: 4,096 tokens 9.6 s whole vs 6.7 s in 256s).
@@ -260,6 +263,8 @@ class TargetRunner:
         logits = self.backend.forward(cache, input_ids, all_logits, alone, tree)
         if all_logits and not alone:
             self.costs.observe(len(input_ids), time.perf_counter() - start)
+        if check is not None:
+            verify_rows([check], [logits])
         return logits
 
     def enable_batching(self, max_wait_s: float = 0.002, prefill: "PrefillPolicy | None" = None) -> "BatchExecutor":
@@ -384,6 +389,7 @@ class _Job:
     done: threading.Event
     alone: bool = False  # computed as rows alone (TargetRunner.forward): batched only with its kind
     tree: list[int] | None = None  # a token-tree block's row parents
+    check: Check | None = None  # the block's verification, run with the step's other rows
     result: torch.Tensor | None = None
     error: BaseException | None = None
     done_tokens: int = 0  # a prefill's tokens already run (the executor runs it in pieces)
@@ -422,6 +428,8 @@ class BatchExecutor:
         self.batches = 0
         self.prefill_pieces = 0  # prompt pieces run
         self.mixed_steps = 0  # steps that carried prompt pieces and decoding rows together
+        self.verified_rows = 0  # rows verified by the step loop (verify_rows, batched per step)
+        self.verify_seconds = 0.0  # the step loop's time in verification (after the forwards)
         # Per step: (decoding rows, prompt pieces' token counts, seconds). Bounded: a debugging view.
         self.history: deque[tuple[int, tuple[int, ...], float]] = deque(maxlen=self.HISTORY)
         threading.Thread(target=self._loop, daemon=True, name="batch-executor").start()
@@ -437,8 +445,8 @@ class BatchExecutor:
             self._cond.notify_all()
 
     def forward(self, cache, ids: list[int], all_logits: bool, alone: bool = False,
-                tree: list[int] | None = None) -> torch.Tensor | None:
-        job = _Job(cache, list(ids), all_logits, threading.Event(), alone=alone, tree=tree)
+                tree: list[int] | None = None, check: Check | None = None) -> torch.Tensor | None:
+        job = _Job(cache, list(ids), all_logits, threading.Event(), alone=alone, tree=tree, check=check)
         if job.prefill and not job.ids:
             return None  # nothing to run (and a piece plan never finishes an empty prompt)
         with self._cond:
@@ -515,6 +523,13 @@ class BatchExecutor:
         self.history.append((len(jobs), tuple(n for _, n in pieces), seconds))
         self.prefill_pieces += len(pieces)
         self.mixed_steps += bool(jobs and pieces)
+        checked = [(j, out) for j, out in zip(jobs, outs) if j.check is not None]
+        if checked:
+            # verify: every row's check in one kernel call per kind (a row's fault is its own)
+            start = time.perf_counter()
+            verify_rows([j.check for j, _ in checked], [out for _, out in checked])
+            self.verify_seconds += time.perf_counter() - start
+            self.verified_rows += len(checked)
         for j, out in zip(jobs, outs):
             j.result = out
             j.done.set()
@@ -559,19 +574,20 @@ class Sequence:
         self.ids = list(context_ids)
         return PrefillStats(reused=keep, computed=len(todo))
 
-    def forward_block(self, drafts: list[int], *, alone: bool = False) -> torch.Tensor:
+    def forward_block(self, drafts: list[int], *, alone: bool = False, check: Check | None = None) -> torch.Tensor:
         """One target forward over the pending token and `drafts`; logits `# [k+1, vocab]`.
-        `alone`: each row as a one-token step computes it (TargetRunner.forward)."""
+        `alone`: each row as a one-token step computes it; `check`: the step's verification, run
+        on these logits (TargetRunner.forward)."""
         assert self.cached_len == len(self.ids) - 1, "cache must hold ids[:-1] between steps"
-        return self.runner.forward(self.cache, [self.ids[-1], *drafts], alone=alone)
+        return self.runner.forward(self.cache, [self.ids[-1], *drafts], alone=alone, check=check)
 
-    def forward_tree(self, drafts: list[int], parents: list[int]) -> torch.Tensor:
+    def forward_tree(self, drafts: list[int], parents: list[int], *, check: Check | None = None) -> torch.Tensor:
         """One target forward over the pending token and a token tree (`parents[i]`: the draft node
         that node i follows, -1 for the pending token; topological order); logits `# [k+1, vocab]`,
         row i+1 after node i. Then `commit_tree` keeps the accepted path."""
         assert self.cached_len == len(self.ids) - 1, "cache must hold ids[:-1] between steps"
         rows = [-1] + [p + 1 for p in parents]
-        return self.runner.forward(self.cache, [self.ids[-1], *drafts], tree=rows)
+        return self.runner.forward(self.cache, [self.ids[-1], *drafts], tree=rows, check=check)
 
     def commit_tree(self, tokens: list[int], nodes: list[int]) -> None:
         """`commit` after `forward_tree`: `nodes` are the accepted path's node indices (the first

@@ -7,6 +7,7 @@ the distributed system's tests compare against.
         draft = proposer.propose(ids, k)   # at most k tokens after ids
         logits = target.forward([ids[-1]] + draft)          # [k+1, vocab], one forward
         tokens = verify(logits, draft)     # accepted drafts + one recovered/bonus token
+                                           # (served: every session's rows in one kernel call)
         commit(tokens); emit(tokens)       # KV of rejected drafts is dropped
 
 Each committed token is emitted once, in order, and the output equals plain decoding's: token for
@@ -15,6 +16,7 @@ token when greedy, in distribution when sampling.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -28,7 +30,7 @@ from tandem.engine.models import LoadedModel
 from tandem.engine.proposers import Draft, Proposer, ProposerFactory
 from tandem.engine.runner import PrefillStats, Sequence, TargetRunner
 from tandem.engine.sampling import make_generator
-from tandem.engine.verify import verify, verify_tree
+from tandem.engine.verify import Check
 
 
 class FinishReason(str, Enum):
@@ -368,24 +370,22 @@ class Generation:
                 self.error = "no token of this model's vocabulary can continue the grammar"
                 return StepOutput(tokens=[], first_index=len(self.output), drafted=0, accepted=0)
         tree = draft is not None and draft.is_tree
+        # The verification travels with the forward: in the verifier's step loop every session's
+        # rows of a step are verified together (tandem.engine.verify.verify_rows).
+        check = Check(draft, self.sampling, self.gen)
+        if self.constraint is not None:
+            check.mask = functools.partial(self.constraint.mask, bitmask=bitmask)
+        if self.sampling.adjusts_logits and not tree:
+            ids = self.seq.ids
+            check.prompt_ids, check.generated_ids = ids[: self.prompt_len], ids[self.prompt_len:]
         if tree:
-            logits = self.seq.forward_tree(draft.tokens, draft.parents)  # [k+1, vocab], row i+1 after node i
+            raw = self.seq.forward_tree(draft.tokens, draft.parents, check=check)  # [k+1, vocab], row i+1 after node i
         else:
             # With logprobs, every row is computed as a one-token step would (where the backend can):
             # the numbers are then plain decoding's to the bit, not only within rounding.
-            logits = self.seq.forward_block(draft.tokens if draft else [],
-                                            alone=self.sampling.top_logprobs is not None)  # [k+1, vocab]
-        raw = logits
-        if self.constraint is not None:
-            logits = self.constraint.mask(logits, bitmask)
-        if tree:
-            verdict = verify_tree(logits, draft, self.sampling, self.gen)
-        elif self.sampling.adjusts_logits:
-            ids = self.seq.ids
-            verdict = verify(logits, draft, self.sampling, self.gen, prompt_ids=ids[: self.prompt_len],
-                             generated_ids=ids[self.prompt_len:])
-        else:
-            verdict = verify(logits, draft, self.sampling, self.gen)
+            raw = self.seq.forward_block(draft.tokens if draft else [], alone=self.sampling.top_logprobs is not None,
+                                         check=check)  # [k+1, vocab]
+        verdict = check.result()
         self.stats.verify_seconds += time.perf_counter() - start
         if draft is not None:
             # a tree planned as such is counted as one even when it came out a single branch

@@ -691,7 +691,7 @@ def test_sampled_tree_drafts_follow_the_target_distribution(sharp, contexts, mon
 
     calls = []
     real = Sequence.forward_tree
-    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p: calls.append(list(p)) or real(self, d, p))
+    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p, **kw: calls.append(list(p)) or real(self, d, p, **kw))
     ctx = contexts["random"]
     p1, joint, firsts, pairs, accepted = _tree_draws(Engine(sharp), ctx, DRAWS)
     assert len(calls) >= DRAWS and calls[0] == [-1, -1, 0, 1]

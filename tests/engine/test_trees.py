@@ -137,7 +137,7 @@ def test_greedy_output_through_trees_equals_the_target_alone(tiny_loaded, adapti
     store = _branchy_store(engine, prompts, 60)
     calls = []
     real = Sequence.forward_tree
-    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p: calls.append(len(d)) or real(self, d, p))
+    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p, **kw: calls.append(len(d)) or real(self, d, p, **kw))
     sampling = SamplingParams(max_new_tokens=60, ignore_eos=True)
     spec = SpecConfig(strategy=DraftStrategy.suffix, adaptive=adaptive, max_draft_tokens=12)
     accepted = tree_steps = 0
@@ -166,7 +166,7 @@ def test_trees_fall_back_to_chains_where_drafts_are_needed_in_order(tiny_loaded,
     store = _branchy_store(engine, [ids], 40)
     calls = []
     real = Sequence.forward_tree
-    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p: calls.append(len(d)) or real(self, d, p))
+    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p, **kw: calls.append(len(d)) or real(self, d, p, **kw))
     sampling = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3)
     want = engine.generate(ids, sampling, SpecConfig(strategy=DraftStrategy.none)).token_ids
     gen = engine.start(ids, sampling, SpecConfig(strategy=DraftStrategy.suffix, adaptive=False),

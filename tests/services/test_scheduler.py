@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from tandem import kernels
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.runner import PieceBudget, PrefillPolicy
 from tandem.engine.spec import Engine, GenerationResult
@@ -120,9 +121,16 @@ def test_a_long_prompt_does_not_stop_running_streams(tiny_loaded):
     assert b_items[-1].token_ids == expected_b
 
 
-def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded):
+def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded, monkeypatch):
     """Prefill pieces, verify blocks and plain rows in the same steps, greedy and sampled together:
-    greedy rows equal the target alone; a seeded sampled row replays itself in process."""
+    greedy rows equal the target alone; a seeded sampled row replays itself in process. The step
+    loop verifies a step's rows together: at most one call of each kernel per step, carrying rows
+    of several sessions."""
+    calls: dict[str, list[int]] = {}
+    for name in ("greedy_accept", "rejection_sample"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name: calls.setdefault(_n, []).append(a[0].shape[0])
+                            or _r(*a))
     core = _core(tiny_loaded, prefill_chunk_tokens=24, prefill_min_tokens=8, batch_wait_ms=20)
     prompts = [_ids(30, 3) * 2, _ids(300, 4), _ids(12, 5) * 3, _ids(250, 6)]
     specs = [NGRAM, NONE, NGRAM, NGRAM]
@@ -141,12 +149,42 @@ def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded):
     for t in threads:
         t.join(120)
     assert core.executor.mixed_steps > 0, "some steps carried prompt pieces and decoding rows"
+    ex = core.executor
+    assert sum(calls["greedy_accept"]) + sum(calls["rejection_sample"]) == ex.verified_rows
+    assert len(calls["greedy_accept"]) <= ex.batches and len(calls["rejection_sample"]) <= ex.batches
     for i in (0, 1, 3):
         assert results[i].token_ids == Engine(tiny_loaded).generate(prompts[i], samplings[i], NONE).token_ids, i
     # The seeded sampled row: its block lengths follow the text only (NominalCosts) and its draws
     # the seed, so it replays what it samples alone (batching moves logits by rounding only).
     alone = Engine(tiny_loaded).generate(prompts[2], samplings[2], NGRAM).token_ids
     assert len(alone) == 25 and results[2].token_ids == alone
+
+
+def test_a_steps_rows_are_verified_in_one_kernel_call(tiny_loaded, monkeypatch):
+    """Sessions decoding together share each step's verification call (B > 1 in the kernel's
+    [B, K] inputs) and each still gets the target alone's output."""
+    sizes: list[int] = []
+    real = kernels.greedy_accept
+    monkeypatch.setattr(kernels, "greedy_accept", lambda *a: sizes.append(a[0].shape[0]) or real(*a))
+    core = _core(tiny_loaded)
+    prompts = [_ids(16, 20 + i) * 2 for i in range(3)]
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    results: dict[int, GenerationResult] = {}
+    start = threading.Barrier(3)
+
+    def run(i: int) -> None:
+        start.wait()
+        results[i] = list(core.generate(f"r{i}", prompts[i], sampling, NGRAM))[-1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sum(sizes) == core.executor.verified_rows and len(sizes) <= core.executor.batches
+    assert max(sizes) == 3, f"the three sessions' rows shared a call: call sizes {sizes}"
+    for i in range(3):
+        assert results[i].token_ids == Engine(tiny_loaded).generate(prompts[i], sampling, NONE).token_ids, i
 
 
 def test_in_process_prefill_in_pieces_equals_one_piece(tiny_loaded):

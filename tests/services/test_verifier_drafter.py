@@ -319,7 +319,7 @@ def test_token_trees_over_the_wire_commit_the_targets_text(tiny_loaded, monkeypa
 
     calls = []
     real = Sequence.forward_tree
-    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p: calls.append(list(p)) or real(self, d, p))
+    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p, **kw: calls.append(list(p)) or real(self, d, p, **kw))
     want = Engine(tiny_loaded).generate(FRESH, SamplingParams(max_new_tokens=40, ignore_eos=True),
                                         SpecConfig(strategy=DraftStrategy.none)).token_ids
     for trees in (True, False):
