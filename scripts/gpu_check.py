@@ -69,8 +69,12 @@ def _time(fn, device, repeats: int = 30) -> float:
 
 
 def step_shares(device, batches=(1, 8, 32), k: int = 8, context: int = 512) -> list[dict]:
+    from tandem.engine.config import SamplingParams
     from tandem.engine.models import load_model
+    from tandem.engine.proposers import Draft
     from tandem.engine.runner import TargetRunner
+    from tandem.engine.sampling import make_generator
+    from tandem.engine.verify import Check, verify_rows
 
     loaded = load_model(None, device=device, progress=False)
     runner = TargetRunner(loaded)
@@ -102,13 +106,31 @@ def step_shares(device, batches=(1, 8, 32), k: int = 8, context: int = 512) -> l
         t_forward = _time(forward, device, 10)
         t_greedy = _time(lambda: kernels.greedy_accept(draft_ids, num, argmax), device)
         t_sampled = _time(lambda: kernels.rejection_sample(draft_ids, num, None, probs, uniform, noise), device)
+        # The verifier's whole verify part of a step (verify_rows: per-row argmax / probabilities,
+        # one kernel call per kind, one copy back), batched as the step loop runs it and row by
+        # row as each session verifying alone would.
+        row_logits = list(logits)  # B x [K+1, V] on the device
+        greedy, warm = SamplingParams(max_new_tokens=k), SamplingParams(max_new_tokens=k, temperature=0.8)
+
+        def checks(sampling):
+            return [Check(Draft(d, "bench"), sampling, make_generator(i) if not sampling.greedy else None)
+                    for i, d in enumerate(blocks)]
+
+        t_rows = {name: _time(lambda s=s: verify_rows(checks(s), row_logits), device, 10)
+                  for name, s in (("greedy", greedy), ("sampled", warm))}
+        t_alone = {name: _time(lambda s=s: [verify_rows([c], [lg]) for c, lg in zip(checks(s), row_logits)], device, 10)
+                   for name, s in (("greedy", greedy), ("sampled", warm))}
         rows.append({"batch": b, "k": k, "context": context, "forward_ms": 1e3 * t_forward,
                      "greedy_kernel_ms": 1e3 * t_greedy, "sampled_kernel_ms": 1e3 * t_sampled,
                      "greedy_share": t_greedy / (t_forward + t_greedy),
-                     "sampled_share": t_sampled / (t_forward + t_sampled)})
+                     "sampled_share": t_sampled / (t_forward + t_sampled),
+                     "verify_rows_ms": {n: 1e3 * t for n, t in t_rows.items()},
+                     "verify_row_by_row_ms": {n: 1e3 * t for n, t in t_alone.items()}})
         print(f"  batch {b:>2}: forward {1e3 * t_forward:7.2f} ms, greedy kernel {1e3 * t_greedy:.3f} ms "
               f"({rows[-1]['greedy_share']:.1%}), sampled kernel {1e3 * t_sampled:.3f} ms "
-              f"({rows[-1]['sampled_share']:.1%})", flush=True)
+              f"({rows[-1]['sampled_share']:.1%}); verify step batched greedy {1e3 * t_rows['greedy']:.2f} / "
+              f"sampled {1e3 * t_rows['sampled']:.2f} ms, row by row {1e3 * t_alone['greedy']:.2f} / "
+              f"{1e3 * t_alone['sampled']:.2f} ms", flush=True)
         del seqs
     return rows
 
