@@ -7,6 +7,7 @@
 # Writes docs/results/<host>/suffix/*.json and prints the tables (scripts/suffix_table.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/stack.sh
 HOST=${HOST:-$(lscpu | grep -qi amd && echo epyc || echo intel)}
 OUT=docs/results/$HOST/suffix
 mkdir -p "$OUT"
@@ -26,14 +27,7 @@ $T bench -d code_twice -n "$N" --modes ar,ngram,suffix,hybrid-nosuffix,hybrid --
 # Through the stack: the same first-turn workload, modes whose drafts a drafter makes. One mode
 # feeds the store (suffix), so no prompt drafts from its own answer, as in process.
 PORT=${PORT:-50151}
-$T up --grpc-port $PORT --http-port $((PORT + 1)) > "$OUT/stack_log.txt" 2>&1 &
-UP=$!
-trap 'kill $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
-for _ in $(seq 240); do
-  grep -q "Tandem is up" "$OUT/stack_log.txt" 2>/dev/null && break
-  sleep 1
-done
+stack_up $T $PORT "$OUT/stack_log.txt"
 $T bench --endpoint 127.0.0.1:$PORT -d code_twice -n "$N" --modes ar,ngram,suffix -o "$OUT/stack_code_twice.json" 2>>"$OUT/log.txt"
-kill $UP; wait $UP 2>/dev/null || true
-trap - EXIT
+stack_down
 .venv/bin/python scripts/suffix_table.py "$OUT"

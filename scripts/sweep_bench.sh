@@ -1,20 +1,47 @@
 #!/usr/bin/env bash
 # Concurrency sweep through a local stack (issue 14): `tandem loadtest` at 1, 8, 16, 32 and 64
 # sessions, speculation off and on, MT-Bench, 2 turns of 64 tokens. Nothing else may run meanwhile.
-# Writes docs/results/<host>/mixed/sweep.json (+ .png).
+#
+#   scripts/sweep_bench.sh              # this checkout: docs/results/<host>/mixed/sweep.json (+ .png)
+#   BEFORE=c603e97 scripts/sweep_bench.sh
+#       before/after in one sitting: the stack built from BEFORE (a git worktree with its own
+#       editable install, sharing this checkout's packages), then this checkout's, the same client
+#       (this checkout's loadtest) for both: sweep_before.json and sweep_after.json. REPEAT=2 runs
+#       each build's sweep twice, alternating (sweep_after_2.json ...), to see the noise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/stack.sh
 HOST=${HOST:-$(lscpu | grep -qi amd && echo epyc || echo intel)}
 OUT=docs/results/$HOST/mixed
 mkdir -p "$OUT"
 T=.venv/bin/tandem
 PORT=${PORT:-50171}
-$T up --grpc-port $PORT --http-port $((PORT + 1)) > "$OUT/sweep_stack_log.txt" 2>&1 &
-UP=$!
-trap 'kill $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
-for _ in $(seq 240); do
-  grep -q "Tandem is up" "$OUT/sweep_stack_log.txt" 2>/dev/null && break
-  sleep 1
+lscpu | grep "Model name" > "$OUT/sweep_cpu.txt"
+
+sweep() {  # sweep TANDEM NAME
+  stack_up "$1" "$PORT" "$OUT/${2}_stack_log.txt"
+  $T loadtest --endpoint 127.0.0.1:$((PORT + 1)) -d mt_bench -c "${LEVELS:-1,8,16,32,64}" --turns 2 --max-tokens 64 \
+    --conversations "${CONVERSATIONS:-1}" --duration "${DURATION:-90}" -o "$OUT/$2.json"
+  stack_down
+}
+
+if [ -z "${BEFORE:-}" ]; then
+  sweep $T sweep
+  exit 0
+fi
+TREE=${TREE:-/tmp/tandem-before}
+if [ ! -x "$TREE/.venv/bin/tandem" ]; then
+  git worktree add -f "$TREE" "$BEFORE"
+  python3 -m venv "$TREE/.venv"
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  tsite=$("$TREE/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$site" > "$tsite/tandem_packages.pth"  # torch and the rest from this checkout's venv
+  "$TREE/.venv/bin/pip" install -q --no-deps -e "$TREE"
+fi
+git -C "$TREE" log -1 --format='before: %h %s' > "$OUT/sweep_builds.txt"
+git log -1 --format='after: %h %s' >> "$OUT/sweep_builds.txt"
+for i in $(seq "${REPEAT:-1}"); do
+  suffix=$([ "$i" = 1 ] && echo "" || echo "_$i")
+  sweep "$TREE/.venv/bin/tandem" "sweep_before$suffix"
+  sweep $T "sweep_after$suffix"
 done
-$T loadtest --endpoint 127.0.0.1:$((PORT + 1)) -d mt_bench -c "${LEVELS:-1,8,16,32,64}" --turns 2 --max-tokens 64 \
-  --duration "${DURATION:-90}" -o "$OUT/sweep.json"

@@ -1,0 +1,29 @@
+# Sourced by the benchmark scripts: start a local stack (`tandem up`) and stop it again.
+#   stack_up TANDEM PORT LOG [extra `tandem up` options...]   # returns once "Tandem is up" is logged
+#   stack_down
+# The stack is stopped on exit too. TANDEM is the executable whose build serves (another checkout's
+# for a before/after pair); the clients run from this checkout.
+
+stack_up() {
+  local tandem=$1 port=$2 log=$3
+  shift 3
+  "$tandem" up --grpc-port "$port" --http-port $((port + 1)) "$@" > "$log" 2>&1 &
+  STACK_PID=$!
+  trap stack_down EXIT
+  for _ in $(seq 240); do
+    grep -q "Tandem is up" "$log" 2>/dev/null && return 0
+    kill -0 "$STACK_PID" 2>/dev/null || { echo "the stack exited; see $log" >&2; return 1; }
+    sleep 1
+  done
+  echo "the stack did not come up in 240 s; see $log" >&2
+  return 1
+}
+
+stack_down() {
+  if [ -n "${STACK_PID:-}" ]; then
+    kill "$STACK_PID" 2>/dev/null || true
+    wait "$STACK_PID" 2>/dev/null || true
+    STACK_PID=
+  fi
+  trap - EXIT
+}
