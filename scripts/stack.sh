@@ -5,9 +5,13 @@
 # for a before/after pair); the clients run from this checkout.
 
 stack_up() {
-  local tandem=$1 port=$2 log=$3
+  local tandem port=$2 log
+  tandem=$(realpath "$1")
+  log=$(realpath -m "$3")
   shift 3
-  "$tandem" up --grpc-port "$port" --http-port $((port + 1)) "$@" > "$log" 2>&1 &
+  # From the checkout that holds TANDEM (.../.venv/bin/tandem): `python -m` puts the working
+  # directory first on the path, so another checkout's modules would be mixed in.
+  (cd "$(dirname "$tandem")/../.." && exec "$tandem" up --grpc-port "$port" --http-port $((port + 1)) "$@") > "$log" 2>&1 &
   STACK_PID=$!
   trap stack_down EXIT
   for _ in $(seq 240); do
