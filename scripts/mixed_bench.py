@@ -1,15 +1,16 @@
 #!/usr/bin/env python
 """Chunked prefill, measured (issue 14): the mixed workload through a local stack, in one sitting.
 
-Two stacks in turn on the embedded SmolLM2, the same build, the same machine:
+Stacks in turn on the embedded SmolLM2, the same build, the same machine:
   one-piece   --prefill-chunk-tokens 8192 --prefill-min-tokens 8192: a prompt runs as one forward,
               as the verifier did before chunked prefill;
   chunked     the defaults (pieces of at most 256 tokens, a step with pieces at most 2x the cost of
-              the step without them).
+              the step without them);
+  chunked-1.5 (--configs) the same with --prefill-cost-factor 1.5.
 For each: `tandem loadtest --mixed` at the given concurrencies (short MT-bench chats, alone, then
 while 4k-7.5k-token prompts arrive one after another). Nothing else may run meanwhile.
 
-    .venv/bin/python scripts/mixed_bench.py [--concurrency 1,4] [--duration 75] [--out docs/results/intel/mixed.json]
+    .venv/bin/python scripts/mixed_bench.py [--concurrency 1,4] [--duration 75] [--configs one-piece,chunked] [--out docs/results/intel/mixed.json]
     .venv/bin/python scripts/mixed_bench.py --table docs/results/intel/mixed/mixed.json   # the markdown table
 """
 
@@ -32,6 +33,9 @@ from tandem.tools.stack import Stack, StackConfig, free_port  # noqa: E402
 CONFIGS = {
     "one-piece": ("--prefill-chunk-tokens", "8192", "--prefill-min-tokens", "8192"),
     "chunked": (),
+    # a step with pieces at most 1.5x the step without (the default is 2): shorter gaps while a
+    # long prompt is prefilled, a longer prefill
+    "chunked-1.5": ("--prefill-cost-factor", "1.5"),
 }
 
 
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--long-tokens", default="4000,7500")
     ap.add_argument("--spec", default="on", choices=["on", "off", "both"])
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/intel/mixed.json")
+    ap.add_argument("--configs", default="one-piece,chunked", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--table", type=Path, help="only print the markdown table of a report")
     args = ap.parse_args()
     if args.table:
@@ -76,7 +81,8 @@ def main() -> None:
     sizes = [int(t) for t in args.long_tokens.split(",")]
     spec = {"on": (True,), "off": (False,), "both": (False, True)}[args.spec]
     report = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "configs": {}}
-    for name, vargs in CONFIGS.items():
+    for name in args.configs.split(","):
+        vargs = CONFIGS[name]
         cfg = StackConfig(http_port=free_port(), grpc_port=free_port(), log_level="warning", metrics=False,
                           verifier_args=vargs)
         print(f"== {name}: verifier {' '.join(vargs) or '(defaults)'}", flush=True)
