@@ -235,6 +235,26 @@ def test_a_request_waits_for_room_and_gets_in_first_come_first_served(tiny_loade
     assert core.metrics.value("tandem_admission_waiting") == 0
 
 
+def test_anonymous_requests_count_against_the_budget_while_they_run(tiny_loaded):
+    """A request without a session id is never resident, but while it runs it holds KV and a slot:
+    a flood of anonymous requests cannot run past admission (the way around it they once were)."""
+    core = _core(tiny_loaded, max_sessions=2, kv_capacity_tokens=100, admission_queue=4, admission_wait_s=0.3)
+    first = _hold(core, "", _ids(60, 30))
+    assert core.kv_used_tokens() >= 60 and core.info()["active_sessions"] == 1
+    with pytest.raises(Overloaded) as err:  # 60 + 60 > 100: it waits, then is refused at the deadline
+        list(core.generate("", _ids(60, 31), SamplingParams(max_new_tokens=2), NONE))
+    assert "waited 0.3 s" in str(err.value)
+    with pytest.raises(Overloaded):  # a named session does not get the anonymous one's KV either
+        list(core.generate("named", _ids(60, 32), SamplingParams(max_new_tokens=2), NONE))
+    second = _hold(core, "", _ids(20, 33))  # fits beside it: 2 slots, 80 + 20 tokens
+    with pytest.raises(Overloaded):  # both slots held
+        list(core.generate("", _ids(5, 34), SamplingParams(max_new_tokens=2), NONE))
+    list(first), list(second)
+    assert core.kv_used_tokens() == 0 and core.session_ids() == [], "finished anonymous requests keep nothing"
+    items = list(core.generate("", _ids(60, 31), SamplingParams(max_new_tokens=2), NONE))
+    assert isinstance(items[-1], GenerationResult)
+
+
 def test_a_full_queue_refuses_at_once_with_a_retry_hint(tiny_loaded):
     core = _core(tiny_loaded, max_sessions=1, admission_queue=1, admission_wait_s=60)
     a = _hold(core, "a", _ids(20, 11))
