@@ -149,7 +149,7 @@ class VerifierCore:
         # Requests without a session id: nobody can resume them, so they are never resident, but
         # while they run their KV counts against the budget and they take a session slot like any
         # other (otherwise anonymous requests would be an unbounded way around admission).
-        self._anonymous: set[_Session] = set()
+        self._anonymous: dict[int, _Session] = {}  # by id(): sessions compare by value
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         # Draining (SIGTERM): new requests are refused; at the end of the grace the running ones
@@ -218,12 +218,12 @@ class VerifierCore:
 
     def kv_used_tokens(self) -> int:
         with self._lock:
-            return sum(len(s.seq) for s in [*self._sessions.values(), *self._anonymous])
+            return sum(len(s.seq) for s in [*self._sessions.values(), *self._anonymous.values()])
 
     def info(self) -> dict:
         with self._lock:
             active = sum(1 for s in self._sessions.values() if s.busy) + len(self._anonymous)
-            used = sum(len(s.seq) for s in [*self._sessions.values(), *self._anonymous])
+            used = sum(len(s.seq) for s in [*self._sessions.values(), *self._anonymous.values()])
             resident = len(self._sessions)
         return {
             "verifier_id": self.settings.verifier_id,
@@ -343,7 +343,7 @@ class VerifierCore:
             if session_id:
                 self._sessions[session_id] = sess
             else:
-                self._anonymous.add(sess)
+                self._anonymous[id(sess)] = sess
         else:
             self._make_room(context_len - len(sess.seq), exclude=session_id)
             self._sessions.move_to_end(session_id)
@@ -385,7 +385,7 @@ class VerifierCore:
         evicted = []
 
         def over() -> bool:
-            used = sum(s.held for s in self._sessions.values()) + sum(s.held for s in self._anonymous)
+            used = sum(s.held for s in self._sessions.values()) + sum(s.held for s in self._anonymous.values())
             sessions = len(self._sessions) + len(self._anonymous)
             return (used + new_tokens > self.kv_capacity
                     or sessions + (1 if exclude is None else 0) > self.settings.max_sessions)
@@ -421,7 +421,7 @@ class VerifierCore:
             self._room.notify_all()  # an idle session can be evicted: room for a waiting request
             sess.busy = False
             sess.last_used = time.monotonic()
-            self._anonymous.discard(sess)  # its KV goes with it
+            self._anonymous.pop(id(sess), None)  # its KV goes with it
             if session_id and not keep and self._sessions.get(session_id) is sess:
                 del self._sessions[session_id]
                 self._evicted(session_id, sess.seq.ids, sess.salt)
