@@ -406,8 +406,10 @@ class BatchExecutor:
 
     Sessions join and leave between steps: a session thread queues its block and waits; the worker
     takes all queued blocks, waiting up to `max_wait_s` for the sessions that are still busy
-    verifying their previous step (so a batch is not split by a few hundred microseconds), never
-    for a session that is waiting on its drafter (it is not counted as busy then). Prompts are run
+    verifying their previous step (so a batch is not split by a few hundred microseconds); a
+    session that is waiting on its drafter still counts as busy, so a step waits at most that long
+    for it. After the forward the loop verifies every row with a check in one `verify_rows` call
+    (one kernel call per kind), then wakes the sessions, which commit. Prompts are run
     in pieces planned by `PrefillPolicy`, alongside the decoding rows: a long prompt arriving does
     not stop the sessions that are streaming.
     """
@@ -439,7 +441,7 @@ class BatchExecutor:
         return self._busy
 
     def session_busy(self, delta: int) -> None:
-        """+1 when a session enters its decode loop, -1 when it leaves (or waits on a drafter)."""
+        """+1 when a session enters its decode loop, -1 when it leaves."""
         with self._cond:
             self._busy += delta
             self._cond.notify_all()
