@@ -199,17 +199,3 @@ def _pad(rows: list[torch.Tensor], length: int) -> torch.Tensor:
         out = torch.nn.functional.pad(out, pad)
     return out
 
-
-def verify(
-    logits: torch.Tensor,  # [k+1, vocab] target logits at the pending token and each draft
-    draft: Draft | None,
-    sampling: SamplingParams,
-    gen: torch.Generator | None,
-    *,
-    prompt_ids: Sequence[int] = (),
-    generated_ids: Sequence[int] = (),
-) -> Verdict:
-    """One row's verification (`verify_rows` over a batch of one)."""
-    check = Check(draft, sampling, gen, prompt_ids=prompt_ids, generated_ids=generated_ids)
-    verify_rows([check], [logits])
-    return check.result()
