@@ -6,7 +6,8 @@ Stacks in turn on the embedded SmolLM2, the same build, the same machine:
               as the verifier did before chunked prefill;
   chunked     the defaults (pieces of at most 256 tokens, a step with pieces at most 2x the cost of
               the step without them);
-  chunked-1.5 (--configs) the same with --prefill-cost-factor 1.5.
+  chunked-1.5 (--configs) the same with --prefill-cost-factor 1.5;
+  chunked-min4 (--configs) the same with --prefill-min-tokens 4.
 For each: `tandem loadtest --mixed` at the given concurrencies (short MT-bench chats, alone, then
 while 4k-7.5k-token prompts arrive one after another). Nothing else may run meanwhile.
 
@@ -36,6 +37,9 @@ CONFIGS = {
     # a step with pieces at most 1.5x the step without (the default is 2): shorter gaps while a
     # long prompt is prefilled, a longer prefill
     "chunked-1.5": ("--prefill-cost-factor", "1.5"),
+    # pieces down to 4 tokens (the default floor is 16): at long context even 16 tokens' attention
+    # can cost more than the decoding step, so the floor, not the cost factor, sets the step
+    "chunked-min4": ("--prefill-min-tokens", "4"),
 }
 
 
