@@ -37,7 +37,7 @@ CONFIGS = {
     # a step with pieces at most 1.5x the step without (the default is 2): shorter gaps while a
     # long prompt is prefilled, a longer prefill
     "chunked-1.5": ("--prefill-cost-factor", "1.5"),
-    # pieces down to 4 tokens (the default floor is 16): at long context even 16 tokens' attention
+    # pieces down to 4 tokens (the default since the EPYC run; it was 16): at long context 16 tokens of attention
     # can cost more than the decoding step, so the floor, not the cost factor, sets the step
     "chunked-min4": ("--prefill-min-tokens", "4"),
 }

@@ -67,7 +67,7 @@ class VerifierSettings(BaseModel):
     # a step with pieces may cost up to prefill_cost_factor times the step without them (the cost
     # model's estimate), with at least prefill_min_tokens and at most prefill_chunk_tokens of prompt.
     prefill_chunk_tokens: int = Field(256, ge=1)
-    prefill_min_tokens: int = Field(16, ge=1)
+    prefill_min_tokens: int = Field(4, ge=1)
     prefill_cost_factor: float = Field(2.0, ge=1.0)
     # Admission: a request that finds the KV budget or the session slots held by running sessions
     # waits (first come, first served) up to admission_wait_s for room, behind at most

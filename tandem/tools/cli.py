@@ -717,7 +717,7 @@ def verifier(
         "between other sessions' decoding steps, so a long prompt does not stop their streams.", min=1)] = 256,
     prefill_min_tokens: Annotated[int, typer.Option(
         "--prefill-min-tokens", help="Chunked prefill: the fewest prompt tokens a step carries while others decode "
-        "(so a long prompt always advances); set it to --prefill-chunk-tokens for whole-piece steps.", min=1)] = 16,
+        "(so a long prompt always advances); set it to --prefill-chunk-tokens for whole-piece steps.", min=1)] = 4,
     prefill_cost_factor: Annotated[float, typer.Option(
         "--prefill-cost-factor", help="A step carrying prompt pieces may cost up to this many times the decoding "
         "step alone (higher: faster prefill, slower streams meanwhile).", min=1.0)] = 2.0,
