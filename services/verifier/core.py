@@ -216,14 +216,19 @@ class VerifierCore:
 
     # -- queries --------------------------------------------------------------------------------
 
+    def _live(self) -> list[_Session]:
+        """Every session that holds KV: the resident ones and running anonymous requests. Caller
+        holds self._lock."""
+        return [*self._sessions.values(), *self._anonymous.values()]
+
     def kv_used_tokens(self) -> int:
         with self._lock:
-            return sum(len(s.seq) for s in [*self._sessions.values(), *self._anonymous.values()])
+            return sum(len(s.seq) for s in self._live())
 
     def info(self) -> dict:
         with self._lock:
             active = sum(1 for s in self._sessions.values() if s.busy) + len(self._anonymous)
-            used = sum(len(s.seq) for s in [*self._sessions.values(), *self._anonymous.values()])
+            used = sum(len(s.seq) for s in self._live())
             resident = len(self._sessions)
         return {
             "verifier_id": self.settings.verifier_id,
@@ -385,10 +390,9 @@ class VerifierCore:
         evicted = []
 
         def over() -> bool:
-            used = sum(s.held for s in self._sessions.values()) + sum(s.held for s in self._anonymous.values())
-            sessions = len(self._sessions) + len(self._anonymous)
-            return (used + new_tokens > self.kv_capacity
-                    or sessions + (1 if exclude is None else 0) > self.settings.max_sessions)
+            live = self._live()
+            return (sum(s.held for s in live) + new_tokens > self.kv_capacity
+                    or len(live) + (1 if exclude is None else 0) > self.settings.max_sessions)
 
         for sid in list(self._sessions):
             if not over():

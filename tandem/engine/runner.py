@@ -431,7 +431,6 @@ class BatchExecutor:
         self.prefill_pieces = 0  # prompt pieces run
         self.mixed_steps = 0  # steps that carried prompt pieces and decoding rows together
         self.verified_rows = 0  # rows verified by the step loop (verify_rows, batched per step)
-        self.verify_seconds = 0.0  # the step loop's time in verification (after the forwards)
         # Per step: (decoding rows, prompt pieces' token counts, seconds). Bounded: a debugging view.
         self.history: deque[tuple[int, tuple[int, ...], float]] = deque(maxlen=self.HISTORY)
         threading.Thread(target=self._loop, daemon=True, name="batch-executor").start()
@@ -528,9 +527,7 @@ class BatchExecutor:
         checked = [(j, out) for j, out in zip(jobs, outs) if j.check is not None]
         if checked:
             # verify: every row's check in one kernel call per kind (a row's fault is its own)
-            start = time.perf_counter()
             verify_rows([j.check for j, _ in checked], [out for _, out in checked])
-            self.verify_seconds += time.perf_counter() - start
             self.verified_rows += len(checked)
         for j, out in zip(jobs, outs):
             j.result = out

@@ -16,7 +16,7 @@ copy, so a step costs one host sync per kind, not one per session.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -90,7 +90,6 @@ class _Row:
     q: torch.Tensor | None = None  # [k, V] float32 on the host: a sampling drafter's proposal
     uniform: torch.Tensor | None = None  # [max(k, 1)] float32 on the host
     noise: torch.Tensor | None = None  # [V] float32 on the host
-    parents: list[int] = field(default_factory=list)
 
 
 def _prepare(check: Check, logits: torch.Tensor) -> _Row:
@@ -106,16 +105,15 @@ def _prepare(check: Check, logits: torch.Tensor) -> _Row:
         logits = check.mask(logits)
     if not check.tree:
         logits = adjust_logits(logits, check.sampling, check.prompt_ids, check.generated_ids, tokens)
-    parents = list(check.draft.parents) if check.tree else []
     if check.sampling.greedy:
-        return _Row(check, logits.argmax(-1), parents=parents)
+        return _Row(check, logits.argmax(-1))
     probs = logits_to_probs(logits, check.sampling)  # [k+1, vocab]
     vocab = probs.shape[-1]
     q = check.draft.dense_probs(vocab) if (k and not check.tree) else None  # [k, vocab] or None
     # 1 - U[0,1) lies in (0, 1]: a draft with p(x) = 0 can never be accepted.
     uniform = 1.0 - torch.rand(max(k, 1), generator=check.gen)  # [max(k,1)]
     noise = torch.empty(vocab).exponential_(generator=check.gen)  # [vocab]
-    return _Row(check, probs, q=q, uniform=uniform, noise=noise, parents=parents)
+    return _Row(check, probs, q=q, uniform=uniform, noise=noise)
 
 
 def verify_rows(checks: list[Check], logits: list[torch.Tensor]) -> None:
@@ -147,7 +145,7 @@ def _run_kind(rows: list[_Row], sampled: bool, tree: bool) -> None:
         n = len(r.check.tokens)
         draft_ids[b, :n] = torch.tensor(r.check.tokens, dtype=torch.long)
         if tree:
-            parents[b, :n] = torch.tensor(r.parents, dtype=torch.long)
+            parents[b, :n] = torch.tensor(r.check.draft.parents, dtype=torch.long)
     num_drafts = torch.tensor([len(r.check.tokens) for r in rows], dtype=torch.long)
     draft_ids, num_drafts = draft_ids.to(device), num_drafts.to(device)
     target = _pad([r.target for r in rows], K + 1)  # [B, K+1] or [B, K+1, V], on the device
