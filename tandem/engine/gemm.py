@@ -41,14 +41,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem.engine import gemv
+from tandem.engine import gemv, panel
 
 log = logging.getLogger("tandem.engine.gemm")
 
 ROWS = tuple(range(1, 18))  # row counts of decode and verification steps (k <= 16 drafts + 1)
 LARGE = 64  # a prefill-size call, measured once; any call above 17 rows uses its choice
 SLOTS = (*ROWS, LARGE)
-PLAN_VERSION = 5  # bump when candidates or the measurement change: old cached plans are ignored
+PLAN_VERSION = 6  # bump when candidates or the measurement change: old cached plans are ignored
 MIN_COLD_BYTES = 96 << 20  # the least rotated through per measurement (above a common L3)
 PAD_GAIN = 0.85  # pad a call to more rows only when that measured at least 15% faster: smaller
 # gains did not survive the whole forward (3 rows padded to 6 measured 6% faster alone, ~10% slower
@@ -65,6 +65,7 @@ class GemmPath(str, Enum):
     onednn_b16 = "onednn_b16"  # ... packed for 16-row calls
     gemv_rows = "gemv_rows"  # one GEMV per row (torch.mv): row-count invariant; for 1-2 rows only
     tandem_gemv = "tandem_gemv"  # our streaming few-row kernel (gemv.c, built at first use); up to 8 rows
+    tandem_panel = "tandem_panel"  # our register-tiled kernel on a panel-packed weight (panel.c, AVX-512); up to 32 rows
 
 
 GEMV_MAX_ROWS = 2  # gemv_rows re-reads the weight per row: never a candidate above this
@@ -89,12 +90,15 @@ def candidates() -> list[GemmPath]:
         paths += [GemmPath.onednn_b1, GemmPath.onednn_b4, GemmPath.onednn_b16]
     if gemv.library() is not None:
         paths.append(GemmPath.tandem_gemv)
+    if panel.library() is not None:
+        paths.append(GemmPath.tandem_panel)
     return paths
 
 
 def max_rows(path: GemmPath) -> int | None:
     """The most rows a path is measured (and used) for; None: any."""
-    return {GemmPath.gemv_rows: GEMV_MAX_ROWS, GemmPath.tandem_gemv: STREAM_MAX_ROWS}.get(path)
+    return {GemmPath.gemv_rows: GEMV_MAX_ROWS, GemmPath.tandem_gemv: STREAM_MAX_ROWS,
+            GemmPath.tandem_panel: panel.MAX_ROWS}.get(path)
 
 
 def prepare(w: torch.Tensor, path: GemmPath) -> torch.Tensor:
@@ -103,10 +107,12 @@ def prepare(w: torch.Tensor, path: GemmPath) -> torch.Tensor:
         return w
     if path is GemmPath.mkl_nn:
         return w.t().contiguous()  # [in, out]
+    if path is GemmPath.tandem_panel:
+        return panel.pack(w)  # [ceil(out/16), in, 16]
     return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT[path])
 
 
-def apply(path: GemmPath, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
+def apply(path: GemmPath, x: torch.Tensor, prepared: torch.Tensor, out_features: int) -> torch.Tensor:
     """x `# [n, in]` times the weight held in `prepared` (see `prepare`) -> `# [n, out]`."""
     if path is GemmPath.mkl_nt:
         return F.linear(x, prepared)
@@ -119,6 +125,10 @@ def apply(path: GemmPath, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tens
             return gemv.gemv_rows(x, prepared)
         # a forced plan's prefill: in pieces (each row's result is the same in any piece)
         return torch.cat([gemv.gemv_rows(part, prepared) for part in x.split(gemv.MAX_ROWS)])
+    if path is GemmPath.tandem_panel:
+        if x.shape[0] <= panel.MAX_ROWS:
+            return panel.panel_rows(x, prepared, out_features)
+        return torch.cat([panel.panel_rows(part, prepared, out_features) for part in x.split(panel.MAX_ROWS)])
     return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
 
 
@@ -201,17 +211,17 @@ def _bytes_of(shapes: list[tuple[int, int]]) -> int:
     return sum(4 * s[0] * s[1] for s in set(shapes))
 
 
-def _time_path(path: GemmPath, weights: list[torch.Tensor], rows: int, in_features: int, reps: int) -> float:
+def _time_path(path: GemmPath, weights: list[torch.Tensor], rows: int, shape: tuple[int, int], reps: int) -> float:
     """Median seconds of one call of `path` at `rows` rows, each call on the next of `weights`
     (prepared layouts), so every call reads its weight from memory as in a real forward."""
-    x = torch.randn(rows, in_features)
+    x = torch.randn(rows, shape[1])
     for w in weights[:2]:  # warm-up: first-call allocations, thread pool start (not a whole pass:
-        apply(path, x, w)  # with a large rotation that would be the dearest part of tuning)
+        apply(path, x, w, shape[0])  # with a large rotation that would be the dearest part of tuning)
     passes = []
     for _ in range(reps):
         start = time.perf_counter()
         for w in weights:
-            apply(path, x, w)
+            apply(path, x, w, shape[0])
         passes.append((time.perf_counter() - start) / len(weights))
     return statistics.median(passes)
 
@@ -274,7 +284,7 @@ def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False
                 weights = [prepare(w, path) for w in base]
                 times[path] = [
                     None if max_rows(path) is not None and rows > max_rows(path)
-                    else _time_path(path, weights, rows, shape[1], reps)
+                    else _time_path(path, weights, rows, shape, reps)
                     for rows in SLOTS
                 ]
                 del weights
@@ -306,6 +316,9 @@ class GemmSettings:
         if mode == GemmPath.tandem_gemv.value and GemmPath.tandem_gemv not in candidates():
             raise ValueError("GEMM mode 'tandem_gemv' needs its kernel built with a C compiler (cc), which failed "
                              "or is missing here (see the log)")
+        if mode == GemmPath.tandem_panel.value and GemmPath.tandem_panel not in candidates():
+            raise ValueError("GEMM mode 'tandem_panel' needs its kernel built with a C compiler (cc) for a CPU with "
+                             "AVX-512; the build failed, the compiler is missing or the CPU lacks AVX-512 (see the log)")
         cls.mode = mode
         cls.cache = cache
         if progress is not None:
@@ -319,7 +332,7 @@ _memo_lock = threading.Lock()  # models built in two threads at once measure onc
 def plan_key(shapes: list[tuple[int, int]], rotate_bytes: int | None = None) -> str:
     raw = json.dumps([PLAN_VERSION, cpu_model(), torch.__version__, torch.get_num_threads(),
                       sorted(shape_key(s) for s in shapes), [p.value for p in candidates()],
-                      gemv.source_key(),  # a changed kernel is measured again
+                      gemv.source_key(), panel.source_key(),  # a changed kernel is measured again
                       (rotate_bytes or cold_bytes(_bytes_of(shapes))) >> 20])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
@@ -371,11 +384,14 @@ _ALONE = threading.local()  # .on: this thread's calls compute each row as it wo
 
 @contextmanager
 def rows_alone():
-    """Within (on this thread): every TunedLinear call goes through our streaming kernel, which
-    computes each row with the bits it gets alone, at any row count; the plan is set aside. For
-    forwards whose numbers must equal plain decoding's exactly (a request that asks for logprobs):
-    9-row blocks cost ~1.4x the plan's (docs/design-notes.md, "A batch-invariant decode path").
-    The caller checks that the kernel loads (`gemv.library()`)."""
+    """Within (on this thread): every TunedLinear call goes through one of our row-invariant
+    kernels, which compute each row with the bits it gets alone, at any row count; the plan is set
+    aside. Per weight the kernel is fixed for the model's life: the panel kernel where the plan
+    already keeps that weight's panel layout (it stays fast at 4-17 rows), else the streaming
+    kernel, which reads the weight as stored (no extra memory). For forwards whose numbers must
+    equal plain decoding's exactly (a request that asks for logprobs; docs/design-notes.md, "A
+    batch-invariant decode path"). The caller checks that the streaming kernel loads
+    (`gemv.library()`); a panel layout exists only where the panel kernel loaded."""
     before = getattr(_ALONE, "on", False)
     _ALONE.on = True
     try:
@@ -395,12 +411,14 @@ class TunedLinear:
         # per slot: (path, rows to compute); the prefill slot's pad is ignored (it never pads)
         self.by_slot = [parse_choice(entry, SLOTS[i]) for i, entry in enumerate(plan.choice[key])]
         self.layouts = {p: prepare(self.w, p) for p, _ in self.by_slot}
+        # the row-invariant kernel of `rows_alone` for this weight (see there)
+        self.alone = GemmPath.tandem_panel if GemmPath.tandem_panel in self.layouts else GemmPath.tandem_gemv
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if getattr(_ALONE, "on", False):
-            return apply(GemmPath.tandem_gemv, x, self.w)
+            return apply(self.alone, x, self.layouts.get(self.alone, self.w), self.shape[0])
         path, rows = self.by_slot[slot_of(n)]
         if rows > n and n <= ROWS[-1]:  # zero rows: each output row depends on its own input row only
-            return apply(path, torch.cat([x, x.new_zeros(rows - n, x.shape[1])]), self.layouts[path])[:n]
-        return apply(path, x, self.layouts[path])
+            return apply(path, torch.cat([x, x.new_zeros(rows - n, x.shape[1])]), self.layouts[path], self.shape[0])[:n]
+        return apply(path, x, self.layouts[path], self.shape[0])

@@ -39,9 +39,11 @@ def _global(
                      help="CPU GEMM path of float32 target forwards: 'auto' measures the paths once per machine "
                           "(cached; `tandem calibrate` shows the choice) and picks the fastest per weight shape and "
                           "row count; or force one everywhere: mkl_nt, mkl_nn, onednn_b1, onednn_b4, onednn_b16, "
-                          "gemv_rows, tandem_gemv (our streaming kernel, built with the host's C compiler). Output is lossless with any of them (plain and speculative decoding share "
-                          "the path for each row count); tandem_gemv, with our attention kernel (AVX-512), also makes every "
-                          "block batch-invariant, so logprobs equal plain decoding's bit for bit (slower: 9-token blocks ~1.4x)."),
+                          "gemv_rows, tandem_gemv (our streaming kernel, built with the host's C compiler), tandem_panel "
+                          "(our register-tiled kernel on panel-packed weights, AVX-512). Output is lossless with any of them "
+                          "(plain and speculative decoding share the path for each row count); tandem_gemv or tandem_panel, "
+                          "with our attention kernel (AVX-512), also makes every block batch-invariant, so logprobs equal "
+                          "plain decoding's bit for bit."),
     ] = "auto",
 ) -> None:
     """Options that apply to every command (set before the command: `tandem --gemm onednn_b4 bench ...`)."""

@@ -215,15 +215,19 @@ def _invariant_kernels() -> bool:
 needs_invariant = pytest.mark.skipif(not _invariant_kernels(), reason="needs our GEMV, attention (AVX-512) and row kernels")
 
 
+ROW_INVARIANT = [p.value for p in (GemmPath.tandem_gemv, GemmPath.tandem_panel) if p in candidates()]
+
+
 @needs_invariant
-def test_on_our_kernels_a_block_computes_each_row_as_plain_decoding_does(tiny_loaded) -> None:
-    """With every GEMM on our streaming kernel, a verification block's logits are the logits of the
-    same tokens fed one at a time, bit for bit, and the KV it writes is the same: the forward is
-    batch-invariant. The measured plan mixes paths by row count and is not (it is lossless by the
-    shared-path rule instead)."""
+@pytest.mark.parametrize("kernel", ROW_INVARIANT)
+def test_on_our_kernels_a_block_computes_each_row_as_plain_decoding_does(kernel, tiny_loaded) -> None:
+    """With every GEMM on one of our row-invariant kernels (the streaming one or the panel one), a
+    verification block's logits are the logits of the same tokens fed one at a time, bit for bit,
+    and the KV it writes is the same: the forward is batch-invariant. The measured plan may mix
+    paths by row count and then is not (it is lossless by the shared-path rule instead)."""
     from tandem.engine.llama import NativeLlama
 
-    GemmSettings.configure("tandem_gemv")
+    GemmSettings.configure(kernel)
     native = NativeLlama(tiny_loaded.model)
     assert native.batch_invariant
     gen = torch.Generator().manual_seed(2)
@@ -249,6 +253,28 @@ def test_on_our_kernels_a_block_computes_each_row_as_plain_decoding_does(tiny_lo
     assert torch.equal(lb, torch.cat([native.forward([t], b2) for t in ids[100:103]]))
     GemmSettings.configure("mkl_nn")
     assert not NativeLlama(tiny_loaded.model).batch_invariant
+
+
+@needs_invariant
+@pytest.mark.skipif(len(ROW_INVARIANT) < 2, reason="needs both row-invariant kernels")
+def test_a_plan_mixing_our_two_kernels_is_not_called_batch_invariant(tiny_loaded) -> None:
+    """Each kernel is row-invariant, but they sum in different orders: a block on the panel kernel
+    and a one-token step on the streaming kernel give different bits."""
+    from tandem.engine.llama import NativeLlama
+
+    shapes = sorted({tuple(lin.shape) for lin in _tuned_linears(tiny_loaded)})
+    plan = forced_plan(GemmPath.tandem_panel, shapes)
+    for key in plan.choice:
+        plan.choice[key][0] = GemmPath.tandem_gemv.value  # one-row calls on the other kernel
+    assert not NativeLlama(tiny_loaded.model, plan=plan).batch_invariant
+    assert NativeLlama(tiny_loaded.model, plan=forced_plan(GemmPath.tandem_panel, shapes)).batch_invariant
+
+
+def _tuned_linears(loaded):
+    from tandem.engine.llama import NativeLlama
+
+    native = NativeLlama(loaded.model)
+    return [w[k] for w in native.layers for k in native._LINEAR] + native.head_chunks
 
 
 @needs_invariant

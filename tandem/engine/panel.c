@@ -1,0 +1,163 @@
+/* Few-row GEMM on a panel-packed weight: y[n, m] = x[n, k] . W[m, k]^T, n <= 32, AVX-512.
+ *
+ * Why a second kernel beside gemv.c: gemv.c takes dot products along k (one weight row against a
+ * few activation rows, then a horizontal sum per output), which reads weights at the streaming
+ * rate for 1-3 rows but turns compute-bound from about 5 rows (on a 2-core AMD EPYC host, 9 rows
+ * read weights at 10-14 GB/s against ~30 for a streaming read), so verification blocks of 4-17
+ * rows ran on oneDNN at 60-80% of the streaming rate. A verification block of 9 tokens then cost
+ * 2.1-2.2x a one-token step there.
+ *
+ * Here the weight is packed in panels of 16 outputs, k-major ([m/16][k][16], zero rows padding
+ * the last panel), so one 64-byte load holds the weights of 16 outputs at one k. A tile of R rows
+ * x P panels keeps R*P accumulators of 16 outputs in registers; per k it loads P weight vectors,
+ * broadcasts one activation per row and does R*P fused multiply-adds: no horizontal sums, and each
+ * weight vector feeds R FMAs. Tiles: up to 6 rows x 4 panels, or up to 12 rows x 2 panels (at most
+ * 24 accumulators + P weights + 1 broadcast of AVX-512's 32 registers); more rows run as several
+ * tiles of near-equal height over the same panel group, which the first tile brought into L2.
+ *
+ * Arithmetic: every output is a single chain acc = fma(x[r][kk], w[o][kk], acc) for kk = 0..k-1,
+ * from acc = 0, whatever the tile, the row count, the row's place in the call or the thread count.
+ * So a row's result has the same bits alone or among 31 other rows (row-invariant, like gemv.c,
+ * though not the same bits as gemv.c, whose sum order differs). Reference: F.linear; tests compare.
+ *
+ * Built at first use by tandem/engine/panel.py like gemv.c. Without AVX-512 the library still
+ * builds, and tandem_panel_available() says 0: the path is then not offered.
+ */
+#include <stddef.h>
+
+#define LANES 16 /* outputs per panel: one AVX-512 register of floats */
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <omp.h>
+
+#define MAX_R 12 /* rows in one tile with 2 panels */
+#define WIDE_R 6 /* rows in one tile with 4 panels */
+
+/* R rows x P panels, k steps; R and P are constants at every call (always inlined from the switch
+ * below), so the compiler keeps acc in registers. panels: the group's first panel; col0: its first
+ * output column; m: the real output count (the last panel may hold padding). */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, size_t ldx,
+                                                       const float *restrict panels, size_t pstride,
+                                                       int k, const int R, const int P,
+                                                       float *restrict y, size_t ldy, int col0, int m) {
+    __m512 acc[MAX_R][4];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int kk = 0; kk < k; kk++) {
+        __m512 w[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) w[p] = _mm512_loadu_ps(panels + p * pstride + (size_t)kk * LANES);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            const __m512 xb = _mm512_set1_ps(x[r * ldx + kk]);
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_fmadd_ps(xb, w[p], acc[r][p]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            const int col = col0 + p * LANES;
+            if (col + LANES <= m)
+                _mm512_storeu_ps(y + r * ldy + col, acc[r][p]);
+            else if (col < m)
+                _mm512_mask_storeu_ps(y + r * ldy + col, (__mmask16)((1u << (m - col)) - 1u), acc[r][p]);
+        }
+}
+
+#define TILE4(R) tile(xr, (size_t)k, wp, pstride, k, R, 4, yr, (size_t)m, p0 * LANES, m)
+#define TILE2(R) tile(xr, (size_t)k, wp, pstride, k, R, 2, yr, (size_t)m, p0 * LANES, m)
+#define TILE1(R) tile(xr, (size_t)k, wp, pstride, k, R, 1, yr, (size_t)m, p0 * LANES, m)
+
+int tandem_panel_available(void) { return 1; }
+
+/* x: [n, k] row-major; packed: [ceil(m/16), k, 16]; y: [n, m] row-major. threads: torch's intra-op
+ * count (this library binds to the libgomp.so.1 torch has loaded, so it runs in torch's pool).
+ * Each thread takes a contiguous run of panels, so each output is computed by one thread. */
+void tandem_panel_rows(const float *restrict x, const float *restrict packed, float *restrict y,
+                       int n, int m, int k, int threads) {
+    const int panels = (m + LANES - 1) / LANES;
+    const size_t pstride = (size_t)k * LANES;
+    /* tiles of near-equal height, each as tall as the registers allow, so that the tile which
+     * reads a panel group from memory does as much of the work as it can */
+    const int tiles = (n + MAX_R - 1) / MAX_R;
+    const int group = (n + tiles - 1) / tiles > WIDE_R ? 2 : 4;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int begin = (int)((long)panels * t / T), end = (int)((long)panels * (t + 1) / T);
+        for (int p0 = begin; p0 < end; p0 += group) {
+            const int P = end - p0 < group ? end - p0 : group;
+            const float *wp = packed + (size_t)p0 * pstride;
+            for (int j = 0, r0 = 0; j < tiles; j++) {
+                const int R = (n - r0) / (tiles - j);
+                const float *xr = x + (size_t)r0 * k;
+                float *yr = y + (size_t)r0 * m;
+                r0 += R;
+                if (P == 1) {
+                    switch (R) {
+                    case 1: TILE1(1); break;
+                    case 2: TILE1(2); break;
+                    case 3: TILE1(3); break;
+                    case 4: TILE1(4); break;
+                    case 5: TILE1(5); break;
+                    case 6: TILE1(6); break;
+                    case 7: TILE1(7); break;
+                    case 8: TILE1(8); break;
+                    case 9: TILE1(9); break;
+                    case 10: TILE1(10); break;
+                    case 11: TILE1(11); break;
+                    default: TILE1(12); break;
+                    }
+                } else if (P <= 2) {
+                    switch (R) {
+                    case 1: TILE2(1); break;
+                    case 2: TILE2(2); break;
+                    case 3: TILE2(3); break;
+                    case 4: TILE2(4); break;
+                    case 5: TILE2(5); break;
+                    case 6: TILE2(6); break;
+                    case 7: TILE2(7); break;
+                    case 8: TILE2(8); break;
+                    case 9: TILE2(9); break;
+                    case 10: TILE2(10); break;
+                    case 11: TILE2(11); break;
+                    default: TILE2(12); break;
+                    }
+                } else if (P == 3) { /* the run's last group: rows <= WIDE_R here */
+                    switch (R) {
+                    case 1: tile(xr, (size_t)k, wp, pstride, k, 1, 3, yr, (size_t)m, p0 * LANES, m); break;
+                    case 2: tile(xr, (size_t)k, wp, pstride, k, 2, 3, yr, (size_t)m, p0 * LANES, m); break;
+                    case 3: tile(xr, (size_t)k, wp, pstride, k, 3, 3, yr, (size_t)m, p0 * LANES, m); break;
+                    case 4: tile(xr, (size_t)k, wp, pstride, k, 4, 3, yr, (size_t)m, p0 * LANES, m); break;
+                    case 5: tile(xr, (size_t)k, wp, pstride, k, 5, 3, yr, (size_t)m, p0 * LANES, m); break;
+                    default: tile(xr, (size_t)k, wp, pstride, k, 6, 3, yr, (size_t)m, p0 * LANES, m); break;
+                    }
+                } else {
+                    switch (R) {
+                    case 1: TILE4(1); break;
+                    case 2: TILE4(2); break;
+                    case 3: TILE4(3); break;
+                    case 4: TILE4(4); break;
+                    case 5: TILE4(5); break;
+                    default: TILE4(6); break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#else /* no AVX-512: the path is not offered (tandem_panel_available) */
+
+int tandem_panel_available(void) { return 0; }
+
+void tandem_panel_rows(const float *x, const float *packed, float *y, int n, int m, int k, int threads) {
+    (void)x, (void)packed, (void)y, (void)n, (void)m, (void)k, (void)threads;
+}
+
+#endif

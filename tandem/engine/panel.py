@@ -1,0 +1,72 @@
+"""Loads panel.c (a few-row GEMM over a panel-packed weight, AVX-512), compiling it at first use.
+
+Built like gemv.c (tandem.engine.gemv.build: the host's compiler, `-march=native`, cached per source,
+flags and CPU). Where the CPU lacks AVX-512, no compiler works or the build fails, `library()` is
+None and the GEMM tuner does not offer the path (tandem.engine.gemm).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tandem.engine import gemv
+
+SOURCE = Path(__file__).with_name("panel.c")
+LANES = 16  # outputs per panel (panel.c)
+MAX_ROWS = 32  # rows per call; a forced plan's prefill runs in pieces of this many
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    fn = lib.tandem_panel_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
+    fn.restype = None
+    lib.tandem_panel_available.restype = ctypes.c_int
+    if not lib.tandem_panel_available():
+        raise OSError("built without AVX-512")
+
+
+_kernel = gemv.Kernel(SOURCE, "panel GEMM kernel (AVX-512)", _bind)
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot be built or has no AVX-512 here."""
+    return _kernel.library()
+
+
+def source_key() -> str:
+    """What identifies a build of the kernel (the GEMM plan is keyed by it)."""
+    return gemv._key(SOURCE)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """The panel layout `# [ceil(out/16), in, 16]` of a weight `# [out, in]`: 16 outputs' weights
+    at each input position side by side, zero rows padding the last panel."""
+    out, k = w.shape
+    panels = -(-out // LANES)
+    padded = torch.zeros(panels * LANES, k, dtype=torch.float32)
+    padded[:out] = w
+    return padded.view(panels, LANES, k).transpose(1, 2).contiguous()
+
+
+def panel_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x `# [n, in]` float32 times the weight packed by `pack` `# [panels, in, 16]` -> `# [n, out]`,
+    n <= MAX_ROWS. Threads: torch's intra-op count, in torch's own OpenMP pool."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the panel GEMM kernel is not available on this host (needs AVX-512 and a C compiler)")
+    n, k = x.shape
+    if (n > MAX_ROWS or packed.dim() != 3 or packed.shape[1] != k or packed.shape[2] != LANES
+            or packed.shape[0] != -(-out_features // LANES) or x.dtype != torch.float32
+            or packed.dtype != torch.float32 or not packed.is_contiguous()
+            or x.device.type != "cpu" or packed.device.type != "cpu"):
+        # the kernel reads raw pointers: anything else would read the wrong memory
+        raise ValueError(f"panel_rows takes float32 CPU [n <= {MAX_ROWS}, in] x a contiguous packed "
+                         f"[ceil(out/16), in, 16] weight, got {tuple(x.shape)} x {tuple(packed.shape)} "
+                         f"for {out_features} outputs")
+    x = x.contiguous()
+    y = torch.empty(n, out_features, dtype=torch.float32)
+    lib.tandem_panel_rows(x.data_ptr(), packed.data_ptr(), y.data_ptr(), n, out_features, k, torch.get_num_threads())
+    return y

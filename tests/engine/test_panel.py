@@ -1,0 +1,117 @@
+"""Our register-tiled GEMM on panel-packed weights (tandem/engine/panel.c) against its reference,
+torch's F.linear, and the property the lossless rule leans on: a row's result does not depend on
+the rows beside it, their number, or the thread count.
+
+Built with the host's C compiler at first use and only for a CPU with AVX-512; elsewhere the path
+is not offered, which is tested too.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.engine import panel
+from tandem.engine.gemm import GemmPath, GemmSettings, TunedLinear, candidates, forced_plan
+
+needs_kernel = pytest.mark.skipif(panel.library() is None, reason="no C compiler or no AVX-512 here: the path is not offered")
+
+
+def test_the_packed_layout_puts_sixteen_outputs_side_by_side() -> None:
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)  # [out, in]
+    packed = panel.pack(w)  # [2, 3, 16]
+    assert packed.shape == (2, 3, 16)
+    assert torch.equal(packed[0, 1], w[:16, 1])  # input position 1 of outputs 0..15
+    assert torch.equal(packed[1, 2, :4], w[16:, 2])
+    assert torch.equal(packed[1, :, 4:], torch.zeros(3, 12))  # the last panel's padding
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features, in_features", [(40, 24), (96, 576), (33, 70), (7, 5), (960, 1536)])
+def test_the_kernel_matches_the_reference(out_features, in_features) -> None:
+    """Odd sizes too: an output count that is not a multiple of 16 (a masked store), fewer panels
+    than a tile group, fewer outputs than threads."""
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=gen)  # [out, in]
+    packed = panel.pack(w)
+    for rows in (*range(1, 18), 24, panel.MAX_ROWS):
+        x = torch.randn(rows, in_features, generator=gen)  # [rows, in]
+        y = panel.panel_rows(x, packed, out_features)
+        assert y.shape == (rows, out_features)
+        # float32 sums of up to 1,536 terms in another order than MKL's
+        assert torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-4), rows
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads() -> None:
+    """Bit for bit: a row alone, first, last or among up to 31 others (every tile shape the kernel
+    has), and at 1 or 2 threads, gives the same output: a plain step and a verification block
+    compute a token's logits with identical arithmetic."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 576, generator=gen)  # 19 panels: groups of 4 and 2 and a last group of 3 or 1
+    packed = panel.pack(w)
+    x = torch.randn(panel.MAX_ROWS, 576, generator=gen)
+    alone = torch.cat([panel.panel_rows(x[i : i + 1], packed, 300) for i in range(len(x))])
+    for rows in range(1, panel.MAX_ROWS + 1):
+        assert torch.equal(panel.panel_rows(x[:rows], packed, 300), alone[:rows]), rows
+    assert torch.equal(panel.panel_rows(x.flip(0), packed, 300), alone.flip(0))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(panel.panel_rows(x[:9], packed, 300), alone[:9]), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_bad_arguments_are_refused_not_read_out_of_bounds() -> None:
+    packed = panel.pack(torch.randn(20, 16))  # [2, 16, 16]
+    with pytest.raises(ValueError, match="float32"):
+        panel.panel_rows(torch.randn(2, 15), packed, 20)  # wrong width
+    with pytest.raises(ValueError, match="float32"):
+        panel.panel_rows(torch.randn(2, 16), packed, 40)  # more outputs than the panels hold
+    with pytest.raises(ValueError, match="float32"):
+        panel.panel_rows(torch.randn(2, 16, dtype=torch.float64), packed, 20)
+    with pytest.raises(ValueError, match="float32"):
+        panel.panel_rows(torch.randn(panel.MAX_ROWS + 1, 16), packed, 20)
+    with pytest.raises(ValueError, match="contiguous"):
+        panel.panel_rows(torch.randn(2, 16), packed.transpose(0, 1), 20)
+    with pytest.raises(ValueError, match="packed"):
+        panel.panel_rows(torch.randn(2, 16), torch.randn(20, 16), 20)  # an unpacked weight
+
+
+@needs_kernel
+def test_a_forced_plan_runs_prefill_through_the_kernel_in_pieces() -> None:
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 24, generator=gen)
+    lin = TunedLinear(w, forced_plan(GemmPath.tandem_panel, [(40, 24)]))
+    x = torch.randn(100, 24, generator=gen)  # more rows than one call takes
+    y = lin(x)
+    assert torch.allclose(y, F.linear(x, w), atol=1e-5)
+    assert torch.equal(y[:5], lin(x[:5]))  # still row-invariant across the pieces
+
+
+def test_the_kernel_is_a_candidate_where_it_builds() -> None:
+    assert (GemmPath.tandem_panel in candidates()) == (panel.library() is not None)
+
+
+def test_without_a_compiler_the_path_is_not_offered(tmp_path) -> None:
+    code = (
+        "from tandem.engine import panel, gemm\n"
+        "assert panel.library() is None\n"
+        "assert gemm.GemmPath.tandem_panel not in gemm.candidates()\n"
+        "try:\n"
+        "    gemm.GemmSettings.configure('tandem_panel')\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    env = {"CC": str(tmp_path / "no-such-compiler"), "TANDEM_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "refused: GEMM mode 'tandem_panel' needs its kernel built with a C compiler" in res.stdout
+    GemmSettings.configure("auto")
