@@ -212,14 +212,16 @@ class NativeLlama:
     def batch_invariant(self) -> bool:
         """Whether every decode and verification block (up to attend.MAX_ROWS rows, several sessions'
         blocks in one call too) computes each row with the bits it would get alone: every GEMM on
-        our streaming kernel (`--gemm tandem_gemv`), our attention kernel and our row kernel. Then
-        a verification block's logits equal plain decoding's bit for bit, so greedy output and
+        one of our row-invariant kernels (`--gemm tandem_gemv` or `tandem_panel`; the same one
+        everywhere, since the two sum in different orders), our attention kernel and our row kernel.
+        Then a verification block's logits equal plain decoding's bit for bit, so greedy output and
         logprobs are identical by construction, not only by the shared-path rule
         (docs/design-notes.md)."""
         if self.gemm_plan is None or not self.row_kernel or not attend.serves(1, self.head_dim, self.dtype, self.device):
             return False
-        return all(parse_choice(entry, SLOTS[i])[0] is GemmPath.tandem_gemv
-                   for entries in self.gemm_plan.choice.values() for i, entry in enumerate(entries))
+        paths = {parse_choice(entry, SLOTS[i])[0]
+                 for entries in self.gemm_plan.choice.values() for i, entry in enumerate(entries)}
+        return paths == {GemmPath.tandem_gemv} or paths == {GemmPath.tandem_panel}
 
     @functools.cached_property
     def can_run_rows_alone(self) -> bool:
@@ -316,29 +318,41 @@ class NativeLlama:
         for n in lens:
             offsets.append(offsets[-1] + n)
         N = offsets[-1]
+        # Decode and verification blocks on our kernels: the rotary embedding and the cache write in
+        # one call per block and layer (rowops.rope_store, the same arithmetic as the torch ops
+        # below), which on a one-token step cost more than the attention itself.
+        fused = self.row_kernel and all(kernel)
+        cos2, sin2 = cos.view(N, D), sin.view(N, D)  # [N, D] each
         x = self.embed[flat]  # [N, hidden]
         for li, w in enumerate(self.layers):
             h = self._rms(x, w["in_norm"])
             qkv = w["wqkv"](h)  # [N, (H+2KV)D]
             if w["bqkv"] is not None:
                 qkv = qkv + w["bqkv"]
-            qk = self._rotate(qkv[:, : (H + KV) * D].view(N, H + KV, D), cos, sin)  # [N, H+KV, D]
-            q = qk[:, :H]  # [N, H, D]
-            k = qk[:, H:].transpose(0, 1)  # [KV, N, D]
-            v = qkv[:, (H + KV) * D :].view(N, KV, D).transpose(0, 1)  # [KV, N, D]
             att = torch.empty(N, H * D, dtype=x.dtype, device=self.device)  # [N, H D]
-            for b, (_, cache) in enumerate(blocks):
-                a, e, s = offsets[b], offsets[b + 1], starts[b]
-                cache.k[li, :, s : s + (e - a)] = k[:, a:e]
-                cache.v[li, :, s : s + (e - a)] = v[:, a:e]
-                if kernel[b]:
+            if fused:
+                q = torch.empty(N, H, D, dtype=x.dtype)  # [N, H, D]
+                for b, (_, cache) in enumerate(blocks):
+                    a, e, s = offsets[b], offsets[b + 1], starts[b]
+                    rowops.rope_store(qkv[a:e], cos2[a:e], sin2[a:e], q[a:e], cache.k[li], cache.v[li], s)
                     attend.attend(q[a:e], cache.k[li], cache.v[li], att[a:e], s, self.scale, bits[b])
-                    continue
-                att[a:e] = F.scaled_dot_product_attention(
-                    q[a:e].transpose(0, 1).unsqueeze(0), cache.k[li, :, : s + e - a].unsqueeze(0),
-                    cache.v[li, :, : s + e - a].unsqueeze(0), attn_mask=masks[b], scale=self.scale,
-                    enable_gqa=H != KV,
-                )[0].transpose(0, 1).reshape(e - a, H * D)  # [n_b, H D]
+            else:
+                qk = self._rotate(qkv[:, : (H + KV) * D].view(N, H + KV, D), cos, sin)  # [N, H+KV, D]
+                q = qk[:, :H]  # [N, H, D]
+                k = qk[:, H:].transpose(0, 1)  # [KV, N, D]
+                v = qkv[:, (H + KV) * D :].view(N, KV, D).transpose(0, 1)  # [KV, N, D]
+                for b, (_, cache) in enumerate(blocks):
+                    a, e, s = offsets[b], offsets[b + 1], starts[b]
+                    cache.k[li, :, s : s + (e - a)] = k[:, a:e]
+                    cache.v[li, :, s : s + (e - a)] = v[:, a:e]
+                    if kernel[b]:
+                        attend.attend(q[a:e], cache.k[li], cache.v[li], att[a:e], s, self.scale, bits[b])
+                        continue
+                    att[a:e] = F.scaled_dot_product_attention(
+                        q[a:e].transpose(0, 1).unsqueeze(0), cache.k[li, :, : s + e - a].unsqueeze(0),
+                        cache.v[li, :, : s + e - a].unsqueeze(0), attn_mask=masks[b], scale=self.scale,
+                        enable_gqa=H != KV,
+                    )[0].transpose(0, 1).reshape(e - a, H * D)  # [n_b, H D]
             o = w["wo"](att)  # [N, hidden]
             if w["bo"] is not None:
                 o = o + w["bo"]

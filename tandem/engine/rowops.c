@@ -34,3 +34,38 @@ void tandem_rms_norm(const float *restrict x, int x_stride, const float *restric
         for (int e = 0; e < d; e++) yr[e] = w[e] * (xr[e] * inv);
     }
 }
+
+/* Rotary embedding of a block's queries and keys, and the block's keys and values written into one
+ * layer's cache: what the forward did in ~15 torch ops per layer (slices, views, a roll, two
+ * products and a sum, two strided cache copies), each costing more than its arithmetic on a decode
+ * step's few rows.
+ *
+ * qkv: [n, (H + 2 KV) D] rows qkv_stride floats apart (q heads, then k heads, then v heads);
+ * cs, sn: [n, D] the cosines and signed sines of each row's position (the sine's first half
+ * negated, as NativeLlama._rope makes them); q_out: [n, H, D] contiguous; kc, vc: [KV, cap, D]
+ * contiguous, row r's key and value land at position start + r.
+ *
+ * Arithmetic as transformers' rotate_half form, x * cos + rotate_half(x) * sin, element by element
+ * with each product rounded before the sum (ISO C: no contraction into FMA), which is exactly what
+ * the torch ops computed: x * cos + roll(x, D/2) * signed_sin (a negation is exact). */
+void tandem_rope_store(const float *restrict qkv, int qkv_stride, int n, int H, int KV, int D,
+                       const float *restrict cs, const float *restrict sn, float *restrict q_out,
+                       float *restrict kc, float *restrict vc, int cap, int start) {
+    const int half = D / 2;
+    for (int r = 0; r < n; r++) {
+        const float *row = qkv + (size_t)r * qkv_stride;
+        const float *c = cs + (size_t)r * D, *s = sn + (size_t)r * D;
+        for (int h = 0; h < H + KV; h++) {
+            const float *x = row + (size_t)h * D;
+            float *o = h < H ? q_out + ((size_t)r * H + h) * D
+                             : kc + ((size_t)(h - H) * cap + start + r) * D;
+            for (int i = 0; i < half; i++) o[i] = x[i] * c[i] + x[i + half] * s[i];
+            for (int i = half; i < D; i++) o[i] = x[i] * c[i] + x[i - half] * s[i];
+        }
+        const float *v = row + (size_t)(H + KV) * D;
+        for (int h = 0; h < KV; h++) {
+            float *o = vc + ((size_t)h * cap + start + r) * D;
+            for (int i = 0; i < D; i++) o[i] = v[(size_t)h * D + i];
+        }
+    }
+}

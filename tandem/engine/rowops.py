@@ -1,4 +1,5 @@
-"""Loads rowops.c (row-wise operations of the native forward: RMSNorm), compiling it at first use.
+"""Loads rowops.c (row-wise operations of the native forward: RMSNorm; rotary embedding with the
+block's keys and values written into the cache), compiling it at first use.
 
 Built like gemv.c (tandem.engine.gemv.build: the host's compiler, cached per source, flags and CPU).
 Without a compiler, or where the build fails, `library()` is None and the forward keeps torch's ops.
@@ -20,6 +21,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.tandem_rms_norm
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 3 + [
         ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+    fn = lib.tandem_rope_store
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     fn.restype = None
 
 
@@ -46,3 +50,28 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(n, d, dtype=torch.float32)
     lib.tandem_rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), d, n, d, eps, torch.get_num_threads())
     return y
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, start: int) -> None:
+    """One block's rotary embedding and cache write, in one call (see rowops.c):
+    qkv `# [n, (H + 2 KV) D]` (rows may be strided), cos and signed sin `# [n, D]` (NativeLlama._rope),
+    q_out `# [n, H, D]` contiguous <- rotated queries; k, v `# [KV, cap, D]` contiguous (one layer's
+    cache) <- rotated keys and the values at positions start .. start + n - 1."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the row-wise CPU kernels are not available on this host")
+    n, H, D = q_out.shape
+    KV, cap = k.shape[0], k.shape[1]
+    ok = (qkv.dtype == cos.dtype == sin.dtype == q_out.dtype == k.dtype == v.dtype == torch.float32
+          and qkv.dim() == 2 and qkv.shape == (n, (H + 2 * KV) * D) and qkv.stride(1) == 1
+          and cos.shape == sin.shape == (n, D) and cos.is_contiguous() and sin.is_contiguous()
+          and q_out.is_contiguous() and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
+          and k.shape[2] == D and D % 2 == 0 and 0 <= start and start + n <= cap
+          and all(t.device.type == "cpu" for t in (qkv, cos, sin, q_out, k, v)))
+    if not ok:  # the kernel reads and writes raw pointers: anything else would touch the wrong memory
+        raise ValueError(f"rope_store takes float32 CPU qkv [n, (H + 2 KV) D], cos/sin [n, D], q_out [n, H, D] and "
+                         f"k/v [KV, cap, D] with start + n <= cap; got qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, "
+                         f"q_out {tuple(q_out.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, start {start}")
+    lib.tandem_rope_store(qkv.data_ptr(), qkv.stride(0), n, H, KV, D, cos.data_ptr(), sin.data_ptr(),
+                          q_out.data_ptr(), k.data_ptr(), v.data_ptr(), cap, start)

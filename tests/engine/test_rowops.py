@@ -55,3 +55,45 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds() -> None:
         rowops.rms_norm(torch.randn(16, 2).t(), w, 1e-5)
     with pytest.raises(ValueError, match="w \\[d\\]"):
         rowops.rms_norm(torch.randn(2, 15), w, 1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 16), (2, 1, 6)])
+def test_rope_store_equals_the_torch_ops_bit_for_bit(heads, kv_heads, head_dim) -> None:
+    """The fused rotary embedding and cache write computes what the forward's torch ops computed
+    (x * cos + roll(x, D/2) * signed_sin, then strided copies into the cache), to the last bit: a
+    block on the fused path and one beside a prefill (torch's ops) get the same numbers."""
+    from tandem.engine.llama import NativeLlama
+
+    gen = torch.Generator().manual_seed(heads)
+    H, KV, D, n, start, cap = heads, kv_heads, head_dim, 7, 40, 64
+    qkv = torch.randn(n, (H + 2 * KV) * D + 5, generator=gen)[:, 5:]  # strided rows, as a slice of a batch
+    positions = torch.tensor([40, 41, 42, 42, 43, 44, 47])  # a tree's repeated depths too
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos(), emb.sin()
+    sin[:, : D // 2].neg_()
+    k, v = torch.zeros(KV, cap, D), torch.zeros(KV, cap, D)
+    q = torch.empty(n, H, D)
+    rowops.rope_store(qkv, cos, sin, q, k, v, start)
+
+    qk = NativeLlama._rotate(qkv[:, : (H + KV) * D].reshape(n, H + KV, D), cos[:, None], sin[:, None])
+    k_ref, v_ref = torch.zeros(KV, cap, D), torch.zeros(KV, cap, D)
+    k_ref[:, start : start + n] = qk[:, H:].transpose(0, 1)
+    v_ref[:, start : start + n] = qkv[:, (H + KV) * D :].reshape(n, KV, D).transpose(0, 1)
+    assert torch.equal(q, qk[:, :H])
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # and nothing outside the block's slots
+
+
+@needs_kernel
+def test_rope_store_refuses_what_would_write_out_of_bounds() -> None:
+    qkv, cos, sin = torch.randn(3, 5 * 16), torch.randn(3, 16), torch.randn(3, 16)
+    q, k, v = torch.empty(3, 3, 16), torch.zeros(1, 8, 16), torch.zeros(1, 8, 16)
+    rowops.rope_store(qkv, cos, sin, q, k, v, 5)  # fits: positions 5..7
+    with pytest.raises(ValueError, match="start"):
+        rowops.rope_store(qkv, cos, sin, q, k, v, 6)  # position 8 is past the cache
+    with pytest.raises(ValueError, match="qkv"):
+        rowops.rope_store(torch.randn(3, 4 * 16), cos, sin, q, k, v, 0)  # too few heads for q_out
+    with pytest.raises(ValueError, match="qkv"):
+        rowops.rope_store(qkv, cos, sin, q, k.transpose(1, 2), v, 0)  # a view that is not [KV, cap, D]
