@@ -33,6 +33,7 @@ import platform
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -101,35 +102,42 @@ def max_rows(path: GemmPath) -> int | None:
             GemmPath.tandem_panel: panel.MAX_ROWS}.get(path)
 
 
-def prepare(w: torch.Tensor, path: GemmPath) -> torch.Tensor:
+def prepare(w: torch.Tensor, path: GemmPath):
     """The layout `path` reads, made from a weight `# [out, in]`."""
     if path in (GemmPath.mkl_nt, GemmPath.gemv_rows, GemmPath.tandem_gemv):
         return w
     if path is GemmPath.mkl_nn:
         return w.t().contiguous()  # [in, out]
     if path is GemmPath.tandem_panel:
-        return panel.pack(w)  # [ceil(out/16), in, 16]
+        return panel.PackedWeight(w)  # [ceil(out/16), in, 16] inside
     return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT[path])
 
 
-def apply(path: GemmPath, x: torch.Tensor, prepared: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x `# [n, in]` times the weight held in `prepared` (see `prepare`) -> `# [n, out]`."""
+def bind(path: GemmPath, prepared) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The call x `# [n, in]` -> `# [n, out]` of `path` on the weight held in `prepared` (see
+    `prepare`). Chosen once per layer and row slot: a decode step makes 126 of these calls, and on
+    a CPU host each microsecond of dispatch is ~0.5% of a one-token step."""
     if path is GemmPath.mkl_nt:
-        return F.linear(x, prepared)
+        return lambda x: F.linear(x, prepared)
     if path is GemmPath.mkl_nn:
-        return x @ prepared
+        return lambda x: x @ prepared
     if path is GemmPath.gemv_rows:
-        return torch.stack([torch.mv(prepared, row) for row in x])
+        return lambda x: torch.stack([torch.mv(prepared, row) for row in x])
     if path is GemmPath.tandem_gemv:
-        if x.shape[0] <= gemv.MAX_ROWS:
-            return gemv.gemv_rows(x, prepared)
-        # a forced plan's prefill: in pieces (each row's result is the same in any piece)
-        return torch.cat([gemv.gemv_rows(part, prepared) for part in x.split(gemv.MAX_ROWS)])
+        def stream(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] <= gemv.MAX_ROWS:
+                return gemv.gemv_rows(x, prepared)
+            # a forced plan's prefill: in pieces (each row's result is the same in any piece)
+            return torch.cat([gemv.gemv_rows(part, prepared) for part in x.split(gemv.MAX_ROWS)])
+        return stream
     if path is GemmPath.tandem_panel:
-        if x.shape[0] <= panel.MAX_ROWS:
-            return panel.panel_rows(x, prepared, out_features)
-        return torch.cat([panel.panel_rows(part, prepared, out_features) for part in x.split(panel.MAX_ROWS)])
-    return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
+        return prepared  # a PackedWeight is its own call (forced prefills in pieces too)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
+
+
+def apply(path: GemmPath, x: torch.Tensor, prepared) -> torch.Tensor:
+    """x `# [n, in]` times the weight held in `prepared` (see `prepare`) -> `# [n, out]`."""
+    return bind(path, prepared)(x)
 
 
 def slot_of(rows: int) -> int:
@@ -211,18 +219,19 @@ def _bytes_of(shapes: list[tuple[int, int]]) -> int:
     return sum(4 * s[0] * s[1] for s in set(shapes))
 
 
-def _time_path(path: GemmPath, weights: list[torch.Tensor], rows: int, shape: tuple[int, int], reps: int) -> float:
+def _time_path(path: GemmPath, weights: list, rows: int, in_features: int, reps: int) -> float:
     """Median seconds of one call of `path` at `rows` rows, each call on the next of `weights`
     (prepared layouts), so every call reads its weight from memory as in a real forward."""
-    x = torch.randn(rows, shape[1])
-    for w in weights[:2]:  # warm-up: first-call allocations, thread pool start (not a whole pass:
-        apply(path, x, w, shape[0])  # with a large rotation that would be the dearest part of tuning)
+    x = torch.randn(rows, in_features)
+    calls = [bind(path, w) for w in weights]  # bound once, as TunedLinear does
+    for call in calls[:2]:  # warm-up: first-call allocations, thread pool start (not a whole pass:
+        call(x)  # with a large rotation that would be the dearest part of tuning)
     passes = []
     for _ in range(reps):
         start = time.perf_counter()
-        for w in weights:
-            apply(path, x, w, shape[0])
-        passes.append((time.perf_counter() - start) / len(weights))
+        for call in calls:
+            call(x)
+        passes.append((time.perf_counter() - start) / len(calls))
     return statistics.median(passes)
 
 
@@ -284,7 +293,7 @@ def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False
                 weights = [prepare(w, path) for w in base]
                 times[path] = [
                     None if max_rows(path) is not None and rows > max_rows(path)
-                    else _time_path(path, weights, rows, shape, reps)
+                    else _time_path(path, weights, rows, shape[1], reps)
                     for rows in SLOTS
                 ]
                 del weights
@@ -411,14 +420,18 @@ class TunedLinear:
         # per slot: (path, rows to compute); the prefill slot's pad is ignored (it never pads)
         self.by_slot = [parse_choice(entry, SLOTS[i]) for i, entry in enumerate(plan.choice[key])]
         self.layouts = {p: prepare(self.w, p) for p, _ in self.by_slot}
+        self._calls = [bind(p, self.layouts[p]) for p, _ in self.by_slot]  # per slot
+        self._pad = [rows for _, rows in self.by_slot]  # per slot: rows to compute
         # the row-invariant kernel of `rows_alone` for this weight (see there)
         self.alone = GemmPath.tandem_panel if GemmPath.tandem_panel in self.layouts else GemmPath.tandem_gemv
+        self._alone_call = bind(self.alone, self.layouts.get(self.alone, self.w))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if getattr(_ALONE, "on", False):
-            return apply(self.alone, x, self.layouts.get(self.alone, self.w), self.shape[0])
-        path, rows = self.by_slot[slot_of(n)]
+            return self._alone_call(x)
+        slot = n - 1 if n <= ROWS[-1] else len(ROWS)  # slot_of, inlined: 126 calls a step
+        rows = self._pad[slot]
         if rows > n and n <= ROWS[-1]:  # zero rows: each output row depends on its own input row only
-            return apply(path, torch.cat([x, x.new_zeros(rows - n, x.shape[1])]), self.layouts[path], self.shape[0])[:n]
-        return apply(path, x, self.layouts[path], self.shape[0])
+            return self._calls[slot](torch.cat([x, x.new_zeros(rows - n, x.shape[1])]))[:n]
+        return self._calls[slot](x)

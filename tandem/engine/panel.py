@@ -70,3 +70,29 @@ def panel_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     y = torch.empty(n, out_features, dtype=torch.float32)
     lib.tandem_panel_rows(x.data_ptr(), packed.data_ptr(), y.data_ptr(), n, out_features, k, torch.get_num_threads())
     return y
+
+
+class PackedWeight:
+    """A weight `# [out, in]` packed once (`pack`) and checked once; a call checks only the
+    activations x `# [n, in]` -> `# [n, out]`, any n (a forced plan's prefill runs in pieces of
+    MAX_ROWS, each row's result the same in any piece). Why not `panel_rows` each time: a decode
+    step makes 126 GEMM calls, and its checks of the packed weight cost ~4 us a call."""
+
+    def __init__(self, w: torch.Tensor):
+        if library() is None:
+            raise RuntimeError("the panel GEMM kernel is not available on this host (needs AVX-512 and a C compiler)")
+        self.out_features, self.in_features = w.shape
+        self.packed = pack(w.detach().float())  # [ceil(out/16), in, 16]
+        self._fn = library().tandem_panel_rows
+        self._ptr = self.packed.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = x.shape
+        if n > MAX_ROWS:
+            return torch.cat([self(part) for part in x.split(MAX_ROWS)])
+        if k != self.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+            return panel_rows(x, self.packed, self.out_features)  # raises, naming what is wrong
+        x = x.contiguous()
+        y = torch.empty(n, self.out_features, dtype=torch.float32)
+        self._fn(x.data_ptr(), self._ptr, y.data_ptr(), n, self.out_features, k, torch.get_num_threads())
+        return y
