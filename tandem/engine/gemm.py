@@ -13,8 +13,9 @@ shape, row count) only**, fixed for the life of a model and shared by every forw
 decoding, verification blocks, prefill, batched sessions. So plain decoding and speculative decoding
 compute a row count with the same arithmetic. Mixing paths by row count is allowed because no fast
 library path here is row-count invariant anyway (measured: MKL NT, MKL NN and oneDNN each give
-different bits for the same row at 1 vs 2+ rows; a per-row GEMV is invariant at 2-9x the cost, and
-our kernel is invariant but fast only up to 3 rows), so the old fixed choice (NT up to 3 rows, NN above) already mixed paths by row count. What would break
+different bits for the same row at 1 vs 2+ rows; a per-row GEMV is invariant at 2-9x the cost;
+our two kernels are invariant, each with its own bits, and where the panel kernel wins every decode
+slot, as on the AMD EPYC host, the plan's decode path is invariant too), so the old fixed choice (NT up to 3 rows, NN above) already mixed paths by row count. What would break
 the guarantee is a path that depends on anything else (timing, load, which session asked), and
 that is what this module rules out: a plan is measured once, cached, and never changes under a
 running model. Tests run greedy generations through every path the tuner can pick.
