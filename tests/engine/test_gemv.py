@@ -58,11 +58,12 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds() -> None:
         gemv.gemv_rows(torch.randn(2, 8), torch.randn(8, 16).t())
 
 
-@needs_kernel
-def test_a_forced_plan_runs_prefill_through_the_kernel_in_pieces() -> None:
+@pytest.mark.parametrize("path", [p for p in (GemmPath.tandem_gemv, GemmPath.tandem_panel) if p in candidates()])
+def test_a_forced_plan_runs_prefill_through_our_kernels_in_pieces(path) -> None:
+    """gemv.c and panel.c take at most 32 rows a call; a forced plan's prefill goes in pieces."""
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(40, 24, generator=gen)
-    lin = TunedLinear(w, forced_plan(GemmPath.tandem_gemv, [(40, 24)]))
+    lin = TunedLinear(w, forced_plan(path, [(40, 24)]))
     x = torch.randn(100, 24, generator=gen)  # more rows than one call takes
     y = lin(x)
     assert torch.allclose(y, F.linear(x, w), atol=1e-5)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine import panel
-from tandem.engine.gemm import GemmPath, GemmSettings, TunedLinear, candidates, forced_plan
+from tandem.engine.gemm import GemmPath, GemmSettings, candidates
 
 needs_kernel = pytest.mark.skipif(panel.library() is None, reason="no C compiler or no AVX-512 here: the path is not offered")
 
@@ -83,17 +83,6 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds() -> None:
         panel.panel_rows(torch.randn(2, 16), packed.transpose(0, 1), 20)
     with pytest.raises(ValueError, match="packed"):
         panel.panel_rows(torch.randn(2, 16), torch.randn(20, 16), 20)  # an unpacked weight
-
-
-@needs_kernel
-def test_a_forced_plan_runs_prefill_through_the_kernel_in_pieces() -> None:
-    gen = torch.Generator().manual_seed(4)
-    w = torch.randn(40, 24, generator=gen)
-    lin = TunedLinear(w, forced_plan(GemmPath.tandem_panel, [(40, 24)]))
-    x = torch.randn(100, 24, generator=gen)  # more rows than one call takes
-    y = lin(x)
-    assert torch.allclose(y, F.linear(x, w), atol=1e-5)
-    assert torch.equal(y[:5], lin(x[:5]))  # still row-invariant across the pieces
 
 
 def test_the_kernel_is_a_candidate_where_it_builds() -> None:
