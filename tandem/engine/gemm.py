@@ -136,11 +136,6 @@ def bind(path: GemmPath, prepared) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
 
 
-def apply(path: GemmPath, x: torch.Tensor, prepared) -> torch.Tensor:
-    """x `# [n, in]` times the weight held in `prepared` (see `prepare`) -> `# [n, out]`."""
-    return bind(path, prepared)(x)
-
-
 def slot_of(rows: int) -> int:
     """Index into `SLOTS` of the choice that serves a call of `rows` rows."""
     return rows - 1 if rows <= ROWS[-1] else len(ROWS)
@@ -306,6 +301,13 @@ def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False
     return plan
 
 
+# our kernels, built at first use: what forcing one needs where it is not offered
+_OUR_KERNELS = {
+    GemmPath.tandem_gemv.value: ", which failed or is missing here",
+    GemmPath.tandem_panel.value: " for a CPU with AVX-512; the build failed, the compiler is missing or the CPU lacks AVX-512",
+}
+
+
 class GemmSettings:
     """Process-wide GEMM mode: "auto" (measure once per machine, cached) or one forced path.
 
@@ -323,12 +325,9 @@ class GemmSettings:
             raise ValueError(f"unknown GEMM mode {mode!r}: auto or one of {', '.join(GemmPath.__members__)}")
         if mode.startswith("onednn") and not onednn_available():
             raise ValueError(f"GEMM mode {mode!r} needs oneDNN, which this torch build lacks")
-        if mode == GemmPath.tandem_gemv.value and GemmPath.tandem_gemv not in candidates():
-            raise ValueError("GEMM mode 'tandem_gemv' needs its kernel built with a C compiler (cc), which failed "
-                             "or is missing here (see the log)")
-        if mode == GemmPath.tandem_panel.value and GemmPath.tandem_panel not in candidates():
-            raise ValueError("GEMM mode 'tandem_panel' needs its kernel built with a C compiler (cc) for a CPU with "
-                             "AVX-512; the build failed, the compiler is missing or the CPU lacks AVX-512 (see the log)")
+        if mode in _OUR_KERNELS and GemmPath(mode) not in candidates():
+            raise ValueError(f"GEMM mode {mode!r} needs its kernel built with a C compiler (cc){_OUR_KERNELS[mode]} "
+                             "(see the log)")
         cls.mode = mode
         cls.cache = cache
         if progress is not None:
@@ -422,7 +421,6 @@ class TunedLinear:
         self.by_slot = [parse_choice(entry, SLOTS[i]) for i, entry in enumerate(plan.choice[key])]
         self.layouts = {p: prepare(self.w, p) for p, _ in self.by_slot}
         self._calls = [bind(p, self.layouts[p]) for p, _ in self.by_slot]  # per slot
-        self._pad = [rows for _, rows in self.by_slot]  # per slot: rows to compute
         # the row-invariant kernel of `rows_alone` for this weight (see there)
         self.alone = GemmPath.tandem_panel if GemmPath.tandem_panel in self.layouts else GemmPath.tandem_gemv
         self._alone_call = bind(self.alone, self.layouts.get(self.alone, self.w))
@@ -431,8 +429,8 @@ class TunedLinear:
         n = x.shape[0]
         if getattr(_ALONE, "on", False):
             return self._alone_call(x)
-        slot = n - 1 if n <= ROWS[-1] else len(ROWS)  # slot_of, inlined: 126 calls a step
-        rows = self._pad[slot]
+        slot = slot_of(n)
+        rows = self.by_slot[slot][1]
         if rows > n and n <= ROWS[-1]:  # zero rows: each output row depends on its own input row only
             return self._calls[slot](torch.cat([x, x.new_zeros(rows - n, x.shape[1])]))[:n]
         return self._calls[slot](x)

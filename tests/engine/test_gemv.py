@@ -74,19 +74,23 @@ def test_without_a_compiler_the_path_is_not_offered(tmp_path) -> None:
     """In a fresh process with no usable compiler and an empty cache: no crash, no candidate, and
     forcing the path says why."""
     code = (
-        "from tandem.engine import gemv, gemm, rowops\n"
+        "from tandem.engine import gemv, gemm, panel, rowops\n"
         "assert gemv.library() is None\n"
         "assert rowops.library() is None  # the RMSNorm kernel too: the forward keeps torch's\n"
+        "assert panel.library() is None  # and the panel kernel\n"
         "assert gemm.GemmPath.tandem_gemv not in gemm.candidates()\n"
-        "try:\n"
-        "    gemm.GemmSettings.configure('tandem_gemv')\n"
-        "except ValueError as exc:\n"
-        "    print('refused:', exc)\n"
+        "assert gemm.GemmPath.tandem_panel not in gemm.candidates()\n"
+        "for mode in ('tandem_gemv', 'tandem_panel'):\n"
+        "    try:\n"
+        "        gemm.GemmSettings.configure(mode)\n"
+        "    except ValueError as exc:\n"
+        "        print('refused:', exc)\n"
     )
     env = {"CC": str(tmp_path / "no-such-compiler"), "TANDEM_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "refused: GEMM mode 'tandem_gemv' needs its kernel built with a C compiler" in res.stdout
+    assert "refused: GEMM mode 'tandem_panel' needs its kernel built with a C compiler" in res.stdout
 
 
 def test_the_kernel_is_a_candidate_where_it_builds() -> None:
