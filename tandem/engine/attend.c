@@ -54,40 +54,88 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
-/* The 16 sums of 16 vectors' lanes as one vector: out[i] = sum of v[i]. A transposing tree of
- * unpacks and shuffles, ~45 instructions for 16 sums, where one horizontal reduction per score costs
- * ~8 instructions on a serial chain. Fixed order, so a score's bits depend only on its inputs. */
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 w[8], x[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a, b, a, b] partials of v[2i], v[2i+1] */
-        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) /* per 128-bit lane: the lane's sums of v[4i] .. v[4i+3] */
-        x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
-    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+/* The dot products of one query row `qv` (V vectors) with 16 keys kp[0..15], as one vector (lane i:
+ * key i). Each key gives a vector of partial products; the 16 vectors are summed lane-wise by a
+ * transposing tree of unpacks and shuffles (~45 instructions for 16 sums, where one horizontal
+ * reduction per score costs ~8 on a serial chain), in a fixed order, so a score's bits depend only
+ * on its inputs. The tree is reduced as the partials are made (pairs, then quads, ...): with all 16
+ * partials live at once, the compiler spilled them to the stack (measured: a 9-row block at 4,000
+ * tokens 1.7x slower). */
+static inline __attribute__((always_inline)) __m512 dot1(const int V, const __m512 *qv, const float *restrict kj) {
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+    for (int e = 1; e < V; e++) a = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kj + 16 * e), a);
+    return a;
+}
+static inline __attribute__((always_inline)) __m512 pair(const int V, const __m512 *qv, const float *const *kp) {
+    const __m512 a = dot1(V, qv, kp[0]), b = dot1(V, qv, kp[1]); /* per 128-bit lane: [a, b, a, b] partials */
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+static inline __attribute__((always_inline)) __m512 quad(const int V, const __m512 *qv, const float *const *kp) {
+    const __m512 w0 = pair(V, qv, kp), w1 = pair(V, qv, kp + 2); /* per 128-bit lane: the 4 keys' sums */
+    return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x44), _mm512_shuffle_ps(w0, w1, 0xEE));
+}
+static inline __attribute__((always_inline)) __m512 scores16(const int V, const __m512 *qv, const float *const *kp) {
+    const __m512 x0 = quad(V, qv, kp), x1 = quad(V, qv, kp + 4);
+    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+    const __m512 x2 = quad(V, qv, kp + 8), x3 = quad(V, qv, kp + 12);
+    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x88), _mm512_shuffle_f32x4(x2, x3, 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
-/* acc rows r0 .. r0+RC-1 (RC a constant, so the accumulators live in registers) += the tile's
- * probabilities times its values; the rows are first scaled by their softmax correction. */
-static inline __attribute__((always_inline)) void values(const int V, const int RC, const float *restrict vt, int w,
-                                                         const float *restrict sc, const float *restrict corr,
-                                                         float *restrict acc, int D) {
-    __m512 a[RC][V];
-    for (int i = 0; i < RC; i++) {
-        const __m512 c = _mm512_set1_ps(corr[i]);
-        for (int e = 0; e < V; e++) a[i][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)i * D + 16 * e), c);
+/* acc rows 0 .. RC-1 += the tile's probabilities times its values; the rows are first scaled by
+ * their softmax correction. RC rows x V vectors of sums stay in registers across the tile's keys.
+ * Written out per (RC, V) by a macro: as one function over constant-but-parameter sizes, GCC kept
+ * the sums in a stack array (a variable-length one), so every FMA went through memory (measured:
+ * a one-row step's attention at 4,000 tokens 1.3x slower, a 9-row block's 1.7x). */
+#define VALUES_FN(RC_, V_) \
+    static inline __attribute__((always_inline)) void values_##RC_##_##V_( \
+        const float *restrict vt, int w, const float *restrict sc, const float *restrict corr, float *restrict acc) { \
+        enum { D_ = 16 * V_ }; \
+        __m512 a[RC_][V_]; \
+        for (int i = 0; i < RC_; i++) { \
+            const __m512 c = _mm512_set1_ps(corr[i]); \
+            for (int e = 0; e < V_; e++) a[i][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D_ + 16 * e), c); \
+        } \
+        for (int j = 0; j < w; j++) { \
+            __m512 vv[V_]; \
+            for (int e = 0; e < V_; e++) vv[e] = _mm512_loadu_ps(vt + (size_t)j * D_ + 16 * e); \
+            for (int i = 0; i < RC_; i++) { \
+                const __m512 p = _mm512_set1_ps(sc[i * TILE + j]); \
+                for (int e = 0; e < V_; e++) a[i][e] = _mm512_fmadd_ps(p, vv[e], a[i][e]); \
+            } \
+        } \
+        for (int i = 0; i < RC_; i++) \
+            for (int e = 0; e < V_; e++) _mm512_storeu_ps(acc + i * D_ + 16 * e, a[i][e]); \
     }
-    for (int j = 0; j < w; j++) {
-        __m512 vv[V];
-        for (int e = 0; e < V; e++) vv[e] = _mm512_loadu_ps(vt + (size_t)j * D + 16 * e);
+/* head_dim 64 (SmolLM2, Llama 3.2 1B) and 128 (most others) */
+VALUES_FN(1, 4) VALUES_FN(2, 4) VALUES_FN(3, 4) VALUES_FN(4, 4) VALUES_FN(5, 4) VALUES_FN(6, 4)
+VALUES_FN(1, 8) VALUES_FN(2, 8) VALUES_FN(3, 8)
+
+/* The same for any other head size (and 4-6 rows at 128): the same arithmetic in the same order,
+ * through memory. */
+static void values_any(const int V, const int RC, const float *restrict vt, int w, const float *restrict sc,
+                       const float *restrict corr, float *restrict acc) {
+    const int D = 16 * V;
+    for (int i = 0; i < RC; i++)
+        for (int e = 0; e < D; e++) acc[(size_t)i * D + e] *= corr[i];
+    for (int j = 0; j < w; j++)
         for (int i = 0; i < RC; i++) {
             const __m512 p = _mm512_set1_ps(sc[i * TILE + j]);
-            for (int e = 0; e < V; e++) a[i][e] = _mm512_fmadd_ps(p, vv[e], a[i][e]);
+            for (int e = 0; e < V; e++) {
+                float *ai = acc + (size_t)i * D + 16 * e;
+                _mm512_storeu_ps(ai, _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + (size_t)j * D + 16 * e), _mm512_loadu_ps(ai)));
+            }
         }
-    }
-    for (int i = 0; i < RC; i++)
-        for (int e = 0; e < V; e++) _mm512_storeu_ps(acc + (size_t)i * D + 16 * e, a[i][e]);
+}
+
+static inline __attribute__((always_inline)) void values(const int V, const int RC, const float *restrict vt, int w,
+                                                         const float *restrict sc, const float *restrict corr,
+                                                         float *restrict acc) {
+#define VALUES_CASE(RC_, V_) if (V == V_ && RC == RC_) { values_##RC_##_##V_(vt, w, sc, corr, acc); return; }
+    VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4) VALUES_CASE(5, 4) VALUES_CASE(6, 4)
+    VALUES_CASE(1, 8) VALUES_CASE(2, 8) VALUES_CASE(3, 8)
+#undef VALUES_CASE
+    values_any(V, RC, vt, w, sc, corr, acc);
 }
 
 /* One thread's run: keys [j0, j1) of KV head g for its R = G * n query rows (row r: head g * G + r / n,
@@ -100,7 +148,7 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
                                                         const unsigned *restrict tree,
                                                         float *restrict m, float *restrict l, float *restrict acc) {
     const int R = G * n, D = 16 * V;
-    enum { RC = 6 }; /* rows per register block of the value pass (6 x 4 accumulators for D = 64) */
+    const int RC = V <= 4 ? 6 : 3; /* rows per register block of the value pass: 6 x 4 or 3 x 8 sums in registers */
     float sc[R * TILE] __attribute__((aligned(64)));
     float corr[R];
     for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
@@ -111,17 +159,14 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
         /* scores, 16 keys at a time; keys past a row's position (or past the run) get -inf */
         for (int j = t0; j < t1; j += 16) {
             const int cnt = (t1 - j < 16) ? t1 - j : 16;
+            const float *kp[16]; /* the group's keys; past the run's end key j again (masked below) */
+            for (int i = 0; i < 16; i++) kp[i] = kg + (size_t)(i < cnt ? j + i : j) * D;
             for (int r = 0; r < R; r++) {
                 const int t = r % n;
                 const float *qr = q + (size_t)t * q_stride + (size_t)(g * G + r / n) * D;
-                __m512 qv[V], part[16];
+                __m512 qv[MAX_VEC];
                 for (int e = 0; e < V; e++) qv[e] = _mm512_loadu_ps(qr + 16 * e);
-                for (int i = 0; i < 16; i++) {
-                    const float *kj = kg + (size_t)(i < cnt ? j + i : j) * D;
-                    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-                    for (int e = 1; e < V; e++) a = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kj + 16 * e), a);
-                    part[i] = a;
-                }
+                const __m512 dots = scores16(V, qv, kp);
                 __mmask16 vis;
                 if (tree == 0 || j + cnt <= s) {
                     int lim = (tree ? s - 1 : s + t) - j + 1; /* keys j .. j+lim-1 are visible to this row */
@@ -133,7 +178,7 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
                         if (j + i < s || ((tree[t] >> (j + i - s)) & 1u)) bits |= 1u << i;
                     vis = (__mmask16)bits;
                 }
-                _mm512_store_ps(sc + r * TILE + (j - t0), _mm512_mask_blend_ps(vis, ninf, _mm512_mul_ps(hsum16(part), vscale)));
+                _mm512_store_ps(sc + r * TILE + (j - t0), _mm512_mask_blend_ps(vis, ninf, _mm512_mul_ps(dots, vscale)));
             }
         }
         /* softmax bookkeeping per row */
@@ -162,16 +207,16 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
         /* values: each value vector loaded once per block of rows, the rows' sums in registers */
         const float *vt = vg + (size_t)t0 * D;
         int r0 = 0;
-        for (; r0 + RC <= R; r0 += RC) values(V, RC, vt, w, sc + r0 * TILE, corr + r0, acc + (size_t)r0 * D, D);
+        for (; r0 + RC <= R; r0 += RC) values(V, RC, vt, w, sc + r0 * TILE, corr + r0, acc + (size_t)r0 * D);
         /* the rest in one block too: a one-row step has R = G rows (3 for SmolLM2), and one pass per
          * row would put each row's sums on a dependency chain of its own per key */
         float *const sr = sc + r0 * TILE, *const ar = acc + (size_t)r0 * D;
         switch (R - r0) {
-        case 1: values(V, 1, vt, w, sr, corr + r0, ar, D); break;
-        case 2: values(V, 2, vt, w, sr, corr + r0, ar, D); break;
-        case 3: values(V, 3, vt, w, sr, corr + r0, ar, D); break;
-        case 4: values(V, 4, vt, w, sr, corr + r0, ar, D); break;
-        case 5: values(V, 5, vt, w, sr, corr + r0, ar, D); break;
+        case 1: values(V, 1, vt, w, sr, corr + r0, ar); break;
+        case 2: values(V, 2, vt, w, sr, corr + r0, ar); break;
+        case 3: values(V, 3, vt, w, sr, corr + r0, ar); break;
+        case 4: values(V, 4, vt, w, sr, corr + r0, ar); break;
+        case 5: values(V, 5, vt, w, sr, corr + r0, ar); break;
         default: break;
         }
     }
