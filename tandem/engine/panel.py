@@ -23,6 +23,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.tandem_panel_rows
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
     fn.restype = None
+    q8 = lib.tandem_panel_rows_q8
+    q8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    q8.restype = None
     lib.tandem_panel_available.restype = ctypes.c_int
     if not lib.tandem_panel_available():
         raise OSError("built without AVX-512")
@@ -95,4 +98,47 @@ class PackedWeight:
         x = x.contiguous()
         y = torch.empty(n, self.out_features, dtype=torch.float32)
         self._fn(x.data_ptr(), self._ptr, y.data_ptr(), n, self.out_features, k, torch.get_num_threads())
+        return y
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight `# [out, in]` as int8 with one scale per output: (q `# [out, in]` int8, scale `# [out]`
+    float32), q * scale[:, None] ~= w (symmetric, |q| <= 127, round to nearest)."""
+    w = w.detach().float()
+    scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)  # [out]
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+class PackedInt8Weight:
+    """An int8 weight with one scale per output (`quantize_int8`), in the panel layout
+    `# [ceil(out/16), in, 16]` int8; a call takes float32 activations x `# [n, in]` -> `# [n, out]`
+    float32: y = scale * (x . q), each output one chain in k order as in the float32 panels (so
+    row-invariant too). For a draft model: a draft step is bound by reading its weights, and int8
+    reads a quarter of float32's bytes; unlike torch's int8 matmul the activations stay float32."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        if library() is None:
+            raise RuntimeError("the panel GEMM kernel is not available on this host (needs AVX-512 and a C compiler)")
+        if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+            raise ValueError(f"PackedInt8Weight takes int8 q [out, in] and scale [out], got {q.dtype} "
+                             f"{tuple(q.shape)} and {tuple(scale.shape)}")
+        self.out_features, self.in_features = q.shape
+        panels = -(-self.out_features // LANES)
+        padded = torch.zeros(panels * LANES, self.in_features, dtype=torch.int8)
+        padded[: self.out_features] = q
+        self.packed = padded.view(panels, LANES, self.in_features).transpose(1, 2).contiguous()  # [panels, in, 16]
+        self.scale = torch.zeros(panels * LANES, dtype=torch.float32)  # [panels * 16], zero on padding
+        self.scale[: self.out_features] = scale.float()
+        self._fn = library().tandem_panel_rows_q8
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = x.shape
+        if n > MAX_ROWS:
+            return torch.cat([self(part) for part in x.split(MAX_ROWS)])
+        if k != self.in_features or x.device.type != "cpu":
+            raise ValueError(f"PackedInt8Weight takes CPU activations [n, {self.in_features}], got {tuple(x.shape)} on {x.device}")
+        x = x.float().contiguous()
+        y = torch.empty(n, self.out_features, dtype=torch.float32)
+        self._fn(x.data_ptr(), self.packed.data_ptr(), self.scale.data_ptr(), y.data_ptr(), n, self.out_features, k,
+                 torch.get_num_threads())
         return y

@@ -84,3 +84,36 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds() -> None:
 
 def test_the_kernel_is_a_candidate_where_it_builds() -> None:
     assert (GemmPath.tandem_panel in candidates()) == (panel.library() is not None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features, in_features", [(40, 24), (33, 70), (7, 5), (576, 1536)])
+def test_int8_panels_match_dequantize_then_matmul(out_features, in_features) -> None:
+    """The int8 kernel (a draft model's weights) against its reference: the int8 weights times their
+    scales, then F.linear; one scale per output, odd sizes as above."""
+    gen = torch.Generator().manual_seed(out_features + 1)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.05  # [out, in]
+    q, scale = panel.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert (q.float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-7  # rounding, no more
+    weight = panel.PackedInt8Weight(q, scale)
+    ref_w = q.float() * scale[:, None]  # [out, in]
+    for rows in (1, 2, 5, 9, 13, 17, panel.MAX_ROWS, 40):
+        x = torch.randn(rows, in_features, generator=gen)  # [rows, in]
+        y = weight(x)
+        assert y.shape == (rows, out_features) and y.dtype == torch.float32
+        torch.testing.assert_close(y, F.linear(x, ref_w), rtol=1e-4, atol=1e-4)
+        alone = torch.cat([weight(x[r : r + 1]) for r in range(rows)])
+        assert torch.equal(alone, y), rows  # row-invariant, like the float32 panels
+
+
+@needs_kernel
+def test_int8_panels_refuse_what_they_cannot_read() -> None:
+    q, scale = panel.quantize_int8(torch.randn(20, 8))
+    with pytest.raises(ValueError, match="int8 q"):
+        panel.PackedInt8Weight(q.float(), scale)
+    with pytest.raises(ValueError, match="int8 q"):
+        panel.PackedInt8Weight(q, scale[:3])
+    weight = panel.PackedInt8Weight(q, scale)
+    with pytest.raises(ValueError, match=r"\[n, 8\]"):
+        weight(torch.randn(2, 9))

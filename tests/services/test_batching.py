@@ -68,7 +68,13 @@ def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
 
     exact, quant = NativeLlama(tiny_loaded.model), NativeLlama(tiny_loaded.model, int8=True)
     if not quant.int8:
-        pytest.skip("this torch build has no CPU int8 kernel (drafts then run in float32)")
+        pytest.skip("no int8 kernel here, ours or torch's (drafts then run in float32)")
+    from tandem.engine import panel
+    from tandem.engine.llama import _Int8Weight
+
+    kernels = {w.kernel for layer in quant.layers for w in (layer[k] for k in NativeLlama._LINEAR)}
+    assert kernels <= {"panel", "torch"} and (panel.library() is None) == (kernels == {"torch"})
+    assert set(_Int8Weight.CHOSEN.values()) >= kernels  # chosen by measurement, once per shape
     ctx = _contexts(1)[0]
     a = exact.forward(ctx, exact.new_cache())  # [n, vocab]
     b = quant.forward(ctx, quant.new_cache())
