@@ -23,7 +23,7 @@ DRAFT_LAYERS = 4
 @pytest.fixture(scope="session")
 def smollm() -> LoadedModel:
     """The embedded default target. Session-scoped: do not mutate it."""
-    return load_model("default", progress=False)
+    return load_model("default", progress=False, precision="float32")  # the quantized default: tests/engine/test_quant.py
 
 
 @pytest.fixture(scope="session")

@@ -242,6 +242,7 @@ class VerifierCore:
             "resident_sessions": resident,
             "eos_token_ids": self.target.eos_token_ids,
             "draining": self.draining,
+            "precision": self.engine.runner.precision,  # what its output is lossless against
         }
 
     def session_ids(self) -> list[str]:

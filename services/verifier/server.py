@@ -78,7 +78,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def GetInfo(self, request, context):
         info = self.core.info()
-        return verifier_info_to_proto(VerifierRecord.coerce(info), info["vocab_size"], info["eos_token_ids"])
+        return verifier_info_to_proto(VerifierRecord.coerce(info), info["vocab_size"], info["eos_token_ids"],
+                                      info["precision"])
 
 
 HEADROOM_WORKERS = 16  # threads beyond the generations in flight: health checks, GetInfo, refusals
@@ -114,7 +115,7 @@ def serve(settings) -> None:
     from tandem.engine.models import load_model, resolve_device
 
     torch.set_num_threads(settings.threads or torch.get_num_threads())
-    target = load_model(settings.model, device=resolve_device(settings.device))
+    target = load_model(settings.model, device=resolve_device(settings.device), precision=settings.precision)
     publisher = None
     residency = settings.residency_config()
     if residency is not None:
@@ -129,6 +130,7 @@ def serve(settings) -> None:
                                                  health_address=health)
     server.start()
     core.start(settings.advertise_address or f"{settings.host}:{port}")
-    log.info("verifier %s serving %s on %s:%d", settings.verifier_id, target.model_id, settings.host, port)
+    log.info("verifier %s serving %s (%s) on %s:%d", settings.verifier_id, target.model_id,
+             core.engine.runner.precision, settings.host, port)
     wait_for_termination(server, health_servicer, grace_s=settings.drain_grace_s, on_drain=core.drain,
                          busy=core.running, on_cut=core.cut, on_stop=core.stop)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -80,6 +81,9 @@ class VerifierSettings(BaseModel):
     default_strategy: DraftStrategy = DraftStrategy.ngram
     threads: int | None = Field(None, ge=1)  # torch CPU threads (default: all cores)
     device: str = "auto"  # where the target runs: auto (cuda when available), cpu, cuda, cuda:N
+    # What the target computes in (models.load_model): for a GGUF model, "gguf" keeps its quantized
+    # weights (the target is that quantized model), "float32" dequantizes, "auto" = gguf where it runs
+    precision: Literal["auto", "gguf", "float32"] = "auto"
     metrics_port: int | None = Field(None, ge=0, le=65535)
     # Mutual TLS: the service port accepts only clients with a certificate from tls.ca (gateways),
     # and drafter streams present tls.cert and require a drafter certificate. None: plaintext.

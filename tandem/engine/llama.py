@@ -26,8 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem.engine import attend, gemv, panel, rowops
+from tandem.engine import attend, gemv, panel, quant, rowops
 from tandem.engine.gemm import SLOTS, GemmPath, GemmPlan, TunedLinear, parse_choice, plan_for
+from tandem.engine.quant import QuantizedLinears
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -190,9 +191,13 @@ class NativeLlama:
     LM_HEAD_CHUNK = 8192
     _LINEAR = ("wqkv", "wo", "wgu", "wdown")  # the weights of a layer that are matrix products
 
-    def __init__(self, model: torch.nn.Module, *, int8: bool = False, plan: GemmPlan | None = None):
+    def __init__(self, model: torch.nn.Module, *, int8: bool = False, plan: GemmPlan | None = None,
+                 quantized: QuantizedLinears | None = None):
         """`int8`: weights in int8 (`_Int8Weight`), for a draft model on a CPU; ignored elsewhere
-        or where the kernel is missing (`self.int8` says what was done). Float32 weights on a CPU
+        or where the kernel is missing (`self.int8` says what was done). `quantized`: the GGUF
+        file's quantized weights (`quant.load_gguf_linears`) for the weights it has in a kept kind,
+        run by quant.c as they are stored (float32 on a CPU with that kernel only; `self.precision`
+        says what was done); the rest as below. Float32 weights on a CPU
         go through the GEMM paths of `plan` (default: `gemm.plan_for` this model's shapes, measured
         once per machine; see tandem.engine.gemm for the lossless rule)."""
         check_supported(model)
@@ -232,22 +237,35 @@ class NativeLlama:
                 })
             self.final_norm = base.norm.weight.detach()  # [hidden]
             self.vocab = head.shape[0]
+            # the GGUF's quantized weights, where this forward can run them (else None: float32)
+            keep = (quantized is not None and not self.int8 and not p.is_cuda and p.dtype == torch.float32
+                    and quant.library() is not None)
+            qrows = [{k: quantized.layers[li][k] if keep else None for k in self._LINEAR}
+                     for li in range(self.n_layers)]
+            qhead = quantized.head if keep else None
+            self.precision = quantized.describe if keep else ("int8 draft" if self.int8 else str(self.dtype).replace("torch.", ""))
+            if qhead is not None:
+                head_parts = []
             if self.int8:
                 lin = _Int8Weight
             elif p.is_cuda or p.dtype != torch.float32:
                 lin = _PlainWeight
-            else:  # the plan covers exactly the shapes this forward multiplies by
-                tensors = [w[k] for w in self.layers for k in self._LINEAR] + head_parts
-                shapes = {tuple(t.shape) for t in tensors}
-                model_bytes = sum(t.numel() * t.element_size() for t in tensors)
-                self.gemm_plan = gemm_plan = plan or plan_for(sorted(shapes), model_bytes)
+            else:  # the plan covers exactly the shapes this forward multiplies by in float32
+                tensors = [w[k] for w, q in zip(self.layers, qrows) for k in self._LINEAR if q[k] is None] + head_parts
+                if tensors:
+                    shapes = {tuple(t.shape) for t in tensors}
+                    model_bytes = sum(t.numel() * t.element_size() for t in tensors)
+                    self.gemm_plan = gemm_plan = plan or plan_for(sorted(shapes), model_bytes)
 
                 def lin(w: torch.Tensor) -> TunedLinear:
                     return TunedLinear(w, gemm_plan)
-            for w in self.layers:
+            for w, q in zip(self.layers, qrows):
                 for k in self._LINEAR:
-                    w[k] = lin(w[k])
-            self.head_chunks = [lin(c) for c in head_parts]  # each [<=chunk, hidden]; one on a GPU or in int8
+                    w[k] = lin(w[k]) if q[k] is None else quant.QuantizedWeight(q[k])
+            # each [<=chunk, hidden]; one on a GPU, in int8 or quantized
+            self.head_chunks = [lin(c) for c in head_parts] if qhead is None else [quant.QuantizedWeight(qhead)]
+            # every GEMM on quant.c (row-invariant), none on the float32 paths
+            self.quantized_only = qhead is not None and all(q[k] is not None for q in qrows for k in self._LINEAR)
         theta = rope_theta(cfg)
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device) / self.head_dim))
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -258,12 +276,15 @@ class NativeLlama:
         """Whether every decode and verification block (up to attend.MAX_ROWS rows, several sessions'
         blocks in one call too) computes each row with the bits it would get alone: every GEMM on
         one of our row-invariant kernels (`--gemm tandem_gemv` or `tandem_panel`; the same one
-        everywhere, since the two sum in different orders), our attention kernel and our row kernel.
+        everywhere, since the two sum in different orders; a quantized weight always on quant.c),
+        our attention kernel and our row kernel.
         Then a verification block's logits equal plain decoding's bit for bit, so greedy output and
         logprobs are identical by construction, not only by the shared-path rule
         (docs/design-notes.md)."""
-        if self.gemm_plan is None or not self.row_kernel or not attend.serves(1, self.head_dim, self.dtype, self.device):
+        if not self.row_kernel or not attend.serves(1, self.head_dim, self.dtype, self.device):
             return False
+        if self.gemm_plan is None:  # no float32 GEMM: quantized weights (quant.c is row-invariant) or none of ours
+            return self.quantized_only
         paths = {parse_choice(entry, SLOTS[i])[0]
                  for entries in self.gemm_plan.choice.values() for i, entry in enumerate(entries)}
         return paths == {GemmPath.tandem_gemv} or paths == {GemmPath.tandem_panel}
@@ -273,8 +294,8 @@ class NativeLlama:
         """Whether a forward under `gemm.rows_alone()` is batch-invariant whatever the plan: our
         streaming kernel, attention and row kernels all serve this model on this machine. Fixed
         for the model's life, so asked once (the first request with logprobs builds the kernel)."""
-        return (self.gemm_plan is not None and self.row_kernel and gemv.library() is not None
-                and attend.serves(1, self.head_dim, self.dtype, self.device))
+        return ((self.quantized_only or (self.gemm_plan is not None and gemv.library() is not None))
+                and self.row_kernel and attend.serves(1, self.head_dim, self.dtype, self.device))
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, capacity)

@@ -47,6 +47,10 @@ class LoadedModel:
     # A draft with a reduced-vocabulary LM head (`tandem distill`): the token id of each head row
     # `# [head_rows]` int64. None: the head covers ids 0..vocab_size-1 in order.
     head_vocab: torch.Tensor | None = None
+    # The GGUF file's linear weights kept quantized (tandem.engine.quant), for the native forward to
+    # run as stored: set by load_model(precision="auto" | "gguf") for a GGUF source. None: float.
+    quantized: object | None = None  # tandem.engine.quant.QuantizedLinears
+    gguf_file: str | None = None  # the GGUF file it came from (peers that read the file itself: llama.cpp)
 
     @property
     def vocab_size(self) -> int:
@@ -84,6 +88,8 @@ def cache_dir() -> Path:
     )
     return Path(base)
 
+
+PRECISIONS = ("auto", "gguf", "float32")  # load_model's precision: what "the target" computes in
 
 DRAFT_MANIFEST = "tandem_draft.json"  # marks a directory written by `tandem distill`
 
@@ -239,12 +245,25 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    precision: str = "auto",
 ) -> LoadedModel:
+    """Load a target or draft (see the module's doc for what a name or path may be).
+
+    `precision` (PRECISIONS), for a GGUF source: "gguf" keeps the file's Q4_0 / Q4_1 / Q8_0 linear
+    weights quantized, and the target is then that quantized model as tandem.engine.quant computes
+    it (other types are dequantized); "float32" dequantizes everything, as before; "auto" is
+    "gguf" where the quantized kernel runs (a CPU with AVX-512 and a C compiler), else "float32".
+    A source that is not a GGUF file has one precision, its own: "gguf" is refused for it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if precision not in PRECISIONS:
+        raise ModelError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     hf_logging.disable_progress_bar()  # a cached load takes ~1 s; its bar is noise in service logs
     model_id, path = resolve_model_path(name_or_path)
+    gguf_file = path if path.suffix == ".gguf" else None
+    if precision == "gguf" and gguf_file is None:
+        raise ModelError(f"precision 'gguf' keeps a GGUF file's quantized weights, but {path} is not a GGUF file")
     if path.suffix == ".gguf":
         path = convert_gguf(path, progress=progress)
     head_vocab = None
@@ -258,7 +277,21 @@ def load_model(
         raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
     model.to(device)
     model.eval()
-    return LoadedModel(model_id=model_id, path=str(path), model=model, tokenizer=tokenizer, head_vocab=head_vocab)
+    loaded = LoadedModel(model_id=model_id, path=str(path), model=model, tokenizer=tokenizer, head_vocab=head_vocab,
+                         gguf_file=str(gguf_file) if gguf_file is not None else None)
+    if gguf_file is not None and precision != "float32":
+        from tandem.engine import quant
+
+        if quant.library() is None or torch.device(device).type != "cpu" or dtype != torch.float32:
+            if precision == "gguf":
+                raise ModelError("precision 'gguf' needs the quantized CPU kernel (AVX-512 and a C compiler) "
+                                 f"and a float32 CPU model; here: kernel {'built' if quant.library() else 'missing'}, "
+                                 f"device {device}, dtype {dtype}. Use precision float32")
+            log.info("%s: the quantized kernel does not run here, the target is the dequantized float32 model", model_id)
+        else:
+            loaded.quantized = quant.load_gguf_linears(gguf_file, model.config)
+            log.info("%s: keeping the GGUF's quantized weights (%s)", model_id, loaded.quantized.describe)
+    return loaded
 
 
 def _load_reduced_head(path: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:

@@ -144,10 +144,10 @@ class NativeBackend:
 
     name = "native"
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, quantized=None):
         from tandem.engine.llama import NativeLlama
 
-        self.impl = NativeLlama(model)
+        self.impl = NativeLlama(model, quantized=quantized)
 
     def new_cache(self):
         return self.impl.new_cache()
@@ -194,18 +194,27 @@ class NativeBackend:
             return self.impl.forward_batch([(ids, cache) for cache, ids in blocks], need, trees)
 
 
-def make_backend(model: torch.nn.Module, choice: str = "auto"):
-    """`auto`: native for the Llama family, transformers otherwise (saying why, once)."""
+def make_backend(model: torch.nn.Module, choice: str = "auto", quantized=None):
+    """`auto`: native for the Llama family, transformers otherwise (saying why, once). `quantized`
+    (LoadedModel.quantized): the GGUF's quantized weights, which only the native forward runs;
+    asking for the transformers forward with them is refused (it would be another target: the
+    dequantized float32 model; load with precision float32 for that)."""
     if choice == "transformers":
+        if quantized is not None:
+            from tandem.engine.models import ModelError
+
+            raise ModelError("the transformers forward runs the dequantized float32 model, not the GGUF's "
+                             "quantized one: load the model with precision float32 to use it")
         return HFBackend(model)
     from tandem.engine.llama import Unsupported
 
     try:
-        return NativeBackend(model)
+        return NativeBackend(model, quantized)
     except Unsupported as exc:
         if choice == "native":
             raise
-        log.warning("using the transformers forward, one session per forward: %s", exc)
+        log.warning("using the transformers forward, one session per forward%s: %s",
+                    " (the GGUF's quantized weights are dropped: the target is the float32 model)" if quantized else "", exc)
         return HFBackend(model)
 
 
@@ -217,7 +226,7 @@ class TargetRunner:
         self.loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.model = loaded.model
-        self.backend = make_backend(loaded.model, backend)
+        self.backend = make_backend(loaded.model, backend, loaded.quantized)
         self.costs = ForwardCosts()
         self.nominal_costs = NominalCosts()
         self.executor: BatchExecutor | None = None
@@ -225,6 +234,15 @@ class TargetRunner:
     @property
     def vocab_size(self) -> int:
         return self.loaded.vocab_size
+
+    @property
+    def precision(self) -> str:
+        """What the target computes in, which is what "lossless" is judged against: e.g.
+        "GGUF Q4_1 + Q8_0" (the file's quantized weights, tandem.engine.quant) or "float32"."""
+        impl = getattr(self.backend, "impl", None)
+        if impl is not None:
+            return impl.precision
+        return str(next(self.model.parameters()).dtype).replace("torch.", "")
 
     @property
     def trees_ok(self) -> bool:

@@ -9,7 +9,9 @@ Two families of modes run on the same target, the same prompts and the same proc
 
     ours   ar (plain decoding: the baseline), ngram (prompt lookup), model (a draft model)
     peers  hf-ar (`transformers`' plain `generate`: the peers' baseline), hf-prompt-lookup
-           (`generate(prompt_lookup_num_tokens=N)`), hf-assisted (`generate(assistant_model=draft)`)
+           (`generate(prompt_lookup_num_tokens=N)`), hf-assisted (`generate(assistant_model=draft)`);
+           llamacpp (llama.cpp's plain decoding of the same GGUF file, its family's baseline) and
+           llamacpp-lookup (its prompt-lookup decoding): tandem.tools.llamacpp
 
 Speed is reported as ratios, medians over prompts, next to the acceptance figures that explain them:
 
@@ -17,6 +19,7 @@ Speed is reported as ratios, medians over prompts, next to the acceptance figure
                                    baseline is `modes.M.baseline`: ar for ours, hf-ar for the peers
     modes.M.tokens_per_s_vs_hf_ar  the same ratio against hf-ar for every mode (when hf-ar ran): the
                                    like-for-like comparison of ours with the peer
+    modes.M.tokens_per_s_vs_llamacpp  likewise against llama.cpp's plain decoding (when it ran)
     modes.M.drafted_per_reply      drafted tokens per reply; under 3 the mode did not speculate
                                    (`modes.M.speculated` false) and its ratio is noise, not speculation
     modes.M.lossless               fraction of prompts whose output ids equal the baseline's (greedy)
@@ -61,7 +64,9 @@ MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "suffix": Draft
          # suffix decoding (alone, and in the hybrid) drafting chains only, no token trees
          "suffix-chain": DraftStrategy.suffix, "hybrid-chain": DraftStrategy.hybrid}
 SUFFIX_MODES = ("suffix", "hybrid", "suffix-chain", "hybrid-chain")  # the modes that read a suffix store
-PEER_MODES = ("hf-ar", "hf-prompt-lookup", "hf-assisted")
+HF_MODES = ("hf-ar", "hf-prompt-lookup", "hf-assisted")  # transformers' generate on the same model
+LLAMACPP_MODES = ("llamacpp", "llamacpp-lookup")  # llama.cpp on the same GGUF file (tandem.tools.llamacpp)
+PEER_MODES = (*HF_MODES, *LLAMACPP_MODES)
 ALL_MODES = (*MODES, *PEER_MODES)
 HF_LOOKUP_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens
 # How a record's functions (BFCL) reach the model: "prompt", as a tool list in its system message;
@@ -76,8 +81,9 @@ NO_CATEGORY = "(none)"  # by_category's key for the records of a set that has ca
 
 
 def baseline_of(mode: str) -> str:
-    """The plain decoding a mode is compared with: our ar for ours, transformers' for the peers."""
-    return "hf-ar" if mode in PEER_MODES else "ar"
+    """The plain decoding a mode is compared with: our ar for ours, each peer's own plain decoding
+    for the peers (hf-ar for transformers', llamacpp for llama.cpp's)."""
+    return "hf-ar" if mode in HF_MODES else "llamacpp" if mode in LLAMACPP_MODES else "ar"
 
 
 def seconds_per_token(seconds: float, tokens: int) -> float | None:
@@ -184,6 +190,7 @@ class EngineTarget:
         self.engine = engine
         self.tokenizer = tokenizer
         self.hf_lookup_tokens = hf_lookup_tokens
+        self.llamacpp = None  # tandem.tools.llamacpp.LlamaCppPeer, loaded when a llama.cpp mode runs
         self.tools = tools
         self.model_id = engine.target.model_id
         self.draft_id = engine.draft.model_id if engine.draft is not None else None
@@ -243,7 +250,19 @@ class EngineTarget:
             for _ in gen:
                 pass
             return gen.result()
+        if mode in LLAMACPP_MODES:
+            target = self.engine.target
+            stop = sampling.stop_ids(target.eos_token_ids)
+            return self.llamacpp_peer().generate(ids, sampling, stop, mode,
+                                                 min(sampling.max_new_tokens, target.max_context - len(ids)))
         return self.hf_generate(ids, sampling, mode)
+
+    def llamacpp_peer(self):
+        if self.llamacpp is None:
+            from tandem.tools.llamacpp import LlamaCppPeer
+
+            self.llamacpp = LlamaCppPeer(self.engine.target.gguf_file, n_ctx=self.engine.target.max_context)
+        return self.llamacpp
 
     def hf_generate(self, ids: list[int], sampling: SamplingParams, mode: str) -> GenerationResult:
         """One `transformers` `generate` call, timed like ours (wall time, prefill included), its
@@ -396,6 +415,8 @@ def run_bench(
         if isinstance(engine, Engine) else engine
     )
     modes = _check_modes(target, modes)
+    if any(m in LLAMACPP_MODES for m in modes):
+        target.llamacpp_peer()  # loads the file now: a missing binding or a non-GGUF model fails before the run
     if tools != "prompt":
         if not isinstance(target, EngineTarget):
             raise ValueError("tools as API tools need an in-process engine; a remote target gets the record's tool list text")
@@ -526,7 +547,10 @@ def run_bench(
         "limit": len(records),
         "repeats": repeats,
         "turns": turns,
-        "hf_lookup_tokens": hf_lookup_tokens if any(m in PEER_MODES for m in modes) else None,
+        "hf_lookup_tokens": hf_lookup_tokens if any(m in HF_MODES for m in modes) else None,
+        "llamacpp": None if not any(m in LLAMACPP_MODES for m in modes) else {
+            "llama_cpp_python": target.llamacpp.version, "threads": target.llamacpp.threads,
+            "lookup_tokens": target.llamacpp.lookup_tokens, "gguf": target.engine.target.gguf_file},
         "machine": target.machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sampling": sampling.model_dump(mode="json"),
@@ -576,6 +600,7 @@ def summarize(units: Sequence[dict[str, _Figures]], modes: Sequence[str], greedy
             "baseline": base,
             "speedup_vs_ar": median_speedup(timing[base], timing[m]),
             "tokens_per_s_vs_hf_ar": median_speedup(timing["hf-ar"], timing[m]) if "hf-ar" in modes else None,
+            "tokens_per_s_vs_llamacpp": median_speedup(timing["llamacpp"], timing[m]) if "llamacpp" in modes else None,
             "acceptance_rate": None,
             "mean_accepted_len": None,
             "drafted_by_position": None,
@@ -750,8 +775,8 @@ def _check_modes(target, modes: Sequence[str]) -> list[str]:
     unsupported = [m for m in modes if m not in supported]
     if unsupported:
         raise ValueError(
-            f"mode(s) {', '.join(map(repr, unsupported))} run in process only (transformers' generate on the "
-            f"same model); this target runs {', '.join(supported)}"
+            f"mode(s) {', '.join(map(repr, unsupported))} run in process only (peers: transformers' generate or "
+            f"llama.cpp on the same model); this target runs {', '.join(supported)}"
         )
     if len(set(modes)) != len(modes):
         raise ValueError(f"modes repeat: {list(modes)}")
@@ -760,8 +785,10 @@ def _check_modes(target, modes: Sequence[str]) -> list[str]:
             raise ValueError(f"mode {m!r} needs a draft model (--draft-model PATH)")
     out = list(modes)
     # each family's baseline runs whenever a mode of the family does, first among its family
-    if any(m in PEER_MODES for m in out) and "hf-ar" not in out:
-        out.insert(next(i for i, m in enumerate(out) if m in PEER_MODES), "hf-ar")
+    if any(m in HF_MODES for m in out) and "hf-ar" not in out:
+        out.insert(next(i for i, m in enumerate(out) if m in HF_MODES), "hf-ar")
+    if any(m in LLAMACPP_MODES for m in out) and "llamacpp" not in out:
+        out.insert(next(i for i, m in enumerate(out) if m in LLAMACPP_MODES), "llamacpp")
     if any(m in MODES for m in out) and "ar" not in out:
         out.insert(0, "ar")
     return out

@@ -84,10 +84,13 @@ def bandwidth() -> tuple[float, float]:
 def weight_bytes(native) -> int:
     """Bytes of the weights a one-token step of a NativeLlama reads: every linear layer, the norms
     and the LM head (the input embedding contributes one row per token and is left out)."""
-    total = sum(c.w.numel() * c.w.element_size() for c in native.head_chunks)
+    def size(lin) -> int:  # a quantized weight (tandem.engine.quant) says its own size
+        return lin.nbytes if hasattr(lin, "nbytes") else lin.w.numel() * lin.w.element_size()
+
+    total = sum(size(c) for c in native.head_chunks)
     for layer in native.layers:
         for key in ("wqkv", "wo", "wgu", "wdown"):
-            total += layer[key].w.numel() * layer[key].w.element_size()
+            total += size(layer[key])
         total += 2 * layer["in_norm"].numel() * layer["in_norm"].element_size()
     return total
 

@@ -71,6 +71,17 @@ DraftModelOpt = Annotated[
         "tokenizer (default: the target's draft made by `tandem distill`, when there is one).",
     ),
 ]
+PrecisionOpt = Annotated[
+    str,
+    typer.Option(
+        "--precision",
+        help="What the target computes in, which is what 'lossless' is judged against. For a .gguf "
+        "model: 'gguf' keeps the file's Q4_0 / Q4_1 / Q8_0 weights quantized and runs them as stored "
+        "(faster on a CPU: a quarter to a half of the bytes per step); 'float32' dequantizes it; "
+        "'auto' is gguf where its kernel runs (AVX-512 and a C compiler), else float32. Other models "
+        "run in their own precision.",
+    ),
+]
 ThreadsOpt = Annotated[
     Optional[int],
     typer.Option("--threads", help="Torch CPU threads for this process (default: all cores).", min=1),
@@ -137,13 +148,13 @@ def _report(record: dict, out: Path | None, as_json: bool) -> None:
         print(text)
 
 
-def _load(model: str, draft_model: str | None, *, needs_draft: bool = False):
+def _load(model: str, draft_model: str | None, *, needs_draft: bool = False, precision: str = "auto"):
     """Target and draft. A command that needs a draft and got none takes the target's distilled
     draft from the cache (`tandem distill` writes it there), saying so."""
     from tandem.engine.models import ModelError, check_same_tokenizer, find_default_draft, load_model
 
     try:
-        target = load_model(model)
+        target = load_model(model, precision=precision)
         if needs_draft and not draft_model:
             found = find_default_draft(target.model_id)
             if found is None:
@@ -186,6 +197,7 @@ def generate(
     adaptive: AdaptiveOpt = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
     threads: ThreadsOpt = None,
+    precision: PrecisionOpt = "auto",
 ) -> None:
     """Generate a reply on one machine, streaming the text, then print speculation statistics."""
     _setup(threads)
@@ -202,7 +214,8 @@ def generate(
         spec = SpecConfig(strategy=draft, max_draft_tokens=max_draft_tokens, adaptive=adaptive)
     except ValueError as exc:
         _fail(str(exc))
-    target, draft_lm = _load(model, draft_model, needs_draft=draft in (DraftStrategy.model, DraftStrategy.hybrid))
+    target, draft_lm = _load(model, draft_model, needs_draft=draft in (DraftStrategy.model, DraftStrategy.hybrid),
+                             precision=precision)
     engine = Engine(target, draft_lm, spec)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     context = apply_chat_template(target.tokenizer, messages)
@@ -272,6 +285,7 @@ def calibrate(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON record here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON record on stdout (the tables go to stderr).")] = False,
     threads: ThreadsOpt = None,
+    precision: PrecisionOpt = "auto",
 ) -> None:
     """Measure this machine: the target's forward cost at 1-17 new tokens and several contexts, the
     memory bandwidth and the bound it sets on a one-token step, and the GEMM path chosen per shape.
@@ -291,9 +305,9 @@ def calibrate(
             raise ValueError
     except ValueError:
         _fail(f"--contexts must be positive integers separated by commas, not {contexts!r}")
-    target, _ = _load(model, None)
+    target, _ = _load(model, None, precision=precision)
     try:
-        native = NativeLlama(target.model)
+        native = NativeLlama(target.model, quantized=target.quantized)
     except Unsupported as exc:
         _fail(f"calibrate measures the native forward, which {target.model_id} cannot use: {exc}")
     curve = measure(native, contexts=tuple(ctx))
@@ -309,7 +323,7 @@ def bench(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Prompt set: a bundled development set by name (humaneval, mt_bench, gsm8k, bfcl_multiple), a multi-session workload built from them (agent_tools: 12 two-turn sessions sharing one tool list; code_twice: HumanEval prompts asked twice, renamed the second time; use --turns 2 and --suffix-warm), or a file: MT-Bench/GSM8K (turns), HumanEval (prompt), BFCL (question + function), or any JSONL with prompt / messages / turns and optional category.")],
     limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Use the first N prompts.", min=1)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens per generation.", min=1)] = 128,
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram (prompt lookup), suffix (suffix decoding: see --suffix-warm), model, hybrid (prompt lookup, suffix decoding or the draft model per step), hybrid-nosuffix (the hybrid without suffix decoding), suffix-chain and hybrid-chain (suffix decoding without token trees) (a draft model: --draft-model, or the target's distilled draft); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs a draft model too).")] = "ar,ngram",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: ar (plain decoding, the baseline), ngram (prompt lookup), suffix (suffix decoding: see --suffix-warm), model, hybrid (prompt lookup, suffix decoding or the draft model per step), hybrid-nosuffix (the hybrid without suffix decoding), suffix-chain and hybrid-chain (suffix decoding without token trees) (a draft model: --draft-model, or the target's distilled draft); transformers' generate on the same model as peers: hf-ar (their baseline), hf-prompt-lookup, hf-assisted (needs a draft model too); llama.cpp on the same GGUF file (pip install 'tandem[peers]'): llamacpp (its plain decoding, its family's baseline), llamacpp-lookup (its prompt-lookup decoding).")] = "ar,ngram",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Also print the JSON report on stdout (the tables go to stderr).")] = False,
     model: ModelOpt = "default",
@@ -330,6 +344,7 @@ def bench(
     curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Measure the machine's cost curve (`tandem calibrate`, 100 and 1,000 tokens of context) before the run and record it in the report (in process only).")] = True,
     threads: ThreadsOpt = None,
     suffix_warm: Annotated[bool, typer.Option("--suffix-warm/--suffix-cold", help="Suffix decoding's cross-session store (modes suffix, hybrid): warm = fed by the finished answers of the earlier prompts of this run (a prompt's own answers join only after all its modes ran); cold = empty. In process only.")] = False,
+    precision: PrecisionOpt = "auto",
 ) -> None:
     """Benchmark modes side by side in one process, interleaved per prompt, against plain decoding.
 
@@ -355,8 +370,8 @@ def bench(
         grammar = _grammar_option(response_format)
         if grammar is not None and tools == "required":
             raise ValueError("--tools required brings its own grammar (one call of the record's functions); leave out --response-format")
-        if grammar is not None and any(m.startswith("hf-") for m in mode_list):
-            raise ValueError("--response-format: transformers' modes (hf-*) run without a grammar; leave them out")
+        if grammar is not None and any(m.startswith(("hf-", "llamacpp")) for m in mode_list):
+            raise ValueError("--response-format: the peers' modes (hf-*, llamacpp*) run without a grammar; leave them out")
         sampling = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, grammar=grammar)
         spec = SpecConfig(max_draft_tokens=max_draft_tokens, adaptive=adaptive)
     except ValueError as exc:
@@ -370,7 +385,7 @@ def bench(
                                turns=turns)
         else:
             needs = any(m in ("model", "hybrid", "hybrid-nosuffix", "hybrid-chain", "hf-assisted") for m in mode_list)
-            target, draft_lm = _load(model, draft_model, needs_draft=needs)
+            target, draft_lm = _load(model, draft_model, needs_draft=needs, precision=precision)
             engine = Engine(target, draft_lm, spec)
             machine_curve = None
             impl = getattr(engine.runner.backend, "impl", None)
@@ -382,6 +397,8 @@ def bench(
             result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
                                sampling=sampling, repeats=repeats, turns=turns, hf_lookup_tokens=hf_lookup_tokens,
                                tools=tools, suffix_warm=suffix_warm)
+            # what "lossless" was judged against (the hf-* modes run transformers' float32 model)
+            result["config"]["precision"] = engine.runner.precision
             if machine_curve is not None:
                 result["config"]["machine"]["cost_curve"] = machine_curve.as_dict()
     except ValueError as exc:
@@ -726,6 +743,7 @@ def verifier(
     draft_wait_ms: Annotated[float, typer.Option("--draft-wait-ms", help="Longest wait for a draft block before a plain step.", min=0)] = 10.0,
     max_draft_tokens: MaxDraftOpt = 8,
     device: Annotated[str, typer.Option("--device", help="Where the target runs: auto (CUDA when a GPU is visible), cpu, cuda, cuda:N.")] = "auto",
+    precision: PrecisionOpt = "auto",
     heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Registration heartbeat period (TTL = 5x).", min=0.1)] = 2.0,
     threads: ThreadsOpt = None,
     log_level: LogLevelOpt = "info",
@@ -747,7 +765,7 @@ def verifier(
     from tandem.services.verifier.server import serve
     from tandem.services.verifier.settings import VerifierSettings
 
-    fields = dict(host=host, port=port, model=model, device=device, redis_url=redis_url, advertise_address=advertise_address,
+    fields = dict(host=host, port=port, model=model, device=device, precision=precision, redis_url=redis_url, advertise_address=advertise_address,
                   kv_capacity_tokens=kv_capacity_tokens, max_sessions=max_sessions, draft_wait_ms=draft_wait_ms,
                   kv_memory_fraction=kv_memory_fraction, admission_queue=admission_queue,
                   admission_wait_s=admission_wait_s, prefill_chunk_tokens=prefill_chunk_tokens,

@@ -214,6 +214,7 @@ class VerifierInfo(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    PRECISION_FIELD_NUMBER: _builtins.int
     verifier_id: _builtins.str
     """Unique id of this verifier process (stable for its lifetime)."""
     model_id: _builtins.str
@@ -232,6 +233,10 @@ class VerifierInfo(_message.Message):
     """Shutting down (SIGTERM): running calls may finish, new ones are refused with UNAVAILABLE and
     belong elsewhere. Also published in Redis (the registration's `draining` field).
     """
+    precision: _builtins.str
+    """What the target computes in, which is what its output is lossless against: e.g.
+    "GGUF Q4_1 + Q8_0" (a GGUF file's quantized weights run as stored) or "float32".
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The model's end-of-sequence token ids; they stop generation unless ignore_eos."""
@@ -248,10 +253,11 @@ class VerifierInfo(_message.Message):
         active_sessions: _builtins.int = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         draining: _builtins.bool = ...,
+        precision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "draining", b"draining", "eos_token_ids", b"eos_token_ids", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "max_context_tokens", b"max_context_tokens", "model_id", b"model_id", "verifier_id", b"verifier_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "draining", b"draining", "eos_token_ids", b"eos_token_ids", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "max_context_tokens", b"max_context_tokens", "model_id", b"model_id", "precision", b"precision", "verifier_id", b"verifier_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,12 +29,12 @@ EXPECTED_OPTIONS = {
     "generate": [
         "--prompt", "-p", "--system", "--draft", "--model", "-m", "--draft-model", "--max-new-tokens", "-n",
         "--temperature", "-t", "--top-p", "--top-k", "--seed", "--max-draft-tokens", "-k", "--adaptive",
-        "--fixed", "--json", "--threads",
+        "--fixed", "--json", "--threads", "--precision",
     ],
     "bench": [
         "--dataset", "-d", "--limit", "-l", "--max-new-tokens", "-n", "--modes", "--out", "-o", "--model", "-m",
         "--draft-model", "--temperature", "-t", "--seed", "--max-draft-tokens", "-k", "--adaptive", "--fixed",
-        "--repeats", "--threads",
+        "--repeats", "--threads", "--precision",
     ],
     "convert": ["--model", "-m"],
 }

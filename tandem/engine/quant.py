@@ -1,0 +1,267 @@
+"""Block-quantized linear weights (GGUF's Q4_0, Q4_1, Q8_0) run as they are stored: quant.c.
+
+`QuantRows` holds a weight's rows unpacked (one quantized value per input, a scale and an offset
+per block of 32 inputs, every kind written as w = q * d + m); it is made from a GGUF tensor's raw
+blocks (`from_gguf`) or by quantizing a float weight as llama.cpp's quantizers do (`quantize`, for
+tests and tiny models), and can be concatenated (fused QKV, gate/up) and re-ordered by rows (the
+Q/K permutation of GGUF Llama files). `QuantizedWeight` packs it into quant.c's panel layout once;
+a call takes float32 activations `# [n, in]` and returns `# [n, out]`.
+
+The compiled kernel needs AVX-512 and a C compiler (built at first use like gemv.c); elsewhere
+`library()` is None and a GGUF target is dequantized to float32 as before (tandem.engine.models).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.engine import gemv
+
+SOURCE = Path(__file__).with_name("quant.c")
+LANES = 16  # outputs per panel
+BLOCK = 32  # inputs per scale
+KINDS = ("Q4_0", "Q4_1", "Q8_0")  # GGUF tensor types kept quantized; others are dequantized
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    for name in ("tandem_quant_rows_q4", "tandem_quant_rows_q8"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        fn.restype = None
+    lib.tandem_quant_available.restype = ctypes.c_int
+    if not lib.tandem_quant_available():
+        raise OSError("built without AVX-512")
+
+
+_kernel = gemv.Kernel(SOURCE, "quantized GEMM kernel (AVX-512)", _bind)
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot be built or has no AVX-512 here."""
+    return _kernel.library()
+
+
+@dataclass
+class QuantRows:
+    """A quantized weight `# [rows, k]`, k a multiple of 32, as w[r, i] = q[r, i] * d[r, i // 32] + m[r, i // 32].
+
+    kind: the GGUF type it came from or follows. q: uint8 0..15 for Q4_0/Q4_1, int8 -127..127 for
+    Q8_0 `# [rows, k]`; d, m: float32 `# [rows, k // 32]` (Q4_0: m = -8 d; Q8_0: m = 0), values
+    that float16 holds exactly, as the file does."""
+
+    kind: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    def __post_init__(self) -> None:
+        rows, k = self.q.shape
+        if self.kind not in KINDS:
+            raise ValueError(f"quantized kinds are {KINDS}, got {self.kind!r}")
+        want = torch.int8 if self.kind == "Q8_0" else torch.uint8
+        if self.q.dtype != want or k % BLOCK or self.d.shape != (rows, k // BLOCK) or self.m.shape != self.d.shape:
+            raise ValueError(f"{self.kind} rows need q {want} [rows, k % 32 == 0] and d, m [rows, k/32]; got q "
+                             f"{self.q.dtype} {tuple(self.q.shape)}, d {tuple(self.d.shape)}, m {tuple(self.m.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def q4(self) -> bool:
+        return self.kind != "Q8_0"
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight `# [rows, k]` (the reference the kernel is tested against)."""
+        d = self.d.repeat_interleave(BLOCK, 1)
+        m = self.m.repeat_interleave(BLOCK, 1)
+        return torch.addcmul(m, self.q.float(), d)
+
+    @staticmethod
+    def from_gguf(kind: str, raw: np.ndarray, k: int) -> QuantRows:
+        """A GGUF tensor's raw blocks `# [rows, k / 32 * block bytes]` uint8 (gguf.GGUFReader's
+        `data` for these types) in GGUF's layout: per block a float16 scale d (and for Q4_1 an
+        offset m), then the values; a Q4 block holds inputs 0..15 in its bytes' low nibbles and
+        16..31 in their high nibbles."""
+        if kind not in KINDS:
+            raise ValueError(f"quantized kinds are {KINDS}, got {kind!r}")
+        rows = raw.shape[0]
+        blocks = k // BLOCK
+        size = _BLOCK_BYTES[kind]
+        if k % BLOCK or raw.dtype != np.uint8 or raw.shape[1:] != (blocks * size,):
+            raise ValueError(f"{kind} raw data for {k} inputs is uint8 [rows, {blocks * size}], got {raw.dtype} {raw.shape}")
+        b = np.ascontiguousarray(raw).reshape(rows, blocks, size)
+        d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, blocks]
+        if kind == "Q8_0":
+            q = b[:, :, 2:].copy().view(np.int8).reshape(rows, k)
+            m = np.zeros_like(d)
+        else:
+            off = 2 if kind == "Q4_0" else 4
+            qs = b[:, :, off:]  # [rows, blocks, 16]
+            q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(rows, k)
+            m = -8.0 * d if kind == "Q4_0" else b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return QuantRows(kind, torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(d), torch.from_numpy(m))
+
+    @staticmethod
+    def quantize(w: torch.Tensor, kind: str) -> QuantRows:
+        """Quantize a float weight `# [rows, k]` the way llama.cpp's reference quantizers do (scales
+        rounded to float16, as a GGUF file stores them): Q8_0 symmetric by the block's largest
+        magnitude, Q4_0 by its signed extreme (d = extreme / -8), Q4_1 from the block's min to max."""
+        rows, k = w.shape
+        if k % BLOCK:
+            raise ValueError(f"a quantized weight's input size is a multiple of {BLOCK}, got {k}")
+        x = w.detach().float().reshape(rows, k // BLOCK, BLOCK)
+        half = lambda t: t.to(torch.float16).float()  # noqa: E731 - the file's precision for d and m
+        recip = lambda d: torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None]  # noqa: E731
+        # as llama.cpp's reference quantizers: q from the float32 scale, the scale stored as float16
+        if kind == "Q8_0":
+            d = x.abs().amax(-1) / 127
+            q = (x * recip(d)).round().clamp(-127, 127).to(torch.int8)
+            d, m = half(d), torch.zeros_like(d)
+        elif kind == "Q4_0":
+            d = x.gather(-1, x.abs().argmax(-1, keepdim=True))[..., 0] / -8  # the signed extreme maps to q = 0
+            q = (x * recip(d) + 8.5).trunc().clamp(0, 15).to(torch.uint8)
+            d = half(d)
+            m = -8 * d
+        elif kind == "Q4_1":
+            lo, hi = x.amin(-1), x.amax(-1)
+            d = (hi - lo) / 15
+            q = ((x - lo[..., None]) * recip(d) + 0.5).trunc().clamp(0, 15).to(torch.uint8)
+            d, m = half(d), half(lo)
+        else:
+            raise ValueError(f"quantized kinds are {KINDS}, got {kind!r}")
+        return QuantRows(kind, q.reshape(rows, k), d, m)
+
+    @staticmethod
+    def cat(parts: list[QuantRows]) -> QuantRows:
+        """Rows of several weights of one kind and input size, stacked (fused projections)."""
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot stack weights of kinds {sorted(kinds)} into one")
+        return QuantRows(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                         torch.cat([p.m for p in parts]))
+
+    def take_rows(self, order: torch.Tensor) -> QuantRows:
+        """Rows in the order given `# [rows]` (a permutation)."""
+        return QuantRows(self.kind, self.q[order], self.d[order], self.m[order])
+
+
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """`# [rows, c]` -> `# [ceil(rows/16), c, 16]`: 16 rows side by side, zero rows padding the last."""
+    rows, c = t.shape
+    panels = -(-rows // LANES)
+    padded = torch.zeros(panels * LANES, c, dtype=t.dtype)
+    padded[:rows] = t
+    return padded.view(panels, LANES, c).transpose(1, 2).contiguous()
+
+
+class QuantizedWeight:
+    """A quantized weight packed once into quant.c's layout; a call takes float32 activations
+    x `# [n, in]` -> `# [n, out]` float32, any n. Row-invariant: a row gets the same bits alone or in
+    a block of any size (tested)."""
+
+    def __init__(self, rows: QuantRows):
+        if library() is None:
+            raise RuntimeError("the quantized GEMM kernel is not available on this host (needs AVX-512 and a C compiler)")
+        self.kind = rows.kind
+        self.out_features, self.in_features = rows.shape
+        q = _panels(rows.q)  # [panels, k, 16]
+        if rows.q4:  # two inputs per byte: input 2j in the low nibble, 2j + 1 in the high one
+            q = q[:, 0::2] | (q[:, 1::2] << 4)  # [panels, k/2, 16]
+        self.q = q.contiguous()
+        self.dm = torch.stack([_panels(rows.d), _panels(rows.m)]).contiguous()  # [2, panels, k/32, 16]
+        self.nbytes = self.q.numel() * self.q.element_size() + self.dm.numel() * 4
+        lib = library()
+        self._fn = lib.tandem_quant_rows_q4 if rows.q4 else lib.tandem_quant_rows_q8
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = x.shape
+        if k != self.in_features or x.device.type != "cpu" or x.dtype != torch.float32:
+            raise ValueError(f"a quantized weight takes float32 CPU activations [n, {self.in_features}], "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+        x = x.contiguous()
+        y = torch.empty(n, self.out_features, dtype=torch.float32)
+        self._fn(x.data_ptr(), self.q.data_ptr(), self.dm.data_ptr(), y.data_ptr(), n, self.out_features, k,
+                 torch.get_num_threads())
+        return y
+
+
+@dataclass
+class QuantizedLinears:
+    """The linear weights of a Llama-family GGUF kept quantized, in NativeLlama's fused layout:
+    per layer "wqkv" (q, k, v rows stacked), "wo", "wgu" (gate, up) and "wdown", each a QuantRows
+    or None where the file's type is not one of KINDS (or the parts of a fused weight differ in
+    kind: that weight is dequantized to float32 as before); `head` likewise (the output matrix, or
+    the token embedding where the file ties them)."""
+
+    path: str
+    layers: list[dict[str, QuantRows | None]]
+    head: QuantRows | None
+
+    @property
+    def kinds(self) -> list[str]:
+        """The quantized kinds in use, most weights first (e.g. ["Q4_1", "Q8_0"])."""
+        count: dict[str, int] = {}
+        for rows in [r for layer in self.layers for r in layer.values()] + [self.head]:
+            if rows is not None:
+                count[rows.kind] = count.get(rows.kind, 0) + rows.q.numel()
+        return sorted(count, key=lambda k: -count[k])
+
+    @property
+    def describe(self) -> str:
+        """One phrase for logs and /v1/models: 'GGUF Q4_1 + Q8_0', or 'float32' when nothing is kept."""
+        return "GGUF " + " + ".join(self.kinds) if self.kinds else "float32"
+
+
+def _llama_row_order(rows: int, heads: int) -> torch.Tensor:
+    """GGUF Llama files store q and k rows interleaved per head for llama.cpp's RoPE (pairs (i, i + D/2)
+    side by side); the order `# [rows]` that gives back the Hugging Face rows (what transformers'
+    GGUF loader undoes for the float weights)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def load_gguf_linears(path: str | Path, config) -> QuantizedLinears:
+    """Read the quantized linear weights of a Llama-family GGUF (the file transformers dequantizes
+    for the same model: `config` is that model's config) without dequantizing them."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "llama"
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+
+    def rows(name: str, permute_heads: int | None = None) -> QuantRows | None:
+        t = tensors.get(name)
+        if t is None or t.tensor_type.name not in KINDS:
+            return None
+        k = int(t.shape[0])  # GGUF's first dimension is the input size
+        out = QuantRows.from_gguf(t.tensor_type.name, np.asarray(t.data), k)
+        if permute_heads and arch == "llama":
+            out = out.take_rows(_llama_row_order(out.shape[0], permute_heads))
+        return out
+
+    def fused(parts: list[QuantRows | None]) -> QuantRows | None:
+        if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+            return None
+        return QuantRows.cat(parts)
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        b = f"blk.{i}."
+        layers.append({
+            "wqkv": fused([rows(b + "attn_q.weight", heads), rows(b + "attn_k.weight", kv_heads), rows(b + "attn_v.weight")]),
+            "wo": rows(b + "attn_output.weight"),
+            "wgu": fused([rows(b + "ffn_gate.weight"), rows(b + "ffn_up.weight")]),
+            "wdown": rows(b + "ffn_down.weight"),
+        })
+    head = rows("output.weight") if "output.weight" in tensors else rows("token_embd.weight")
+    return QuantizedLinears(str(path), layers, head)
