@@ -74,8 +74,12 @@ def test_without_a_compiler_the_path_is_not_offered(tmp_path) -> None:
     """In a fresh process with no usable compiler and an empty cache: no crash, no candidate, and
     forcing the path says why."""
     code = (
-        "from tandem.engine import gemv, gemm, panel, rowops\n"
+        "from tandem.engine import gemv, gemm, panel, quant, rowops\n"
+        "import torch\n"
+        "from tandem.engine.llama import _Int8Weight\n"
         "assert gemv.library() is None\n"
+        "assert quant.library() is None  # a GGUF target is then dequantized (tests/engine/test_quant.py)\n"
+        "assert _Int8Weight(torch.randn(32, 64)).kernel == 'torch'  # a draft's int8 on torch's kernel\n"
         "assert rowops.library() is None  # the RMSNorm kernel too: the forward keeps torch's\n"
         "assert panel.library() is None  # and the panel kernel\n"
         "assert gemm.GemmPath.tandem_gemv not in gemm.candidates()\n"

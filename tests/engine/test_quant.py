@@ -197,3 +197,11 @@ def test_a_verifier_says_its_precision_and_serves_the_quantized_target(tiny_load
         channel.close()
         server.stop(None)
         core.stop()
+
+
+def test_where_the_kernel_cannot_run_a_gguf_target_is_float32(monkeypatch) -> None:
+    """auto falls back to the dequantized model (saying so in the log); gguf refuses, saying why."""
+    monkeypatch.setattr(quant, "library", lambda: None)
+    assert load_model("default", progress=False).quantized is None
+    with pytest.raises(ModelError, match="needs the quantized CPU kernel"):
+        load_model("default", progress=False, precision="gguf")
