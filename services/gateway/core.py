@@ -179,6 +179,8 @@ class ModelCard:
     max_context_tokens: int
     verifier_count: int
     strategies: tuple[DraftStrategy, ...]
+    # what the target computes in, as its live verifiers say (ModelInfo.precision); "" = not said
+    precision: str = ""
 
 
 @dataclass(frozen=True)
@@ -448,7 +450,9 @@ class GatewayCore:
     def list_models(self) -> list[ModelCard]:
         offered = {s for info in self._drafters.values() if info is not None for s in info.strategies}
         strategies = (DraftStrategy.none, *sorted(offered - {DraftStrategy.none}, key=lambda d: d.value))
-        return [ModelCard(self.model_name, True, self.context_window(), len(self.live_verifiers()), strategies)]
+        live = self.live_verifiers()
+        precision = " | ".join(sorted({r.precision for r in live if r.precision}))  # one, unless misconfigured
+        return [ModelCard(self.model_name, True, self.context_window(), len(live), strategies, precision)]
 
     def health(self) -> dict:
         redis = "disabled" if self._index is None else ("ok" if self._index.redis_ok else "unavailable")

@@ -806,6 +806,7 @@ def create_app(core: GatewayCore) -> FastAPI:
                     "max_context_tokens": card.max_context_tokens,
                     "verifier_count": card.verifier_count,
                     "speculation_strategies": [s.value for s in card.strategies],
+                    "precision": card.precision,  # what the output is lossless against
                 }
                 for card in core.list_models()
             ],

@@ -241,6 +241,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     max_context_tokens=card.max_context_tokens,
                     verifier_count=card.verifier_count,
                     strategies=[STRATEGY_TO_PB[s] for s in card.strategies],
+                    precision=card.precision,
                 )
                 for card in self._core.list_models()
             ]

@@ -78,8 +78,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def GetInfo(self, request, context):
         info = self.core.info()
-        return verifier_info_to_proto(VerifierRecord.coerce(info), info["vocab_size"], info["eos_token_ids"],
-                                      info["precision"])
+        return verifier_info_to_proto(VerifierRecord.coerce(info), info["vocab_size"], info["eos_token_ids"])
 
 
 HEADROOM_WORKERS = 16  # threads beyond the generations in flight: health checks, GetInfo, refusals

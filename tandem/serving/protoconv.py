@@ -225,13 +225,12 @@ def committed_from_proto(msg: verifier_pb2.CommittedTokens) -> CommittedTokens:
     )
 
 
-def verifier_info_to_proto(rec: VerifierRecord, vocab_size: int, eos_token_ids: list[int],
-                           precision: str = "") -> verifier_pb2.VerifierInfo:
+def verifier_info_to_proto(rec: VerifierRecord, vocab_size: int, eos_token_ids: list[int]) -> verifier_pb2.VerifierInfo:
     return verifier_pb2.VerifierInfo(
         verifier_id=rec.verifier_id, model_id=rec.model_id, vocab_size=vocab_size,
         max_context_tokens=rec.max_context_tokens, kv_capacity_tokens=rec.kv_capacity_tokens,
         kv_used_tokens=rec.kv_used_tokens, active_sessions=rec.active_sessions, eos_token_ids=eos_token_ids,
-        draining=rec.draining, precision=precision,
+        draining=rec.draining, precision=rec.precision,
     )
 
 
@@ -241,7 +240,7 @@ def verifier_record_from_proto(msg: verifier_pb2.VerifierInfo, address: str) -> 
         verifier_id=msg.verifier_id, address=address, model_id=msg.model_id,
         max_context_tokens=msg.max_context_tokens, kv_capacity_tokens=msg.kv_capacity_tokens,
         kv_used_tokens=msg.kv_used_tokens, active_sessions=msg.active_sessions, updated_at=time.time(),
-        draining=msg.draining,
+        draining=msg.draining, precision=msg.precision,
     )
 
 

@@ -137,6 +137,7 @@ class VerifierRecord:
     active_sessions: int = 0
     updated_at: float = 0.0  # unix seconds of the information
     draining: bool = False  # shutting down: routes no new request here (running ones finish)
+    precision: str = ""  # what its target computes in (VerifierInfo.precision); "" = not said
 
     @classmethod
     def coerce(cls, info: "VerifierRecord | Mapping") -> "VerifierRecord":
@@ -156,6 +157,7 @@ class VerifierRecord:
             "active_sessions": str(self.active_sessions),
             "updated_at": repr(self.updated_at or time.time()),
             "draining": "1" if self.draining else "0",
+            "precision": self.precision,
         }
 
     @classmethod
@@ -170,6 +172,7 @@ class VerifierRecord:
             active_sessions=int(h.get("active_sessions", 0) or 0),
             updated_at=float(h.get("updated_at", 0) or 0),
             draining=h.get("draining", "0") == "1",
+            precision=h.get("precision", ""),
         )
 
 

@@ -419,6 +419,7 @@ class ModelInfo(_message.Message):
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     VERIFIER_COUNT_FIELD_NUMBER: _builtins.int
     STRATEGIES_FIELD_NUMBER: _builtins.int
+    PRECISION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Model id, the value of GenerateRequest.model."""
     is_default: _builtins.bool
@@ -427,6 +428,11 @@ class ModelInfo(_message.Message):
     """Maximum tokens of prompt + completion (the smallest limit among its verifiers)."""
     verifier_count: _builtins.int
     """Live verifiers serving this model."""
+    precision: _builtins.str
+    """What the target computes in, as its live verifiers report it (VerifierInfo.precision), which is
+    what generated text is lossless against: e.g. "GGUF Q4_1 + Q8_0" or "float32". Empty when no
+    live verifier said; verifiers that differ are listed joined by " | " (a misconfiguration).
+    """
     @_builtins.property
     def strategies(self) -> _containers.RepeatedScalarFieldContainer[_common_pb2.DraftStrategy.ValueType]:
         """Draft strategies some live drafter offers for this model."""
@@ -439,10 +445,11 @@ class ModelInfo(_message.Message):
         max_context_tokens: _builtins.int = ...,
         verifier_count: _builtins.int = ...,
         strategies: _abc.Iterable[_common_pb2.DraftStrategy.ValueType] | None = ...,
+        precision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "is_default", b"is_default", "max_context_tokens", b"max_context_tokens", "strategies", b"strategies", "verifier_count", b"verifier_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "is_default", b"is_default", "max_context_tokens", b"max_context_tokens", "precision", b"precision", "strategies", b"strategies", "verifier_count", b"verifier_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

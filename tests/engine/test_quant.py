@@ -174,6 +174,8 @@ def test_a_verifier_says_its_precision_and_serves_the_quantized_target(tiny_load
     from tandem.services.verifier.core import VerifierCore
     from tandem.services.verifier.server import build_server
     from tandem.services.verifier.settings import VerifierSettings
+    from tandem.serving.protoconv import verifier_record_from_proto
+    from tandem.serving.residency import VerifierRecord
     from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
     target = quantize_model(tiny_loaded, "Q4_1")
@@ -186,7 +188,12 @@ def test_a_verifier_says_its_precision_and_serves_the_quantized_target(tiny_load
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         stub = verifier_pb2_grpc.VerifierStub(channel)
-        assert stub.GetInfo(verifier_pb2.InfoRequest(), timeout=5).precision == "GGUF Q4_1 + Q8_0"
+        info = stub.GetInfo(verifier_pb2.InfoRequest(), timeout=5)
+        assert info.precision == "GGUF Q4_1 + Q8_0"
+        # as the gateway reads it (GetInfo poll, or the Redis registration) for ModelInfo / /v1/models
+        rec = verifier_record_from_proto(info, f"127.0.0.1:{port}")
+        assert rec.precision == "GGUF Q4_1 + Q8_0"
+        assert VerifierRecord.from_hash(rec.verifier_id, rec.to_hash()).precision == "GGUF Q4_1 + Q8_0"
         tokens = []
         for msg in stub.Generate(verifier_pb2.SessionGenerateRequest(
                 context_ids=ctx, sampling=common_pb2.SamplingParams(max_new_tokens=24),

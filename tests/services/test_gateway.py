@@ -82,7 +82,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     def GetInfo(self, request, context):
         return verifier_pb2.VerifierInfo(
             verifier_id=self.verifier_id, model_id=MODEL, vocab_size=512, max_context_tokens=WINDOW,
-            kv_capacity_tokens=100_000, eos_token_ids=[EOS_ID],
+            kv_capacity_tokens=100_000, eos_token_ids=[EOS_ID], precision="GGUF Q4_1 + Q8_0",
         )
 
     def Generate(self, request, context):
@@ -256,6 +256,7 @@ def test_chat_and_completions_over_openai_client(stack, tiny_tokenizer) -> None:
         assert [m.id for m in models] == [MODEL]
         assert models[0].model_extra["verifier_count"] == 1 and models[0].model_extra["max_context_tokens"] == WINDOW
         assert models[0].model_extra["speculation_strategies"] == ["none", "ngram"]
+        assert models[0].model_extra["precision"] == "GGUF Q4_1 + Q8_0"  # what the output is lossless against
         assert gw.http.get("/health").json()["status"] == "ok" and gw.http.get("/healthz").status_code == 200
     finally:
         drafter.server.stop(0)
