@@ -37,8 +37,8 @@ def available() -> bool:
 
 
 class LlamaCppPeer:
-    """One llama.cpp model over a GGUF file, shared by both llama.cpp modes (the prompt-lookup
-    drafter is switched per call, so the weights are loaded once)."""
+    """llama.cpp over a GGUF file for both llama.cpp modes: a context for plain decoding and one
+    with its prompt-lookup drafter."""
 
     def __init__(self, gguf_file: str | None, *, n_ctx: int, threads: int | None = None,
                  lookup_tokens: int = LOOKUP_TOKENS):
@@ -52,9 +52,13 @@ class LlamaCppPeer:
                 "the llama.cpp modes need llama-cpp-python: pip install 'tandem[peers]' (compiles llama.cpp, "
                 f"several minutes on 2 cores): {exc}") from exc
         self.threads = threads or torch.get_num_threads()
-        self.llm = Llama(model_path=gguf_file, n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
-                         logits_all=False, verbose=False)
-        self.lookup = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
+        common = dict(model_path=gguf_file, n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
+                      verbose=False)
+        # Two contexts: prompt lookup needs the logits of every position (the binding turns that on
+        # when a draft model is given at construction), which would make plain decoding's prefill
+        # run the LM head over the whole prompt.
+        self.plain = Llama(**common)
+        self.lookup = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens))
         self.lookup_tokens = lookup_tokens
         self.version = __import__("llama_cpp").__version__
 
@@ -62,8 +66,7 @@ class LlamaCppPeer:
                  max_new_tokens: int) -> GenerationResult:
         """One generation of up to `max_new_tokens` after `ids`, cut at the first id of `stop` (not
         output), as ours are."""
-        llm = self.llm
-        llm.draft_model = self.lookup if mode == "llamacpp-lookup" else None
+        llm = self.lookup if mode == "llamacpp-lookup" else self.plain
         if sampling.greedy:
             params = dict(temp=0.0, top_k=1, top_p=1.0)
         else:
