@@ -58,7 +58,9 @@ class LlamaCppPeer:
         # when a draft model is given at construction), which would make plain decoding's prefill
         # run the LM head over the whole prompt.
         self.plain = Llama(**common)
-        self.lookup = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens))
+        # logits_all too: the binding (0.3.36) sizes its logits buffer from the argument, not from the
+        # draft model, and a prompt past n_batch (512) tokens then fails to fit
+        self.lookup = Llama(**common, logits_all=True, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens))
         self.lookup_tokens = lookup_tokens
         self.version = __import__("llama_cpp").__version__
 

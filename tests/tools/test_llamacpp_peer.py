@@ -19,6 +19,9 @@ RECORDS = [
                  turns=["Write a Python function that returns the squares of a list of numbers."]),
     PromptRecord(id="b", dataset="t", category=None, system=None,
                  turns=["List three colours, one per line, then the same three again."]),
+    # past llama.cpp's batch of 512 tokens (a prompt-lookup context once failed there)
+    PromptRecord(id="c", dataset="t", category=None, system=None,
+                 turns=["Repeat this list back: " + ", ".join(f"item {i}" for i in range(200))]),
 ]
 
 
