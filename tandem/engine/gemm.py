@@ -215,6 +215,18 @@ def _bytes_of(shapes: list[tuple[int, int]]) -> int:
     return sum(4 * s[0] * s[1] for s in set(shapes))
 
 
+def median_seconds(fn: Callable[[], object], reps: int) -> float:
+    """The median wall time of `reps` calls of `fn`, after one untimed call (first touch of its
+    memory, a kernel's first load)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _time_path(path: GemmPath, weights: list, rows: int, in_features: int, reps: int) -> float:
     """Median seconds of one call of `path` at `rows` rows, each call on the next of `weights`
     (prepared layouts), so every call reads its weight from memory as in a real forward."""

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 
 import torch
 import torch.nn.functional as F
 
 from tandem.engine import attend, gemv, panel, quant, rowops
-from tandem.engine.gemm import SLOTS, GemmPath, GemmPlan, TunedLinear, parse_choice, plan_for
+from tandem.engine.gemm import SLOTS, GemmPath, GemmPlan, TunedLinear, median_seconds, parse_choice, plan_for
 from tandem.engine.quant import QuantizedLinears
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -144,8 +143,8 @@ class _Int8Weight:
                 self.CHOSEN[key] = "panel"
             else:
                 x = torch.randn(1, self.q.shape[1])
-                self.CHOSEN[key] = min(("panel", "torch"), key=lambda k: _median_us(
-                    lambda: self._panel(x) if k == "panel" else self._torch(x)))
+                self.CHOSEN[key] = min(("panel", "torch"), key=lambda k: median_seconds(
+                    lambda: self._panel(x) if k == "panel" else self._torch(x), 15))
         return self.CHOSEN[key]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,16 +168,6 @@ class _Int8Weight:
     def available() -> bool:
         """Whether some int8 kernel runs here (ours or torch's)."""
         return panel.library() is not None or _Int8Weight.torch_available()
-
-
-def _median_us(fn, reps: int = 15) -> float:
-    fn()  # warm: first-touch of the weight, the kernel's load
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[reps // 2] * 1e6
 
 
 class NativeLlama:

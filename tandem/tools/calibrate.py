@@ -14,13 +14,11 @@ The benchmark report carries the same record, so every figure names its machine.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from tandem.engine.gemm import GemmPlan, cpu_model, shape_key
+from tandem.engine.gemm import GemmPlan, cpu_model, median_seconds, shape_key
 
 ROWS = (1, 2, 3, 5, 9, 17)
 CONTEXTS = (100, 1000, 4000)
@@ -62,22 +60,12 @@ class MachineCurve:
         return {**asdict(self), "ratios": self.ratios()}
 
 
-def _median_s(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bandwidth() -> tuple[float, float]:
     """(read GB/s, copy GB/s) over a buffer far larger than any cache."""
     src = torch.ones(BANDWIDTH_BYTES // 4)
     dst = torch.empty_like(src)
-    read = _median_s(src.sum, 7)
-    copy = _median_s(lambda: dst.copy_(src), 7)
+    read = median_seconds(src.sum, 7)
+    copy = median_seconds(lambda: dst.copy_(src), 7)
     return BANDWIDTH_BYTES / read / 1e9, BANDWIDTH_BYTES / copy / 1e9
 
 
@@ -128,7 +116,7 @@ def measure(native, *, contexts=CONTEXTS, rows=ROWS, reps: int = 7, progress: bo
                 def step(n=n):
                     cache.length = ctx  # every repetition verifies the same block on the same context
                     native.forward(ids[ctx : ctx + n], cache)
-                row_ms[str(n)] = round(_median_s(step, reps) * 1e3, 2)
+                row_ms[str(n)] = round(median_seconds(step, reps) * 1e3, 2)
                 bar.advance(task)
             curve.curve_ms[str(ctx)] = row_ms
     # Measured again after: on a shared host the memory bandwidth drifts (2x within minutes was seen

@@ -77,7 +77,7 @@ PrecisionOpt = Annotated[
         "--precision",
         help="What the target computes in, which is what 'lossless' is judged against. For a .gguf "
         "model: 'gguf' keeps the file's Q4_0 / Q4_1 / Q8_0 weights quantized and runs them as stored "
-        "(faster on a CPU: a quarter to a half of the bytes per step); 'float32' dequantizes it; "
+        "(faster on a CPU: about a fifth of float32's bytes per step for Q4_1); 'float32' dequantizes it; "
         "'auto' is gguf where its kernel runs (AVX-512 and a C compiler), else float32. Other models "
         "run in their own precision.",
     ),
@@ -356,7 +356,7 @@ def bench(
     _setup(threads)
     from rich.console import Console
 
-    from tandem.tools.bench import TOOL_MODES, format_category_table, format_table, run_bench
+    from tandem.tools.bench import PEER_MODES, TOOL_MODES, format_category_table, format_table, run_bench
     from tandem.tools.datasets import WORKLOADS, load_prompts, resolve_dataset, workload
     from tandem.engine.spec import Engine
 
@@ -370,7 +370,7 @@ def bench(
         grammar = _grammar_option(response_format)
         if grammar is not None and tools == "required":
             raise ValueError("--tools required brings its own grammar (one call of the record's functions); leave out --response-format")
-        if grammar is not None and any(m.startswith(("hf-", "llamacpp")) for m in mode_list):
+        if grammar is not None and any(m in PEER_MODES for m in mode_list):
             raise ValueError("--response-format: the peers' modes (hf-*, llamacpp*) run without a grammar; leave them out")
         sampling = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, grammar=grammar)
         spec = SpecConfig(max_draft_tokens=max_draft_tokens, adaptive=adaptive)
