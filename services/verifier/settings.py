@@ -82,8 +82,9 @@ class VerifierSettings(BaseModel):
     threads: int | None = Field(None, ge=1)  # torch CPU threads (default: all cores)
     device: str = "auto"  # where the target runs: auto (cuda when available), cpu, cuda, cuda:N
     # What the target computes in (models.load_model): for a GGUF model, "gguf" keeps its quantized
-    # weights (the target is that quantized model), "float32" dequantizes, "auto" = gguf where it runs
-    precision: Literal["auto", "gguf", "float32"] = "auto"
+    # weights with 8-bit activations (the target is that quantized model, as llama.cpp computes it),
+    # "gguf-float" with float32 activations, "float32" dequantizes, "auto" = the first that runs here
+    precision: Literal["auto", "gguf", "gguf-float", "float32"] = "auto"
     metrics_port: int | None = Field(None, ge=0, le=65535)
     # Mutual TLS: the service port accepts only clients with a certificate from tls.ca (gateways),
     # and drafter streams present tls.cert and require a drafter certificate. None: plaintext.

@@ -250,9 +250,9 @@ class NativeLlama:
                     return TunedLinear(w, gemm_plan)
             for w, q in zip(self.layers, qrows):
                 for k in self._LINEAR:
-                    w[k] = lin(w[k]) if q[k] is None else quant.QuantizedWeight(q[k])
+                    w[k] = lin(w[k]) if q[k] is None else quant.QuantizedWeight(q[k], quantized.activations)
             # each [<=chunk, hidden]; one on a GPU, in int8 or quantized
-            self.head_chunks = [lin(c) for c in head_parts] if qhead is None else [quant.QuantizedWeight(qhead)]
+            self.head_chunks = [lin(c) for c in head_parts] if qhead is None else [quant.QuantizedWeight(qhead, quantized.activations)]
             # every GEMM on quant.c (row-invariant), none on the float32 paths
             self.quantized_only = qhead is not None and all(q[k] is not None for q in qrows for k in self._LINEAR)
         theta = rope_theta(cfg)

@@ -48,7 +48,7 @@ class LoadedModel:
     # `# [head_rows]` int64. None: the head covers ids 0..vocab_size-1 in order.
     head_vocab: torch.Tensor | None = None
     # The GGUF file's linear weights kept quantized (tandem.engine.quant), for the native forward to
-    # run as stored: set by load_model(precision="auto" | "gguf") for a GGUF source. None: float.
+    # run as stored: set by load_model(precision="auto" | "gguf" | "gguf-float") for a GGUF source. None: float.
     quantized: object | None = None  # tandem.engine.quant.QuantizedLinears
     gguf_file: str | None = None  # the GGUF file it came from (peers that read the file itself: llama.cpp)
 
@@ -89,7 +89,7 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-PRECISIONS = ("auto", "gguf", "float32")  # load_model's precision: what "the target" computes in
+PRECISIONS = ("auto", "gguf", "gguf-float", "float32")  # load_model's precision: what "the target" computes in
 
 DRAFT_MANIFEST = "tandem_draft.json"  # marks a directory written by `tandem distill`
 
@@ -250,10 +250,13 @@ def load_model(
     """Load a target or draft (see the module's doc for what a name or path may be).
 
     `precision` (PRECISIONS), for a GGUF source: "gguf" keeps the file's Q4_0 / Q4_1 / Q8_0 linear
-    weights quantized, and the target is then that quantized model as tandem.engine.quant computes
-    it (other types are dequantized); "float32" dequantizes everything, as before; "auto" is
-    "gguf" where the quantized kernel runs (a CPU with AVX-512 and a C compiler), else "float32".
-    A source that is not a GGUF file has one precision, its own: "gguf" is refused for it."""
+    weights quantized and quantizes each linear layer's input to 8 bits per block of 32, as llama.cpp
+    does, so the target is that quantized model as tandem.engine.quant computes it (other tensor
+    types are dequantized); "gguf-float" keeps the weights quantized but the activations in float32
+    (closer to the float model, slower); "float32" dequantizes everything; "auto" is the first of
+    gguf, gguf-float, float32 whose kernel runs here (gguf needs AVX-512 VNNI, gguf-float AVX-512,
+    both a C compiler). A source that is not a GGUF file has one precision, its own: the gguf
+    precisions are refused for it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -262,8 +265,8 @@ def load_model(
     hf_logging.disable_progress_bar()  # a cached load takes ~1 s; its bar is noise in service logs
     model_id, path = resolve_model_path(name_or_path)
     gguf_file = path if path.suffix == ".gguf" else None
-    if precision == "gguf" and gguf_file is None:
-        raise ModelError(f"precision 'gguf' keeps a GGUF file's quantized weights, but {path} is not a GGUF file")
+    if precision.startswith("gguf") and gguf_file is None:
+        raise ModelError(f"precision {precision!r} keeps a GGUF file's quantized weights, but {path} is not a GGUF file")
     if path.suffix == ".gguf":
         path = convert_gguf(path, progress=progress)
     head_vocab = None
@@ -282,14 +285,20 @@ def load_model(
     if gguf_file is not None and precision != "float32":
         from tandem.engine import quant
 
-        if quant.library() is None or torch.device(device).type != "cpu" or dtype != torch.float32:
-            if precision == "gguf":
-                raise ModelError("precision 'gguf' needs the quantized CPU kernel (AVX-512 and a C compiler) "
-                                 f"and a float32 CPU model; here: kernel {'built' if quant.library() else 'missing'}, "
-                                 f"device {device}, dtype {dtype}. Use precision float32")
+        cpu = torch.device(device).type == "cpu" and dtype == torch.float32
+        kernels = {"gguf": quant.int8_activations_available(), "gguf-float": quant.library() is not None}
+        chosen = precision if precision != "auto" else next((p for p in kernels if cpu and kernels[p]), "float32")
+        if chosen != "float32" and not (cpu and kernels[chosen]):
+            needs = "AVX-512 VNNI" if chosen == "gguf" else "AVX-512"
+            other = "gguf-float or float32" if chosen == "gguf" and kernels["gguf-float"] else "float32"
+            raise ModelError(f"precision {chosen!r} runs on a float32 CPU model with its kernel ({needs} and a C "
+                             f"compiler); here: device {device}, dtype {dtype}, kernel "
+                             f"{'built' if kernels[chosen] else 'not available'}. Use precision {other}")
+        if chosen == "float32":
             log.info("%s: the quantized kernel does not run here, the target is the dequantized float32 model", model_id)
         else:
-            loaded.quantized = quant.load_gguf_linears(gguf_file, model.config)
+            activations = "int8" if chosen == "gguf" else "float32"
+            loaded.quantized = quant.load_gguf_linears(gguf_file, model.config, activations=activations)
             log.info("%s: keeping the GGUF's quantized weights (%s)", model_id, loaded.quantized.describe)
     return loaded
 

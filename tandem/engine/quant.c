@@ -178,6 +178,233 @@ void tandem_quant_rows_q8(const float *restrict x, const signed char *restrict q
     rows(x, q, dm, dm + half, y, n, m, k, threads, 0);
 }
 
+
+/* ---- 8-bit activations (precision "gguf", llama.cpp's arithmetic): integer dot products per block ----
+ *
+ * Why: with float32 activations every weight costs one float FMA per row, so a 9-row verification
+ * block costs 2-2.7x one row (compute-bound). llama.cpp quantizes the activations to 8 bits per
+ * block of 32 and sums integer products; one AVX-512 VNNI instruction then does 64 products. This is
+ * the same definition of the model as llama.cpp's (up to its float summation order).
+ *
+ * Arithmetic (the definition, shared by the vector kernel and tandem_quant_rows_a_ref):
+ *   per row and block of 32 inputs: dx = max|x| / 127, xq = nearest-even(x * (1 / dx)) (0 where
+ *   dx is 0), sx = sum(xq), sxd = dx * sx;
+ *   per output, from acc = 0, over blocks in order: s = sum(q * xq) (exact integers),
+ *   acc = fma(s, d * dx, acc), then for Q4 acc = fma(m, sxd, acc) (Q8_0 has m = 0: skipped).
+ * Everything a row's result depends on is that row's own numbers in a fixed order, so a row gets the
+ * same bits alone, in any block, at any thread count (tested), and the same on a host without VNNI
+ * running the reference.
+ *
+ * Layouts (quant.py packs them): Q4: for panel p, block b, h = 0..3, lane o, t = 0..3 the byte
+ * [p][b][h][o][t] holds q[o][32b + 4h + t] in its low and q[o][32b + 16 + 4h + t] in its high nibble:
+ * one 64-byte load gives two VNNI operands (4 inputs x 16 lanes each). Q8: [p][b][j][o][t] =
+ * q[o][32b + 4j + t] + 128 (VNNI multiplies unsigned by signed bytes; the 128 * sx it adds is taken
+ * off exactly). d, m: float32 [p][b][16] as above.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void quantize_activations(const float *restrict x, int n, int k, signed char *restrict xq,
+                                 float *restrict dx, float *restrict sxd, int *restrict sx) {
+    const int nb = k / BLOCK;
+    for (int r = 0; r < n; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (size_t)r * k + (size_t)b * BLOCK;
+            signed char *o = xq + (size_t)r * k + (size_t)b * BLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int s = 0;
+            for (int i = 0; i < BLOCK; i++) {
+                const int qi = (int)nearbyintf(v[i] * id);
+                o[i] = (signed char)qi;
+                s += qi;
+            }
+            dx[(size_t)r * nb + b] = d;
+            sx[(size_t)r * nb + b] = s;
+            sxd[(size_t)r * nb + b] = d * (float)s;
+        }
+}
+
+/* The definition in plain C, one output at a time: the tests' bit-exact reference for the vector
+ * kernel. q: [m][k] the quantized values (Q4 0..15, Q8 -127..127); d, mo: [m][k/32]. */
+void tandem_quant_rows_a_ref(const float *restrict x, const signed char *restrict q, const float *restrict d,
+                             const float *restrict mo, float *restrict y, int n, int m, int k, int has_m) {
+    const int nb = k / BLOCK;
+    signed char *xq = malloc((size_t)n * k);
+    float *dx = malloc(sizeof(float) * (size_t)n * nb * 2);
+    int *sx = malloc(sizeof(int) * (size_t)n * nb);
+    quantize_activations(x, n, k, xq, dx, dx + (size_t)n * nb, sx);
+    const float *sxd = dx + (size_t)n * nb;
+    for (int r = 0; r < n; r++)
+        for (int o = 0; o < m; o++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                int s = 0;
+                for (int i = 0; i < BLOCK; i++)
+                    s += (int)q[(size_t)o * k + (size_t)b * BLOCK + i] * (int)xq[(size_t)r * k + (size_t)b * BLOCK + i];
+                acc = fmaf((float)s, d[(size_t)o * nb + b] * dx[(size_t)r * nb + b], acc);
+                if (has_m) acc = fmaf(mo[(size_t)o * nb + b], sxd[(size_t)r * nb + b], acc);
+            }
+            y[(size_t)r * m + o] = acc;
+        }
+    free(xq), free(dx), free(sx);
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define MAX_RA 4 /* rows per tile: 4 float + 8 integer accumulators; 8 rows spilled (a 9-row block 1.2-1.5x slower) */
+
+/* quantize_activations' blocks [begin, end) of the n x k/32 (row-major), in vector form: the same
+ * operations in the same order per element (max, divide, reciprocal, multiply, nearest-even), so the
+ * same bytes (the reference uses the scalar form: tests compare them) */
+static void quantize_blocks(const float *restrict x, int k, long begin, long end, signed char *restrict xq,
+                            float *restrict dx, float *restrict sxd, int *restrict sx) {
+    for (long i = begin; i < end; i++) {
+        const float *v = x + (size_t)i * BLOCK; /* block i of the row-major [n][k]: k is a multiple of 32 */
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + LANES);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(xq + (size_t)i * BLOCK), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + (size_t)i * BLOCK + LANES), _mm512_cvtsepi32_epi8(q1));
+        const int s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        dx[i] = d, sx[i] = s, sxd[i] = d * (float)s;
+    }
+    (void)k;
+}
+
+static inline __attribute__((always_inline)) __m512i bcast4(const signed char *p) {
+    int v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void tile_a(const signed char *restrict xq, const float *restrict dx,
+                                                         const float *restrict sxd, const int *restrict sx, int k,
+                                                         const unsigned char *restrict q, const float *restrict d,
+                                                         const float *restrict mo, const int R, const int Q4,
+                                                         float *restrict y, size_t ldy, int col, int m) {
+    const int nb = k / BLOCK;
+    __m512 acc[MAX_RA];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int b = 0; b < nb; b++) {
+        __m512i s0[MAX_RA], s1[MAX_RA];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_si512();
+        const unsigned char *qb = q + (size_t)b * (BLOCK * LANES / (Q4 ? 2 : 1));
+        const signed char *xb = xq + (size_t)b * BLOCK;
+        if (Q4) {
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) {
+                const __m512i s = _mm512_loadu_si512(qb + h * 64);
+                const __m512i lo = _mm512_and_si512(s, low), hi = _mm512_and_si512(_mm512_srli_epi16(s, 4), low);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], lo, bcast4(xb + (size_t)r * k + 4 * h));
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], hi, bcast4(xb + (size_t)r * k + 16 + 4 * h));
+                }
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) {
+                const __m512i w0 = _mm512_loadu_si512(qb + (2 * h) * 64), w1 = _mm512_loadu_si512(qb + (2 * h + 1) * 64);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], w0, bcast4(xb + (size_t)r * k + 8 * h));
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], w1, bcast4(xb + (size_t)r * k + 8 * h + 4));
+                }
+            }
+        }
+        const __m512 dv = _mm512_loadu_ps(d + (size_t)b * LANES);
+        const __m512 mv = Q4 ? _mm512_loadu_ps(mo + (size_t)b * LANES) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            __m512i s = _mm512_add_epi32(s0[r], s1[r]);
+            if (!Q4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * sx[(size_t)r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(dx[(size_t)r * nb + b])), acc[r]);
+            if (Q4) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sxd[(size_t)r * nb + b]), acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        if (col + LANES <= m)
+            _mm512_storeu_ps(y + r * ldy + col, acc[r]);
+        else if (col < m)
+            _mm512_mask_storeu_ps(y + r * ldy + col, (__mmask16)((1u << (m - col)) - 1u), acc[r]);
+    }
+}
+
+#define TILE_A(R) tile_a(xq + (size_t)r0 * k, dx + (size_t)r0 * nb, sxd + (size_t)r0 * nb, sx + (size_t)r0 * nb, k, qp, dp, dp + mstride, R, Q4, y + (size_t)r0 * m, (size_t)m, p * LANES, m)
+
+static inline __attribute__((always_inline)) void rows_a(const float *restrict x, const unsigned char *restrict q,
+                                                         const float *restrict dm, float *restrict y, int n, int m,
+                                                         int k, int threads, const int Q4) {
+    const int nb = k / BLOCK, panels = (m + LANES - 1) / LANES;
+    const size_t qstride = (size_t)k * LANES / (Q4 ? 2 : 1), dstride = (size_t)nb * LANES;
+    const size_t mstride = (size_t)panels * dstride;
+    signed char *xq = malloc((size_t)n * k);
+    float *dx = malloc(sizeof(float) * (size_t)n * nb * 2);
+    int *sx = malloc(sizeof(int) * (size_t)n * nb);
+    const float *sxd = dx + (size_t)n * nb;
+    const int tiles = (n + MAX_RA - 1) / MAX_RA;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const long blocks = (long)n * nb;
+        quantize_blocks(x, k, blocks * t / T, blocks * (t + 1) / T, xq, dx, dx + (size_t)n * nb, sx);
+#pragma omp barrier
+        const int begin = (int)((long)panels * t / T), end = (int)((long)panels * (t + 1) / T);
+        for (int p = begin; p < end; p++) {
+            const unsigned char *qp = q + (size_t)p * qstride;
+            const float *dp = dm + (size_t)p * dstride;
+            for (int j = 0, r0 = 0; j < tiles; j++) {
+                const int R = (n - r0) / (tiles - j);
+                switch (R) {
+                case 1: TILE_A(1); break;
+                case 2: TILE_A(2); break;
+                case 3: TILE_A(3); break;
+                case 4: TILE_A(4); break;
+                case 5: TILE_A(5); break;
+                case 6: TILE_A(6); break;
+                case 7: TILE_A(7); break;
+                default: TILE_A(8); break;
+                }
+                r0 += R;
+            }
+        }
+    }
+    free(xq), free(dx), free(sx);
+}
+
+int tandem_quant_a_available(void) { return 1; }
+
+void tandem_quant_rows_q4a(const float *restrict x, const unsigned char *restrict q, const float *restrict dm,
+                           float *restrict y, int n, int m, int k, int threads) {
+    rows_a(x, q, dm, y, n, m, k, threads, 1);
+}
+
+void tandem_quant_rows_q8a(const float *restrict x, const unsigned char *restrict q, const float *restrict dm,
+                           float *restrict y, int n, int m, int k, int threads) {
+    rows_a(x, q, dm, y, n, m, k, threads, 0);
+}
+#else /* AVX-512 without VNNI: the 8-bit-activation target runs on the reference only (not offered) */
+int tandem_quant_a_available(void) { return 0; }
+
+void tandem_quant_rows_q4a(const float *x, const unsigned char *q, const float *dm, float *y, int n, int m, int k,
+                           int threads) {
+    (void)x, (void)q, (void)dm, (void)y, (void)n, (void)m, (void)k, (void)threads;
+}
+
+void tandem_quant_rows_q8a(const float *x, const unsigned char *q, const float *dm, float *y, int n, int m, int k,
+                           int threads) {
+    (void)x, (void)q, (void)dm, (void)y, (void)n, (void)m, (void)k, (void)threads;
+}
+#endif
+
 #else /* no AVX-512: a quantized target is not offered (tandem_quant_available) */
 
 int tandem_quant_available(void) { return 0; }

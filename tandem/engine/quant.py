@@ -7,6 +7,11 @@ tests and tiny models), and can be concatenated (fused QKV, gate/up) and re-orde
 Q/K permutation of GGUF Llama files). `QuantizedWeight` packs it into quant.c's panel layout once;
 a call takes float32 activations `# [n, in]` and returns `# [n, out]`.
 
+Two arithmetics (`ACTIVATIONS`), each row-invariant: "int8" quantizes each input row to 8 bits per
+block of 32 and sums integer products (llama.cpp's arithmetic; precision "gguf"; AVX-512 VNNI), and
+"float32" widens the weights and multiplies float activations (precision "gguf-float"; AVX-512).
+`reference_int8` is the int8 arithmetic in plain C, one output at a time (the tests' reference).
+
 The compiled kernel needs AVX-512 and a C compiler (built at first use like gemv.c); elsewhere
 `library()` is None and a GGUF target is dequantized to float32 as before (tandem.engine.models).
 """
@@ -25,16 +30,20 @@ from tandem.engine import gemv
 SOURCE = Path(__file__).with_name("quant.c")
 LANES = 16  # outputs per panel
 BLOCK = 32  # inputs per scale
+ACTIVATIONS = ("int8", "float32")  # what a quantized weight multiplies: see the module's doc
 KINDS = ("Q4_0", "Q4_1", "Q8_0")  # GGUF tensor types kept quantized; others are dequantized
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    for name in ("tandem_quant_rows_q4", "tandem_quant_rows_q8"):
+    for name in ("tandem_quant_rows_q4", "tandem_quant_rows_q8", "tandem_quant_rows_q4a", "tandem_quant_rows_q8a"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
         fn.restype = None
+    lib.tandem_quant_rows_a_ref.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    lib.tandem_quant_rows_a_ref.restype = None
     lib.tandem_quant_available.restype = ctypes.c_int
+    lib.tandem_quant_a_available.restype = ctypes.c_int
     if not lib.tandem_quant_available():
         raise OSError("built without AVX-512")
 
@@ -45,6 +54,27 @@ _kernel = gemv.Kernel(SOURCE, "quantized GEMM kernel (AVX-512)", _bind)
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it cannot be built or has no AVX-512 here."""
     return _kernel.library()
+
+
+def int8_activations_available() -> bool:
+    """Whether the int8-activation kernel runs here (AVX-512 VNNI; precision "gguf")."""
+    lib = library()
+    return lib is not None and bool(lib.tandem_quant_a_available())
+
+
+def reference_int8(rows: QuantRows, x: torch.Tensor) -> torch.Tensor:
+    """The int8-activation arithmetic (quant.c's definition) computed one output at a time in plain C:
+    x `# [n, in]` float32 -> `# [n, out]`, the bits the vector kernel must give (tests)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the quantized GEMM kernel is not available on this host")
+    n, k = x.shape
+    x = x.float().contiguous()
+    q, d, m = rows.q.to(torch.int8).contiguous(), rows.d.contiguous(), rows.m.contiguous()
+    y = torch.empty(n, rows.shape[0], dtype=torch.float32)
+    lib.tandem_quant_rows_a_ref(x.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), n,
+                                rows.shape[0], k, int(rows.q4))
+    return y
 
 
 @dataclass
@@ -161,24 +191,51 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, LANES, c).transpose(1, 2).contiguous()
 
 
+def _pack_int8_activations(rows: QuantRows) -> torch.Tensor:
+    """quant.c's layout for the int8-activation kernel (see there): Q4 `# [panels, k/32, 4, 16, 4]`
+    uint8, inputs 4h..4h+3 of a block in the low nibbles and 16+4h.. in the high ones; Q8
+    `# [panels, k/32, 8, 16, 4]` uint8, q + 128."""
+    out, k = rows.shape
+    panels, blocks = -(-out // LANES), k // BLOCK
+    q = torch.zeros(panels * LANES, k, dtype=torch.int16)
+    q[:out] = rows.q.to(torch.int16)
+    q = q.view(panels, LANES, blocks, BLOCK)
+    if rows.q4:
+        lo, hi = q[..., :16].reshape(panels, LANES, blocks, 4, 4), q[..., 16:].reshape(panels, LANES, blocks, 4, 4)
+        packed = lo | (hi << 4)  # [panels, 16, blocks, 4, 4]
+    else:
+        packed = (q + 128).view(panels, LANES, blocks, 8, 4)
+    return packed.permute(0, 2, 3, 1, 4).to(torch.uint8).contiguous()
+
+
 class QuantizedWeight:
     """A quantized weight packed once into quant.c's layout; a call takes float32 activations
-    x `# [n, in]` -> `# [n, out]` float32, any n. Row-invariant: a row gets the same bits alone or in
-    a block of any size (tested)."""
+    x `# [n, in]` -> `# [n, out]` float32, any n. `activations` (ACTIVATIONS): the arithmetic, int8
+    (llama.cpp's) or float32. Row-invariant: a row gets the same bits alone or in a block of any size
+    (tested)."""
 
-    def __init__(self, rows: QuantRows):
-        if library() is None:
-            raise RuntimeError("the quantized GEMM kernel is not available on this host (needs AVX-512 and a C compiler)")
-        self.kind = rows.kind
+    def __init__(self, rows: QuantRows, activations: str = "int8"):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        if library() is None or (activations == "int8" and not int8_activations_available()):
+            need = "AVX-512 VNNI" if activations == "int8" else "AVX-512"
+            raise RuntimeError(f"the quantized GEMM kernel with {activations} activations is not available on this "
+                               f"host (needs {need} and a C compiler)")
+        self.kind, self.activations = rows.kind, activations
         self.out_features, self.in_features = rows.shape
-        q = _panels(rows.q)  # [panels, k, 16]
-        if rows.q4:  # two inputs per byte: input 2j in the low nibble, 2j + 1 in the high one
-            q = q[:, 0::2] | (q[:, 1::2] << 4)  # [panels, k/2, 16]
-        self.q = q.contiguous()
+        if activations == "int8":
+            self.q = _pack_int8_activations(rows)
+        else:
+            q = _panels(rows.q)  # [panels, k, 16]
+            if rows.q4:  # two inputs per byte: input 2j in the low nibble, 2j + 1 in the high one
+                q = q[:, 0::2] | (q[:, 1::2] << 4)  # [panels, k/2, 16]
+            self.q = q.contiguous()
         self.dm = torch.stack([_panels(rows.d), _panels(rows.m)]).contiguous()  # [2, panels, k/32, 16]
         self.nbytes = self.q.numel() * self.q.element_size() + self.dm.numel() * 4
         lib = library()
-        self._fn = lib.tandem_quant_rows_q4 if rows.q4 else lib.tandem_quant_rows_q8
+        fns = {("int8", True): lib.tandem_quant_rows_q4a, ("int8", False): lib.tandem_quant_rows_q8a,
+               ("float32", True): lib.tandem_quant_rows_q4, ("float32", False): lib.tandem_quant_rows_q8}
+        self._fn = fns[activations, rows.q4]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = x.shape
@@ -203,6 +260,7 @@ class QuantizedLinears:
     path: str
     layers: list[dict[str, QuantRows | None]]
     head: QuantRows | None
+    activations: str = "int8"  # ACTIVATIONS: what QuantizedWeight multiplies them by
 
     @property
     def kinds(self) -> list[str]:
@@ -215,8 +273,9 @@ class QuantizedLinears:
 
     @property
     def describe(self) -> str:
-        """One phrase for logs and /v1/models: 'GGUF Q4_1 + Q8_0', or 'float32' when nothing is kept."""
-        return "GGUF " + " + ".join(self.kinds) if self.kinds else "float32"
+        """One phrase for logs and /v1/models: 'GGUF Q4_1 + Q8_0, int8 activations', or 'float32' when
+        nothing is kept."""
+        return f"GGUF {' + '.join(self.kinds)}, {self.activations} activations" if self.kinds else "float32"
 
 
 def _llama_row_order(rows: int, heads: int) -> torch.Tensor:
@@ -227,9 +286,10 @@ def _llama_row_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
 
 
-def load_gguf_linears(path: str | Path, config) -> QuantizedLinears:
+def load_gguf_linears(path: str | Path, config, activations: str = "int8") -> QuantizedLinears:
     """Read the quantized linear weights of a Llama-family GGUF (the file transformers dequantizes
-    for the same model: `config` is that model's config) without dequantizing them."""
+    for the same model: `config` is that model's config) without dequantizing them; `activations`
+    (ACTIVATIONS) is the arithmetic they will run in."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -264,4 +324,4 @@ def load_gguf_linears(path: str | Path, config) -> QuantizedLinears:
             "wdown": rows(b + "ffn_down.weight"),
         })
     head = rows("output.weight") if "output.weight" in tensors else rows("token_embd.weight")
-    return QuantizedLinears(str(path), layers, head)
+    return QuantizedLinears(str(path), layers, head, activations)

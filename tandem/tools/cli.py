@@ -76,10 +76,12 @@ PrecisionOpt = Annotated[
     typer.Option(
         "--precision",
         help="What the target computes in, which is what 'lossless' is judged against. For a .gguf "
-        "model: 'gguf' keeps the file's Q4_0 / Q4_1 / Q8_0 weights quantized and runs them as stored "
-        "(faster on a CPU: about a fifth of float32's bytes per step for Q4_1); 'float32' dequantizes it; "
-        "'auto' is gguf where its kernel runs (AVX-512 and a C compiler), else float32. Other models "
-        "run in their own precision.",
+        "model: 'gguf' keeps the file's Q4_0 / Q4_1 / Q8_0 weights as stored and rounds each layer's input "
+        "to 8 bits per block of 32, as llama.cpp does (the fastest on a CPU: integer dot products, about a "
+        "fifth of float32's bytes per step for Q4_1; needs AVX-512 VNNI); 'gguf-float' keeps the weights "
+        "but multiplies float32 inputs (closer to the float model, slower; AVX-512); 'float32' dequantizes "
+        "the file; 'auto' is the first of gguf, gguf-float, float32 that runs here. Other models run in "
+        "their own precision.",
     ),
 ]
 ThreadsOpt = Annotated[

@@ -23,6 +23,9 @@ from tandem.engine.spec import Engine
 from smollm_fixture import smollm  # noqa: F401 (fixture)
 
 needs_kernel = pytest.mark.skipif(quant.library() is None, reason="no C compiler or no AVX-512 here: not offered")
+needs_int8 = pytest.mark.skipif(not quant.int8_activations_available(),
+                                reason="no AVX-512 VNNI here: the int8-activation kernel (precision gguf) is not offered")
+ARITHMETICS = [pytest.param("int8", marks=needs_int8), pytest.param("float32", marks=needs_kernel)]
 gguf = pytest.importorskip("gguf")
 
 
@@ -53,29 +56,55 @@ def test_quantized_rows_refuse_what_they_cannot_hold() -> None:
         QuantRows.cat([a, b])
 
 
-@needs_kernel
+def int8_definition(rows: QuantRows, x: torch.Tensor) -> np.ndarray:
+    """quant.c's int8-activation arithmetic written from its comment in numpy, in float64 after the
+    activations' 8-bit rounding (which is float32, as in C): x `# [n, in]` -> `# [n, out]`."""
+    n, k = x.shape
+    out, blocks = rows.shape[0], k // 32
+    xs = x.numpy().astype(np.float32).reshape(n, blocks, 32)
+    dx = (np.abs(xs).max(-1) / np.float32(127)).astype(np.float32)  # [n, blocks]
+    inv = np.divide(np.float32(1), dx, out=np.zeros_like(dx), where=dx != 0).astype(np.float32)
+    xq = np.rint(xs * inv[..., None]).astype(np.int64)  # nearest-even, [n, blocks, 32]
+    q = rows.q.numpy().astype(np.int64).reshape(out, blocks, 32)
+    s = np.einsum("nbi,obi->nob", xq, q).astype(np.float64)  # exact integer dots [n, out, blocks]
+    d, m = rows.d.numpy().astype(np.float64), rows.m.numpy().astype(np.float64)  # [out, blocks]
+    sx = xq.sum(-1).astype(np.float64) * dx.astype(np.float64)  # [n, blocks]
+    return (s * d[None] * dx.astype(np.float64)[:, None]).sum(-1) + sx @ m.T
+
+
+@pytest.mark.parametrize("activations", ARITHMETICS)
 @pytest.mark.parametrize("kind", quant.KINDS)
 @pytest.mark.parametrize("out_features, in_features", [(40, 64), (33, 96), (7, 32), (576, 1536)])
-def test_the_kernel_matches_dequantize_then_matmul(kind, out_features, in_features) -> None:
+def test_the_kernel_matches_its_reference(kind, out_features, in_features, activations) -> None:
     """Odd output counts (a masked store), one panel, fewer outputs than threads; every row count
-    of a decode or verification block and a prefill's."""
+    of a decode or verification block and a prefill's. float32 activations: dequantize-then-matmul
+    within float rounding. int8 activations: the plain-C reference bit for bit, the arithmetic as
+    written in numpy within float rounding, and dequantize-then-matmul within the 8-bit rounding of
+    the activations (a relative error of about half a percent, here under 2%)."""
     gen = torch.Generator().manual_seed(out_features)
     rows = QuantRows.quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, kind)
-    weight = QuantizedWeight(rows)
+    weight = QuantizedWeight(rows, activations)
     ref_w = rows.dequantize()  # [out, in]
     for n in (*range(1, 18), 32, 75):
         x = torch.randn(n, in_features, generator=gen)  # [n, in]
+        x[-1, :32] = 0  # a block of zeros: its scale is 0, nothing divides by it
         y = weight(x)
         assert y.shape == (n, out_features) and y.dtype == torch.float32
-        torch.testing.assert_close(y, F.linear(x, ref_w), rtol=1e-4, atol=1e-4)
+        if activations == "float32":
+            torch.testing.assert_close(y, F.linear(x, ref_w), rtol=1e-4, atol=1e-4)
+            continue
+        assert torch.equal(y, quant.reference_int8(rows, x)), n
+        np.testing.assert_allclose(y.numpy(), int8_definition(rows, x), rtol=1e-4, atol=1e-5)
+        exact = F.linear(x, ref_w)
+        assert (y - exact).norm() <= 0.02 * exact.norm()
 
 
-@needs_kernel
+@pytest.mark.parametrize("activations", ARITHMETICS)
 @pytest.mark.parametrize("kind", quant.KINDS)
-def test_a_rows_result_does_not_depend_on_its_block_or_the_threads(kind) -> None:
+def test_a_rows_result_does_not_depend_on_its_block_or_the_threads(kind, activations) -> None:
     """Bit for bit, which is what lets plain decoding and verification share the target's numbers."""
     gen = torch.Generator().manual_seed(7)
-    weight = QuantizedWeight(QuantRows.quantize(torch.randn(200, 128, generator=gen), kind))
+    weight = QuantizedWeight(QuantRows.quantize(torch.randn(200, 128, generator=gen), kind), activations)
     x = torch.randn(29, 128, generator=gen)
     block = weight(x)
     threads = torch.get_num_threads()
@@ -96,9 +125,9 @@ def test_bad_activations_are_refused_not_read() -> None:
             weight(bad)
 
 
-def quantize_model(loaded: LoadedModel, kind: str, head_kind: str = "Q8_0") -> LoadedModel:
+def quantize_model(loaded: LoadedModel, kind: str, head_kind: str = "Q8_0", activations: str = "int8") -> LoadedModel:
     """The test's own quantized target: every linear weight of a tiny model in `kind`, the head in
-    `head_kind` (as the embedded file has Q4_1 layers and a Q8_0 head)."""
+    `head_kind` (as the embedded file has Q4_1 layers and a Q8_0 head), run with `activations`."""
     layers = []
     for layer in loaded.model.model.layers:
         att, mlp = layer.self_attn, layer.mlp
@@ -107,19 +136,20 @@ def quantize_model(loaded: LoadedModel, kind: str, head_kind: str = "Q8_0") -> L
                        "wgu": q(mlp.gate_proj, mlp.up_proj), "wdown": q(mlp.down_proj)})
     head = QuantRows.quantize(loaded.model.get_output_embeddings().weight, head_kind)
     return LoadedModel(model_id=f"{loaded.model_id}-{kind}", path="", model=loaded.model,
-                       tokenizer=loaded.tokenizer, quantized=QuantizedLinears("test", layers, head))
+                       tokenizer=loaded.tokenizer, quantized=QuantizedLinears("test", layers, head, activations))
 
 
-@needs_kernel
+@pytest.mark.parametrize("activations", ARITHMETICS)
 @pytest.mark.parametrize("kind", quant.KINDS)
-def test_greedy_speculation_equals_plain_decoding_with_a_quantized_target(kind, tiny_loaded, tiny_draft_loaded) -> None:
+def test_greedy_speculation_equals_plain_decoding_with_a_quantized_target(kind, activations, tiny_loaded,
+                                                                          tiny_draft_loaded) -> None:
     from test_engine import _contexts
 
-    target = quantize_model(tiny_loaded, kind)
+    target = quantize_model(tiny_loaded, kind, activations=activations)
     engine = Engine(target, tiny_draft_loaded)
     impl = engine.runner.backend.impl
-    assert impl.quantized_only and impl.gemm_plan is None and engine.runner.precision == "GGUF " + " + ".join(
-        dict.fromkeys([kind, "Q8_0"]))
+    assert impl.quantized_only and impl.gemm_plan is None and engine.runner.precision == (
+        f"GGUF {' + '.join(dict.fromkeys([kind, 'Q8_0']))}, {activations} activations")
     float_engine = Engine(tiny_loaded)
     sampling = SamplingParams(max_new_tokens=40)
     differs = 0
@@ -133,21 +163,21 @@ def test_greedy_speculation_equals_plain_decoding_with_a_quantized_target(kind, 
     assert differs > 0
 
 
-@needs_kernel
+@needs_int8
 @pytest.mark.slow
 def test_the_embedded_gguf_runs_quantized_and_speculation_equals_plain(smollm) -> None:
-    """The default target as a user gets it (precision auto): the file's Q4_1 layers and Q8_0 head
-    kept, the same weights transformers dequantizes (exactly), and a long greedy generation with
-    speculation equal to plain decoding of that quantized model."""
+    """The default target as a user gets it (precision auto = gguf where VNNI runs): the file's Q4_1
+    layers and Q8_0 head kept, the same weights transformers dequantizes (exactly), and a long greedy
+    generation with speculation equal to plain decoding of that quantized model."""
     loaded = load_model("default", progress=False)
-    assert loaded.quantized is not None and loaded.quantized.describe == "GGUF Q4_1 + Q8_0"
+    assert loaded.quantized is not None and loaded.quantized.describe == "GGUF Q4_1 + Q8_0, int8 activations"
     base = smollm.model.model  # the float32 model from the same file
     layer = base.layers[3]
     q, k, v = (p.weight for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
     assert torch.equal(loaded.quantized.layers[3]["wqkv"].dequantize(), torch.cat([q, k, v]))  # Q/K rows in HF order
     assert torch.equal(loaded.quantized.head.dequantize(), smollm.model.get_output_embeddings().weight)
     engine = Engine(loaded)
-    assert engine.runner.precision == "GGUF Q4_1 + Q8_0" and engine.runner.backend.impl.batch_invariant
+    assert engine.runner.precision == loaded.quantized.describe and engine.runner.backend.impl.batch_invariant
     ctx = apply_chat_template(loaded.tokenizer, [{"role": "user", "content": (
         "Write a Python class for a bank account with deposit, withdraw and balance methods, then the same "
         "class again with type hints.")}])
@@ -162,10 +192,12 @@ def test_precision_is_checked_at_the_edge(tiny_dir) -> None:
         load_model("default", precision="int3", progress=False)
     with pytest.raises(ModelError, match="not a GGUF file"):
         load_model(str(tiny_dir), precision="gguf", progress=False)
+    with pytest.raises(ModelError, match="not a GGUF file"):
+        load_model(str(tiny_dir), precision="gguf-float", progress=False)
     assert load_model(str(tiny_dir), progress=False).quantized is None  # auto: a float checkpoint stays float
 
 
-@needs_kernel
+@needs_int8
 def test_a_verifier_says_its_precision_and_serves_the_quantized_target(tiny_loaded) -> None:
     """Over real gRPC: GetInfo names what the output is lossless against, and a greedy request
     with speculation equals in-process plain decoding of the quantized target (not the float one)."""
@@ -189,11 +221,12 @@ def test_a_verifier_says_its_precision_and_serves_the_quantized_target(tiny_load
     try:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         info = stub.GetInfo(verifier_pb2.InfoRequest(), timeout=5)
-        assert info.precision == "GGUF Q4_1 + Q8_0"
+        said = "GGUF Q4_1 + Q8_0, int8 activations"
+        assert info.precision == said
         # as the gateway reads it (GetInfo poll, or the Redis registration) for ModelInfo / /v1/models
         rec = verifier_record_from_proto(info, f"127.0.0.1:{port}")
-        assert rec.precision == "GGUF Q4_1 + Q8_0"
-        assert VerifierRecord.from_hash(rec.verifier_id, rec.to_hash()).precision == "GGUF Q4_1 + Q8_0"
+        assert rec.precision == said
+        assert VerifierRecord.from_hash(rec.verifier_id, rec.to_hash()).precision == said
         tokens = []
         for msg in stub.Generate(verifier_pb2.SessionGenerateRequest(
                 context_ids=ctx, sampling=common_pb2.SamplingParams(max_new_tokens=24),
@@ -209,6 +242,18 @@ def test_a_verifier_says_its_precision_and_serves_the_quantized_target(tiny_load
 def test_where_the_kernel_cannot_run_a_gguf_target_is_float32(monkeypatch) -> None:
     """auto falls back to the dequantized model (saying so in the log); gguf refuses, saying why."""
     monkeypatch.setattr(quant, "library", lambda: None)
+    monkeypatch.setattr(quant, "int8_activations_available", lambda: False)
     assert load_model("default", progress=False).quantized is None
-    with pytest.raises(ModelError, match="needs the quantized CPU kernel"):
+    for precision in ("gguf", "gguf-float"):
+        with pytest.raises(ModelError, match=f"precision '{precision}' runs on a float32 CPU model with its kernel"):
+            load_model("default", progress=False, precision=precision)
+
+
+@needs_kernel
+def test_without_vnni_auto_keeps_the_weights_with_float_activations(monkeypatch) -> None:
+    """An AVX-512 host without VNNI (e.g. Skylake-X): auto is gguf-float; gguf refuses and names it."""
+    monkeypatch.setattr(quant, "int8_activations_available", lambda: False)
+    loaded = load_model("default", progress=False)
+    assert loaded.quantized is not None and loaded.quantized.describe == "GGUF Q4_1 + Q8_0, float32 activations"
+    with pytest.raises(ModelError, match="AVX-512 VNNI.*Use precision gguf-float or float32"):
         load_model("default", progress=False, precision="gguf")
