@@ -35,9 +35,11 @@ def source_key() -> str:
     return _key(SOURCE)
 
 
-def build(source: Path, label: str) -> ctypes.CDLL | None:
+def build(source: Path, label: str, march: str = "native") -> ctypes.CDLL | None:
     """Compile `source` with the host's compiler into the tandem cache (once per source, flags,
-    compiler and CPU) and load it; None, with the reason logged, where that is impossible here."""
+    compiler and CPU) and load it; None, with the reason logged, where that is impossible here.
+    `march`: the instruction set to build for (tests build an older one's code path, e.g. "haswell"
+    for AVX2 without AVX-512, to check it gives the same bits)."""
     from tandem.engine.gemm import cpu_model
     from tandem.engine.models import cache_dir
 
@@ -45,12 +47,13 @@ def build(source: Path, label: str) -> ctypes.CDLL | None:
     if cc is None:
         log.info("no C compiler: the %s is not offered", label)
         return None
-    key = hashlib.sha256(" ".join([_key(source), cc, cpu_model()]).encode()).hexdigest()[:16]
+    flags = [f if f != "-march=native" else f"-march={march}" for f in FLAGS]
+    key = hashlib.sha256(" ".join([_key(source), cc, cpu_model(), *([march] if march != "native" else [])]).encode()).hexdigest()[:16]
     out = cache_dir() / "gemv" / f"{source.stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}.so")
-        res = subprocess.run([cc, *FLAGS, str(source), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
+        res = subprocess.run([cc, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             log.warning("building the %s failed, it is not offered: %s", label, res.stderr.strip()[:500])
             return None

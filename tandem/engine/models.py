@@ -254,8 +254,8 @@ def load_model(
     does, so the target is that quantized model as tandem.engine.quant computes it (other tensor
     types are dequantized); "gguf-float" keeps the weights quantized but the activations in float32
     (closer to the float model, slower); "float32" dequantizes everything; "auto" is the first of
-    gguf, gguf-float, float32 whose kernel runs here (gguf needs AVX-512 VNNI, gguf-float AVX-512,
-    both a C compiler). A source that is not a GGUF file has one precision, its own: the gguf
+    gguf, gguf-float, float32 whose kernel runs here (gguf needs AVX-512 VNNI or AVX2, gguf-float
+    AVX-512, both a C compiler). A source that is not a GGUF file has one precision, its own: the gguf
     precisions are refused for it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -286,10 +286,10 @@ def load_model(
         from tandem.engine import quant
 
         cpu = torch.device(device).type == "cpu" and dtype == torch.float32
-        kernels = {"gguf": quant.int8_activations_available(), "gguf-float": quant.library() is not None}
+        kernels = {"gguf": quant.int8_activations_available(), "gguf-float": quant.float_activations_available()}
         chosen = precision if precision != "auto" else next((p for p in kernels if cpu and kernels[p]), "float32")
         if chosen != "float32" and not (cpu and kernels[chosen]):
-            needs = "AVX-512 VNNI" if chosen == "gguf" else "AVX-512"
+            needs = "AVX-512 VNNI or AVX2" if chosen == "gguf" else "AVX-512"
             other = "gguf-float or float32" if chosen == "gguf" and kernels["gguf-float"] else "float32"
             raise ModelError(f"precision {chosen!r} runs on a float32 CPU model with its kernel ({needs} and a C "
                              f"compiler); here: device {device}, dtype {dtype}, kernel "

@@ -25,13 +25,19 @@
  * target is not offered (the GGUF is dequantized to float32 as before).
  */
 #include <stddef.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 
 #define LANES 16
 #define BLOCK 32 /* inputs per scale: GGUF's Q4_0, Q4_1 and Q8_0 */
 
 #ifdef __AVX512F__
-#include <immintrin.h>
-#include <omp.h>
 
 #define MAX_R 8   /* rows per tile of 2 panels: 8 x 2 accumulators, 2 x (d, m) and the widened weights fit 32 registers */
 #define MAX_R1 16 /* rows per tile of 1 panel: a verification block of 9-16 rows widens each weight once */
@@ -179,6 +185,22 @@ void tandem_quant_rows_q8(const float *restrict x, const signed char *restrict q
 }
 
 
+#else /* no AVX-512: a quantized target is not offered (tandem_quant_available) */
+
+int tandem_quant_available(void) { return 0; }
+
+void tandem_quant_rows_q4(const float *x, const unsigned char *q, const float *dm, float *y, int n, int m, int k,
+                          int threads) {
+    (void)x, (void)q, (void)dm, (void)y, (void)n, (void)m, (void)k, (void)threads;
+}
+
+void tandem_quant_rows_q8(const float *x, const signed char *q, const float *dm, float *y, int n, int m, int k,
+                          int threads) {
+    (void)x, (void)q, (void)dm, (void)y, (void)n, (void)m, (void)k, (void)threads;
+}
+
+#endif
+
 /* ---- 8-bit activations (precision "gguf", llama.cpp's arithmetic): integer dot products per block ----
  *
  * Why: with float32 activations every weight costs one float FMA per row, so a 9-row verification
@@ -201,42 +223,36 @@ void tandem_quant_rows_q8(const float *restrict x, const signed char *restrict q
  * q[o][32b + 4j + t] + 128 (VNNI multiplies unsigned by signed bytes; the 128 * sx it adds is taken
  * off exactly). d, m: float32 [p][b][16] as above.
  */
-#include <math.h>
-#include <stdlib.h>
-#include <string.h>
-
-static void quantize_activations(const float *restrict x, int n, int k, signed char *restrict xq,
-                                 float *restrict dx, float *restrict sxd, int *restrict sx) {
-    const int nb = k / BLOCK;
-    for (int r = 0; r < n; r++)
-        for (int b = 0; b < nb; b++) {
-            const float *v = x + (size_t)r * k + (size_t)b * BLOCK;
-            signed char *o = xq + (size_t)r * k + (size_t)b * BLOCK;
-            float amax = 0.0f;
-            for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            int s = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                const int qi = (int)nearbyintf(v[i] * id);
-                o[i] = (signed char)qi;
-                s += qi;
-            }
-            dx[(size_t)r * nb + b] = d;
-            sx[(size_t)r * nb + b] = s;
-            sxd[(size_t)r * nb + b] = d * (float)s;
+/* Blocks [begin, end) of the row-major n x k/32 blocks of x (k a multiple of 32, so block i of the
+ * flat array is row i / (k/32)'s block i % (k/32)): the 8-bit activations as defined above. */
+static void quantize_range(const float *restrict x, long begin, long end, signed char *restrict xq,
+                           float *restrict dx, float *restrict sxd, int *restrict sx) {
+    for (long i = begin; i < end; i++) {
+        const float *v = x + (size_t)i * BLOCK;
+        signed char *o = xq + (size_t)i * BLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int s = 0;
+        for (int j = 0; j < BLOCK; j++) {
+            const int qi = (int)nearbyintf(v[j] * id);
+            o[j] = (signed char)qi;
+            s += qi;
         }
+        dx[i] = d, sx[i] = s, sxd[i] = d * (float)s;
+    }
 }
 
 /* The definition in plain C, one output at a time: the tests' bit-exact reference for the vector
- * kernel. q: [m][k] the quantized values (Q4 0..15, Q8 -127..127); d, mo: [m][k/32]. */
+ * kernels. q: [m][k] the quantized values (Q4 0..15, Q8 -127..127); d, mo: [m][k/32]. */
 void tandem_quant_rows_a_ref(const float *restrict x, const signed char *restrict q, const float *restrict d,
                              const float *restrict mo, float *restrict y, int n, int m, int k, int has_m) {
     const int nb = k / BLOCK;
     signed char *xq = malloc((size_t)n * k);
     float *dx = malloc(sizeof(float) * (size_t)n * nb * 2);
     int *sx = malloc(sizeof(int) * (size_t)n * nb);
-    quantize_activations(x, n, k, xq, dx, dx + (size_t)n * nb, sx);
     const float *sxd = dx + (size_t)n * nb;
+    quantize_range(x, 0, (long)n * nb, xq, dx, dx + (size_t)n * nb, sx);
     for (int r = 0; r < n; r++)
         for (int o = 0; o < m; o++) {
             float acc = 0.0f;
@@ -252,16 +268,25 @@ void tandem_quant_rows_a_ref(const float *restrict x, const signed char *restric
     free(xq), free(dx), free(sx);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define MAX_RA 4 /* rows per tile: 4 float + 8 integer accumulators; 8 rows spilled (a 9-row block 1.2-1.5x slower) */
+#define MAX_RA 4 /* rows per tile: 4 float + 4-8 integer accumulators (8 rows spilled on AVX-512: a 9-row block 1.2-1.5x slower) */
 
-/* quantize_activations' blocks [begin, end) of the n x k/32 (row-major), in vector form: the same
- * operations in the same order per element (max, divide, reciprocal, multiply, nearest-even), so the
- * same bytes (the reference uses the scalar form: tests compare them) */
-static void quantize_blocks(const float *restrict x, int k, long begin, long end, signed char *restrict xq,
+static inline __attribute__((always_inline)) int load4(const signed char *p) {
+    int v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VW 16 /* outputs per vector: a whole panel */
+#define A_ISA "AVX-512 VNNI"
+
+/* quantize_range in vector form: the same operations in the same order per element (max, divide,
+ * reciprocal, multiply, nearest-even), so the same bytes (tests compare it with the reference,
+ * which uses the scalar form) */
+static void quantize_blocks(const float *restrict x, long begin, long end, signed char *restrict xq,
                             float *restrict dx, float *restrict sxd, int *restrict sx) {
     for (long i = begin; i < end; i++) {
-        const float *v = x + (size_t)i * BLOCK; /* block i of the row-major [n][k]: k is a multiple of 32 */
+        const float *v = x + (size_t)i * BLOCK;
         const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + LANES);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -272,15 +297,12 @@ static void quantize_blocks(const float *restrict x, int k, long begin, long end
         const int s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         dx[i] = d, sx[i] = s, sxd[i] = d * (float)s;
     }
-    (void)k;
 }
 
-static inline __attribute__((always_inline)) __m512i bcast4(const signed char *p) {
-    int v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
+/* R rows x the 16 outputs of one panel over all k inputs. q: the panel's bytes; d, mo: its scales
+ * and offsets [k/32][16]; xq, dx, sxd, sx: the tile's first row. One VNNI instruction multiplies
+ * 4 inputs x 16 outputs; two integer sums per row halve the dependency chain (integer addition is
+ * exact, so their order is free). */
 static inline __attribute__((always_inline)) void tile_a(const signed char *restrict xq, const float *restrict dx,
                                                          const float *restrict sxd, const int *restrict sx, int k,
                                                          const unsigned char *restrict q, const float *restrict d,
@@ -297,26 +319,20 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
         for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_si512();
         const unsigned char *qb = q + (size_t)b * (BLOCK * LANES / (Q4 ? 2 : 1));
         const signed char *xb = xq + (size_t)b * BLOCK;
-        if (Q4) {
 #pragma GCC unroll 4
-            for (int h = 0; h < 4; h++) {
-                const __m512i s = _mm512_loadu_si512(qb + h * 64);
-                const __m512i lo = _mm512_and_si512(s, low), hi = _mm512_and_si512(_mm512_srli_epi16(s, 4), low);
-#pragma GCC unroll 8
-                for (int r = 0; r < R; r++) {
-                    s0[r] = _mm512_dpbusd_epi32(s0[r], lo, bcast4(xb + (size_t)r * k + 4 * h));
-                    s1[r] = _mm512_dpbusd_epi32(s1[r], hi, bcast4(xb + (size_t)r * k + 16 + 4 * h));
-                }
+        for (int h = 0; h < 4; h++) {
+            __m512i w0, w1;
+            if (Q4) { /* inputs 4h.. in the low nibbles, 16 + 4h.. in the high ones */
+                const __m512i v = _mm512_loadu_si512(qb + h * 64);
+                w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            } else { /* inputs 8h.. and 8h + 4.. */
+                w0 = _mm512_loadu_si512(qb + (2 * h) * 64), w1 = _mm512_loadu_si512(qb + (2 * h + 1) * 64);
             }
-        } else {
-#pragma GCC unroll 4
-            for (int h = 0; h < 4; h++) {
-                const __m512i w0 = _mm512_loadu_si512(qb + (2 * h) * 64), w1 = _mm512_loadu_si512(qb + (2 * h + 1) * 64);
+            const int a0 = Q4 ? 4 * h : 8 * h, a1 = Q4 ? 16 + 4 * h : 8 * h + 4;
 #pragma GCC unroll 8
-                for (int r = 0; r < R; r++) {
-                    s0[r] = _mm512_dpbusd_epi32(s0[r], w0, bcast4(xb + (size_t)r * k + 8 * h));
-                    s1[r] = _mm512_dpbusd_epi32(s1[r], w1, bcast4(xb + (size_t)r * k + 8 * h + 4));
-                }
+            for (int r = 0; r < R; r++) {
+                s0[r] = _mm512_dpbusd_epi32(s0[r], w0, _mm512_set1_epi32(load4(xb + (size_t)r * k + a0)));
+                s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(load4(xb + (size_t)r * k + a1)));
             }
         }
         const __m512 dv = _mm512_loadu_ps(d + (size_t)b * LANES);
@@ -324,7 +340,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             __m512i s = _mm512_add_epi32(s0[r], s1[r]);
-            if (!Q4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * sx[(size_t)r * nb + b]));
+            if (!Q4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * sx[(size_t)r * nb + b])); /* stored q + 128 */
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(dx[(size_t)r * nb + b])), acc[r]);
             if (Q4) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sxd[(size_t)r * nb + b]), acc[r]);
         }
@@ -338,7 +354,89 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
     }
 }
 
-#define TILE_A(R) tile_a(xq + (size_t)r0 * k, dx + (size_t)r0 * nb, sxd + (size_t)r0 * nb, sx + (size_t)r0 * nb, k, qp, dp, dp + mstride, R, Q4, y + (size_t)r0 * m, (size_t)m, p * LANES, m)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8 /* outputs per vector: half a panel */
+#define A_ISA "AVX2"
+
+static void quantize_blocks(const float *restrict x, long begin, long end, signed char *restrict xq,
+                            float *restrict dx, float *restrict sxd, int *restrict sx) {
+    quantize_range(x, begin, end, xq, dx, sxd, sx);
+}
+
+/* R rows x 8 outputs (half a panel: q, d, mo point at the half's first lane; the panel's layout
+ * keeps a 64-byte stride per 4 inputs). AVX2 has no VNNI: maddubs multiplies unsigned by signed
+ * bytes into 16-bit pair sums, madd with ones widens them to 32 bits, the same 4-input sums as
+ * VNNI's, exactly: Q4 pairs are at most 2 x 15 x 127; Q8 goes through the sign trick (|x| times q
+ * with x's sign: pairs at most 2 x 127 x 127, no saturation), so it needs no 128 sx correction. */
+static inline __attribute__((always_inline)) void tile_a(const signed char *restrict xq, const float *restrict dx,
+                                                         const float *restrict sxd, const int *restrict sx, int k,
+                                                         const unsigned char *restrict q, const float *restrict d,
+                                                         const float *restrict mo, const int R, const int Q4,
+                                                         float *restrict y, size_t ldy, int col, int m) {
+    const int nb = k / BLOCK;
+    __m256 acc[MAX_RA];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int b = 0; b < nb; b++) {
+        __m256i s[MAX_RA];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+        const unsigned char *qb = q + (size_t)b * (BLOCK * LANES / (Q4 ? 2 : 1));
+        const signed char *xb = xq + (size_t)b * BLOCK;
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++) {
+            __m256i w0, w1;
+            if (Q4) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qb + h * 64));
+                w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            } else { /* back to signed q */
+                w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qb + (2 * h) * 64)), flip);
+                w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qb + (2 * h + 1) * 64)), flip);
+            }
+            const int a0 = Q4 ? 4 * h : 8 * h, a1 = Q4 ? 16 + 4 * h : 8 * h + 4;
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const __m256i x0 = _mm256_set1_epi32(load4(xb + (size_t)r * k + a0));
+                const __m256i x1 = _mm256_set1_epi32(load4(xb + (size_t)r * k + a1));
+                __m256i p0, p1;
+                if (Q4) {
+                    p0 = _mm256_maddubs_epi16(w0, x0), p1 = _mm256_maddubs_epi16(w1, x1);
+                } else {
+                    p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(x0), _mm256_sign_epi8(w0, x0));
+                    p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(x1), _mm256_sign_epi8(w1, x1));
+                }
+                if (Q4) /* two 16-bit pair sums of at most 3,810 add without overflow */
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+                else
+                    s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+            }
+        }
+        const __m256 dv = _mm256_loadu_ps(d + (size_t)b * LANES);
+        const __m256 mv = Q4 ? _mm256_loadu_ps(mo + (size_t)b * LANES) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dx[(size_t)r * nb + b])), acc[r]);
+            if (Q4) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sxd[(size_t)r * nb + b]), acc[r]);
+        }
+    }
+    (void)sx;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        if (col + VW <= m) {
+            _mm256_storeu_ps(y + r * ldy + col, acc[r]);
+        } else if (col < m) {
+            float part[VW];
+            _mm256_storeu_ps(part, acc[r]);
+            for (int o = 0; o < m - col; o++) y[r * ldy + col + o] = part[o];
+        }
+    }
+}
+#endif
+
+#ifdef VW
+#define TILE_A(R) tile_a(xq + (size_t)r0 * k, dx + (size_t)r0 * nb, sxd + (size_t)r0 * nb, sx + (size_t)r0 * nb, k, \
+                         qp, dp, dp + mstride, R, Q4, y + (size_t)r0 * m, (size_t)m, col, m)
 
 static inline __attribute__((always_inline)) void rows_a(const float *restrict x, const unsigned char *restrict q,
                                                          const float *restrict dm, float *restrict y, int n, int m,
@@ -354,33 +452,33 @@ static inline __attribute__((always_inline)) void rows_a(const float *restrict x
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const long blocks = (long)n * nb;
-        quantize_blocks(x, k, blocks * t / T, blocks * (t + 1) / T, xq, dx, dx + (size_t)n * nb, sx);
+        const long blocks = (long)n * nb; /* the activations first, each thread a share, then every thread reads all */
+        quantize_blocks(x, blocks * t / T, blocks * (t + 1) / T, xq, dx, dx + (size_t)n * nb, sx);
 #pragma omp barrier
         const int begin = (int)((long)panels * t / T), end = (int)((long)panels * (t + 1) / T);
-        for (int p = begin; p < end; p++) {
-            const unsigned char *qp = q + (size_t)p * qstride;
-            const float *dp = dm + (size_t)p * dstride;
-            for (int j = 0, r0 = 0; j < tiles; j++) {
-                const int R = (n - r0) / (tiles - j);
-                switch (R) {
-                case 1: TILE_A(1); break;
-                case 2: TILE_A(2); break;
-                case 3: TILE_A(3); break;
-                case 4: TILE_A(4); break;
-                case 5: TILE_A(5); break;
-                case 6: TILE_A(6); break;
-                case 7: TILE_A(7); break;
-                default: TILE_A(8); break;
+        for (int p = begin; p < end; p++)
+            for (int part = 0; part < LANES / VW; part++) { /* AVX2: each half of the panel */
+                const unsigned char *qp = q + (size_t)p * qstride + (size_t)part * VW * 4;
+                const float *dp = dm + (size_t)p * dstride + (size_t)part * VW;
+                const int col = p * LANES + part * VW;
+                for (int j = 0, r0 = 0; j < tiles; j++) {
+                    const int R = (n - r0) / (tiles - j);
+                    switch (R) {
+                    case 1: TILE_A(1); break;
+                    case 2: TILE_A(2); break;
+                    case 3: TILE_A(3); break;
+                    default: TILE_A(4); break;
+                    }
+                    r0 += R;
                 }
-                r0 += R;
             }
-        }
     }
     free(xq), free(dx), free(sx);
 }
 
 int tandem_quant_a_available(void) { return 1; }
+
+const char *tandem_quant_a_isa(void) { return A_ISA; }
 
 void tandem_quant_rows_q4a(const float *restrict x, const unsigned char *restrict q, const float *restrict dm,
                            float *restrict y, int n, int m, int k, int threads) {
@@ -391,8 +489,11 @@ void tandem_quant_rows_q8a(const float *restrict x, const unsigned char *restric
                            float *restrict y, int n, int m, int k, int threads) {
     rows_a(x, q, dm, y, n, m, k, threads, 0);
 }
-#else /* AVX-512 without VNNI: the 8-bit-activation target runs on the reference only (not offered) */
+
+#else /* neither AVX-512 VNNI nor AVX2: the 8-bit-activation target is not offered (its reference still runs) */
 int tandem_quant_a_available(void) { return 0; }
+
+const char *tandem_quant_a_isa(void) { return "none"; }
 
 void tandem_quant_rows_q4a(const float *x, const unsigned char *q, const float *dm, float *y, int n, int m, int k,
                            int threads) {
@@ -403,20 +504,4 @@ void tandem_quant_rows_q8a(const float *x, const unsigned char *q, const float *
                            int threads) {
     (void)x, (void)q, (void)dm, (void)y, (void)n, (void)m, (void)k, (void)threads;
 }
-#endif
-
-#else /* no AVX-512: a quantized target is not offered (tandem_quant_available) */
-
-int tandem_quant_available(void) { return 0; }
-
-void tandem_quant_rows_q4(const float *x, const unsigned char *q, const float *dm, float *y, int n, int m, int k,
-                          int threads) {
-    (void)x, (void)q, (void)dm, (void)y, (void)n, (void)m, (void)k, (void)threads;
-}
-
-void tandem_quant_rows_q8(const float *x, const signed char *q, const float *dm, float *y, int n, int m, int k,
-                          int threads) {
-    (void)x, (void)q, (void)dm, (void)y, (void)n, (void)m, (void)k, (void)threads;
-}
-
 #endif

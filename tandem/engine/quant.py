@@ -8,11 +8,14 @@ Q/K permutation of GGUF Llama files). `QuantizedWeight` packs it into quant.c's 
 a call takes float32 activations `# [n, in]` and returns `# [n, out]`.
 
 Two arithmetics (`ACTIVATIONS`), each row-invariant: "int8" quantizes each input row to 8 bits per
-block of 32 and sums integer products (llama.cpp's arithmetic; precision "gguf"; AVX-512 VNNI), and
+block of 32 and sums integer products (llama.cpp's arithmetic; precision "gguf"; AVX-512 VNNI or AVX2), and
 "float32" widens the weights and multiplies float activations (precision "gguf-float"; AVX-512).
+The int8 arithmetic has an AVX2 form too (no VNNI: 16-bit pair sums widened, the same exact
+integers), so its bits are the same on every x86 host with AVX2 and FMA (tested by building the
+AVX2 form here).
 `reference_int8` is the int8 arithmetic in plain C, one output at a time (the tests' reference).
 
-The compiled kernel needs AVX-512 and a C compiler (built at first use like gemv.c); elsewhere
+The compiled kernels need a C compiler (built at first use like gemv.c); where neither runs
 `library()` is None and a GGUF target is dequantized to float32 as before (tandem.engine.models).
 """
 
@@ -44,22 +47,35 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.tandem_quant_rows_a_ref.restype = None
     lib.tandem_quant_available.restype = ctypes.c_int
     lib.tandem_quant_a_available.restype = ctypes.c_int
-    if not lib.tandem_quant_available():
-        raise OSError("built without AVX-512")
+    lib.tandem_quant_a_isa.restype = ctypes.c_char_p
+    if not lib.tandem_quant_available() and not lib.tandem_quant_a_available():
+        raise OSError("built without AVX-512 or AVX2: neither arithmetic has a kernel here")
 
 
-_kernel = gemv.Kernel(SOURCE, "quantized GEMM kernel (AVX-512)", _bind)
+_kernel = gemv.Kernel(SOURCE, "quantized GEMM kernel", _bind)
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot be built or has no AVX-512 here."""
+    """The compiled kernels, or None where they cannot be built or neither runs here."""
     return _kernel.library()
 
 
 def int8_activations_available() -> bool:
-    """Whether the int8-activation kernel runs here (AVX-512 VNNI; precision "gguf")."""
+    """Whether the int8-activation kernel runs here (AVX-512 VNNI, or AVX2 with FMA; precision "gguf")."""
     lib = library()
     return lib is not None and bool(lib.tandem_quant_a_available())
+
+
+def float_activations_available() -> bool:
+    """Whether the float-activation kernel runs here (AVX-512; precision "gguf-float")."""
+    lib = library()
+    return lib is not None and bool(lib.tandem_quant_available())
+
+
+def int8_isa(lib: ctypes.CDLL | None = None) -> str:
+    """The instruction set the int8-activation kernel was built for: "AVX-512 VNNI", "AVX2" or "none"."""
+    lib = lib or library()
+    return lib.tandem_quant_a_isa().decode() if lib is not None else "none"
 
 
 def reference_int8(rows: QuantRows, x: torch.Tensor) -> torch.Tensor:
@@ -217,8 +233,9 @@ class QuantizedWeight:
     def __init__(self, rows: QuantRows, activations: str = "int8"):
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-        if library() is None or (activations == "int8" and not int8_activations_available()):
-            need = "AVX-512 VNNI" if activations == "int8" else "AVX-512"
+        runs = int8_activations_available() if activations == "int8" else float_activations_available()
+        if not runs:
+            need = "AVX-512 VNNI or AVX2" if activations == "int8" else "AVX-512"
             raise RuntimeError(f"the quantized GEMM kernel with {activations} activations is not available on this "
                                f"host (needs {need} and a C compiler)")
         self.kind, self.activations = rows.kind, activations

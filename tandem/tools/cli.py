@@ -78,7 +78,7 @@ PrecisionOpt = Annotated[
         help="What the target computes in, which is what 'lossless' is judged against. For a .gguf "
         "model: 'gguf' keeps the file's Q4_0 / Q4_1 / Q8_0 weights as stored and rounds each layer's input "
         "to 8 bits per block of 32, as llama.cpp does (the fastest on a CPU: integer dot products, about a "
-        "fifth of float32's bytes per step for Q4_1; needs AVX-512 VNNI); 'gguf-float' keeps the weights "
+        "fifth of float32's bytes per step for Q4_1; needs AVX-512 VNNI or AVX2); 'gguf-float' keeps the weights "
         "but multiplies float32 inputs (closer to the float model, slower; AVX-512); 'float32' dequantizes "
         "the file; 'auto' is the first of gguf, gguf-float, float32 that runs here. Other models run in "
         "their own precision.",

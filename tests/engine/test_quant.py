@@ -22,9 +22,10 @@ from tandem.engine.quant import QuantizedLinears, QuantizedWeight, QuantRows
 from tandem.engine.spec import Engine
 from smollm_fixture import smollm  # noqa: F401 (fixture)
 
-needs_kernel = pytest.mark.skipif(quant.library() is None, reason="no C compiler or no AVX-512 here: not offered")
+needs_kernel = pytest.mark.skipif(not quant.float_activations_available(),
+                                  reason="no C compiler or no AVX-512 here: precision gguf-float is not offered")
 needs_int8 = pytest.mark.skipif(not quant.int8_activations_available(),
-                                reason="no AVX-512 VNNI here: the int8-activation kernel (precision gguf) is not offered")
+                                reason="no C compiler or neither AVX-512 VNNI nor AVX2: precision gguf is not offered")
 ARITHMETICS = [pytest.param("int8", marks=needs_int8), pytest.param("float32", marks=needs_kernel)]
 gguf = pytest.importorskip("gguf")
 
@@ -115,6 +116,36 @@ def test_a_rows_result_does_not_depend_on_its_block_or_the_threads(kind, activat
             assert torch.equal(weight(x[: r + 1])[r], block[r]), r
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_int8
+def test_the_avx2_form_gives_the_same_bits() -> None:
+    """The int8 arithmetic built for an AVX2 host without AVX-512 (-march=haswell: 16-bit pair sums
+    and the sign trick instead of VNNI) runs here too, and must give this host's kernel's bits and
+    the reference's: the target is the same model on every x86 host."""
+    import ctypes
+
+    from tandem.engine import gemv
+
+    lib = gemv.build(quant.SOURCE, "quantized GEMM kernel, AVX2 form", march="haswell")
+    if lib is None:
+        pytest.skip("the compiler cannot build for haswell here")
+    quant._bind(lib)
+    assert quant.int8_isa(lib) == "AVX2" and not lib.tandem_quant_available()
+    gen = torch.Generator().manual_seed(3)
+    for kind in quant.KINDS:
+        for out_features, in_features in ((37, 96), (200, 576)):
+            rows = QuantRows.quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, kind)
+            weight = QuantizedWeight(rows, "int8")
+            for n in (1, 3, 4, 9, 17):
+                x = torch.randn(n, in_features, generator=gen)
+                y = torch.empty(n, out_features)
+                fn = lib.tandem_quant_rows_q4a if rows.q4 else lib.tandem_quant_rows_q8a
+                fn(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(weight.q.data_ptr()),
+                   ctypes.c_void_p(weight.dm.data_ptr()), ctypes.c_void_p(y.data_ptr()), n, out_features,
+                   in_features, torch.get_num_threads())
+                assert torch.equal(y, weight(x)), (kind, out_features, n)
+                assert torch.equal(y, quant.reference_int8(rows, x)), (kind, out_features, n)
 
 
 @needs_kernel
@@ -241,8 +272,8 @@ def test_a_verifier_says_its_precision_and_serves_the_quantized_target(tiny_load
 
 def test_where_the_kernel_cannot_run_a_gguf_target_is_float32(monkeypatch) -> None:
     """auto falls back to the dequantized model (saying so in the log); gguf refuses, saying why."""
-    monkeypatch.setattr(quant, "library", lambda: None)
     monkeypatch.setattr(quant, "int8_activations_available", lambda: False)
+    monkeypatch.setattr(quant, "float_activations_available", lambda: False)
     assert load_model("default", progress=False).quantized is None
     for precision in ("gguf", "gguf-float"):
         with pytest.raises(ModelError, match=f"precision '{precision}' runs on a float32 CPU model with its kernel"):
@@ -250,10 +281,10 @@ def test_where_the_kernel_cannot_run_a_gguf_target_is_float32(monkeypatch) -> No
 
 
 @needs_kernel
-def test_without_vnni_auto_keeps_the_weights_with_float_activations(monkeypatch) -> None:
-    """An AVX-512 host without VNNI (e.g. Skylake-X): auto is gguf-float; gguf refuses and names it."""
+def test_without_the_int8_kernel_auto_keeps_the_weights_with_float_activations(monkeypatch) -> None:
+    """Where only the float-activation kernel runs, auto is gguf-float; gguf refuses and says why."""
     monkeypatch.setattr(quant, "int8_activations_available", lambda: False)
     loaded = load_model("default", progress=False)
     assert loaded.quantized is not None and loaded.quantized.describe == "GGUF Q4_1 + Q8_0, float32 activations"
-    with pytest.raises(ModelError, match="AVX-512 VNNI.*Use precision gguf-float or float32"):
+    with pytest.raises(ModelError, match="AVX-512 VNNI or AVX2.*Use precision gguf-float or float32"):
         load_model("default", progress=False, precision="gguf")
