@@ -114,44 +114,52 @@ class _Int8Weight:
     that. Rounding changes the draft's numbers slightly; that can change which tokens it proposes,
     never what is committed: the target verifies every draft in full precision.
 
-    Two kernels: our int8 panels (`panel.PackedInt8Weight`, AVX-512, float32 activations) and
-    torch's weight-packed int8 matmul (bfloat16 activations, a private op: checked, never assumed).
-    Where both run, the faster for this shape at one row (a draft's usual step) is measured once per
-    process and shape and kept (`CHOSEN`): on the EPYC host ours took 0.55-0.65x torch's time on
-    every SmolLM2 shape at 1-9 rows.
+    Three kernels: our int8 panels (`panel.PackedInt8Weight`, AVX-512, float32 activations), the
+    same int8 values as Q8_0 blocks on quant.c's int8-activation kernel (every block of a row with
+    the row's scale; activations rounded to 8 bits per block, integer dot products: AVX-512 VNNI or
+    AVX2), and torch's weight-packed int8 matmul (bfloat16 activations, a private op: checked, never
+    assumed). Where several run, the fastest for this shape at one row (a draft's usual step) is
+    measured once per process and shape and kept (`CHOSEN`): on the EPYC host our panels took
+    0.55-0.65x torch's time on every SmolLM2 shape at 1-9 rows, and the blocks less again.
     """
 
-    CHOSEN: dict[tuple[int, int, int], str] = {}  # (out, in, threads) -> "panel" | "torch"
+    CHOSEN: dict[tuple[int, int, int], str] = {}  # (out, in, threads) -> "panel" | "blocks" | "torch"
 
     def __init__(self, w: torch.Tensor):
         q, scale = panel.quantize_int8(w)  # [out, in] int8, [out]
         self.q = q.contiguous()
         self.scale = scale.to(torch.bfloat16)  # [out], torch's kernel's dtype
         self._panel = panel.PackedInt8Weight(q, scale) if panel.library() is not None else None
-        self.kernel = "torch" if self._panel is None else self._choose()
-        if self.kernel == "panel":
-            self.q = None  # only the panels are read
+        self._blocks = None
+        if q.shape[1] % quant.BLOCK == 0 and quant.int8_activations_available():
+            d = scale[:, None].expand(-1, q.shape[1] // quant.BLOCK).contiguous()  # [out, in/32]
+            self._blocks = quant.QuantizedWeight(quant.QuantRows("Q8_0", self.q, d, torch.zeros_like(d)), "int8")
+        self._kernels = {"panel": self._panel, "blocks": self._blocks,
+                         "torch": self._torch if self.torch_available() else None}
+        self.kernel = self._choose()
+        self._fn = self._kernels[self.kernel]
+        # only the chosen kernel's copy is kept
+        self._kernels = self._panel = self._blocks = None
+        if self.kernel != "torch":
+            self.q = None
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out], in x's dtype
         return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q, self.scale).to(x.dtype)
 
     def _choose(self) -> str:
+        runs = [k for k, fn in self._kernels.items() if fn is not None]
+        if len(runs) == 1:
+            return runs[0]
         key = (*self.q.shape, torch.get_num_threads())
-        if key not in self.CHOSEN:
-            if not self.torch_available():
-                self.CHOSEN[key] = "panel"
-            else:
-                x = torch.randn(1, self.q.shape[1])
-                self.CHOSEN[key] = min(("panel", "torch"), key=lambda k: median_seconds(
-                    lambda: self._panel(x) if k == "panel" else self._torch(x), 15))
+        if key not in self.CHOSEN or self.CHOSEN[key] not in runs:
+            x = torch.randn(1, self.q.shape[1])
+            self.CHOSEN[key] = min(runs, key=lambda k: median_seconds(lambda: self._kernels[k](x), 15))
         return self.CHOSEN[key]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out], in x's dtype
-        if self.kernel == "panel":
-            return self._panel(x).to(x.dtype)
-        return self._torch(x)
+        return self._fn(x).to(x.dtype)
 
     @staticmethod
     @functools.cache

@@ -148,6 +148,32 @@ def test_the_avx2_form_gives_the_same_bits() -> None:
                 assert torch.equal(y, quant.reference_int8(rows, x)), (kind, out_features, n)
 
 
+@needs_int8
+def test_a_drafts_int8_weights_run_as_blocks_within_rounding() -> None:
+    """A draft model's int8 weights (one scale per output) on the int8-activation kernel, as Q8_0
+    blocks that all carry the row's scale: the int8 weights' product within the activations' 8-bit
+    rounding, and the kernel a draft step chooses among those that run here by measurement."""
+    from tandem.engine import panel
+    from tandem.engine.llama import _Int8Weight
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 576, generator=gen) * 0.05
+    assert _Int8Weight(w).kernel in {"panel", "blocks", "torch"}  # measured
+    key = (300, 576, torch.get_num_threads())
+    _Int8Weight.CHOSEN[key] = "blocks"  # as if measured fastest
+    try:
+        lin = _Int8Weight(w)
+    finally:
+        del _Int8Weight.CHOSEN[key]
+    assert lin.kernel == "blocks" and lin.q is None  # only the blocks are kept
+    q, scale = panel.quantize_int8(w)
+    exact_w = q.float() * scale[:, None]  # [out, in]
+    for n in (1, 5):
+        x = torch.randn(n, 576, generator=gen)
+        exact = F.linear(x, exact_w)
+        assert (lin(x) - exact).norm() <= 0.02 * exact.norm()
+
+
 @needs_kernel
 def test_bad_activations_are_refused_not_read() -> None:
     weight = QuantizedWeight(QuantRows.quantize(torch.randn(16, 64), "Q4_0"))
