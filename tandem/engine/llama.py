@@ -132,7 +132,8 @@ class _Int8Weight:
         self._panel = panel.PackedInt8Weight(q, scale) if panel.library() is not None else None
         self._blocks = None
         if q.shape[1] % quant.BLOCK == 0 and quant.int8_activations_available():
-            d = scale[:, None].expand(-1, q.shape[1] // quant.BLOCK).contiguous()  # [out, in/32]
+            # [out, in/32]; the scale rounded to float16, which that layout keeps (a draft's numbers only)
+            d = scale.half().float()[:, None].expand(-1, q.shape[1] // quant.BLOCK).contiguous()
             self._blocks = quant.QuantizedWeight(quant.QuantRows("Q8_0", self.q, d, torch.zeros_like(d)), "int8")
         self._kernels = {"panel": self._panel, "blocks": self._blocks,
                          "torch": self._torch if self.torch_available() else None}

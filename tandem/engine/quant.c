@@ -217,11 +217,14 @@ void tandem_quant_rows_q8(const float *x, const signed char *q, const float *dm,
  * same bits alone, in any block, at any thread count (tested), and the same on a host without VNNI
  * running the reference.
  *
- * Layouts (quant.py packs them): Q4: for panel p, block b, h = 0..3, lane o, t = 0..3 the byte
- * [p][b][h][o][t] holds q[o][32b + 4h + t] in its low and q[o][32b + 16 + 4h + t] in its high nibble:
- * one 64-byte load gives two VNNI operands (4 inputs x 16 lanes each). Q8: [p][b][j][o][t] =
- * q[o][32b + 4j + t] + 128 (VNNI multiplies unsigned by signed bytes; the 128 * sx it adds is taken
- * off exactly). d, m: float32 [p][b][16] as above.
+ * Layout (quant.py packs it): one stream per panel of 16 outputs, block after block, each block
+ * the file's bytes for those outputs (20 per output and block for Q4_1, 34 for Q8_0), so a step
+ * reads what the file holds and in one sequential pass. A Q4 block: 256 bytes of weights, where
+ * byte [h][o][t] (h = 0..3, lane o, t = 0..3) holds q[o][32b + 4h + t] in its low and
+ * q[o][32b + 16 + 4h + t] in its high nibble (one 64-byte load gives two VNNI operands of 4 inputs x
+ * 16 lanes), then d[16] and m[16] as float16 (the file's; widening is exact). A Q8 block: 512 bytes,
+ * [j][o][t] = q[o][32b + 4j + t] + 128 (VNNI multiplies unsigned by signed bytes; the 128 sx it adds
+ * is taken off exactly), then d[16] as float16.
  */
 /* Blocks [begin, end) of the row-major n x k/32 blocks of x (k a multiple of 32, so block i of the
  * flat array is row i / (k/32)'s block i % (k/32)): the 8-bit activations as defined above. */
@@ -268,6 +271,8 @@ void tandem_quant_rows_a_ref(const float *restrict x, const signed char *restric
     free(xq), free(dx), free(sx);
 }
 
+#define A_BLOCK_BYTES(Q4) ((Q4) ? 16 * 20 : 16 * 34) /* one panel's block: the file's bytes for 16 outputs */
+#define A_SCALES(Q4) ((Q4) ? 256 : 512)                /* where its scales start */
 #define MAX_RA 4 /* rows per tile: 4 float + 4-8 integer accumulators (8 rows spilled on AVX-512: a 9-row block 1.2-1.5x slower) */
 
 static inline __attribute__((always_inline)) int load4(const signed char *p) {
@@ -299,15 +304,16 @@ static void quantize_blocks(const float *restrict x, long begin, long end, signe
     }
 }
 
-/* R rows x the 16 outputs of one panel over all k inputs. q: the panel's bytes; d, mo: its scales
- * and offsets [k/32][16]; xq, dx, sxd, sx: the tile's first row. One VNNI instruction multiplies
+/* R rows x the 16 outputs of one panel over all k inputs. q: the panel's first block's weights, sc:
+ * its scales (then offsets), both a block's bytes apart per block; xq, dx, sxd, sx: the tile's first
+ * row. One VNNI instruction multiplies
  * 4 inputs x 16 outputs; two integer sums per row halve the dependency chain (integer addition is
  * exact, so their order is free). */
 static inline __attribute__((always_inline)) void tile_a(const signed char *restrict xq, const float *restrict dx,
                                                          const float *restrict sxd, const int *restrict sx, int k,
-                                                         const unsigned char *restrict q, const float *restrict d,
-                                                         const float *restrict mo, const int R, const int Q4,
-                                                         float *restrict y, size_t ldy, int col, int m) {
+                                                         const unsigned char *restrict q, const unsigned char *restrict sc,
+                                                         const int R, const int Q4, float *restrict y, size_t ldy,
+                                                         int col, int m) {
     const int nb = k / BLOCK;
     __m512 acc[MAX_RA];
 #pragma GCC unroll 8
@@ -317,7 +323,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
         __m512i s0[MAX_RA], s1[MAX_RA];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_si512();
-        const unsigned char *qb = q + (size_t)b * (BLOCK * LANES / (Q4 ? 2 : 1));
+        const unsigned char *qb = q + (size_t)b * A_BLOCK_BYTES(Q4);
         const signed char *xb = xq + (size_t)b * BLOCK;
 #pragma GCC unroll 4
         for (int h = 0; h < 4; h++) {
@@ -335,8 +341,9 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
                 s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(load4(xb + (size_t)r * k + a1)));
             }
         }
-        const __m512 dv = _mm512_loadu_ps(d + (size_t)b * LANES);
-        const __m512 mv = Q4 ? _mm512_loadu_ps(mo + (size_t)b * LANES) : _mm512_setzero_ps();
+        const unsigned char *sb = sc + (size_t)b * A_BLOCK_BYTES(Q4);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        const __m512 mv = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 2 * LANES))) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             __m512i s = _mm512_add_epi32(s0[r], s1[r]);
@@ -363,16 +370,16 @@ static void quantize_blocks(const float *restrict x, long begin, long end, signe
     quantize_range(x, begin, end, xq, dx, sxd, sx);
 }
 
-/* R rows x 8 outputs (half a panel: q, d, mo point at the half's first lane; the panel's layout
- * keeps a 64-byte stride per 4 inputs). AVX2 has no VNNI: maddubs multiplies unsigned by signed
+/* R rows x 8 outputs (half a panel: q and sc point at the half's first lane in the first block's
+ * weights and scales; the layout keeps a 64-byte stride per 4 inputs). AVX2 has no VNNI: maddubs multiplies unsigned by signed
  * bytes into 16-bit pair sums, madd with ones widens them to 32 bits, the same 4-input sums as
  * VNNI's, exactly: Q4 pairs are at most 2 x 15 x 127; Q8 goes through the sign trick (|x| times q
  * with x's sign: pairs at most 2 x 127 x 127, no saturation), so it needs no 128 sx correction. */
 static inline __attribute__((always_inline)) void tile_a(const signed char *restrict xq, const float *restrict dx,
                                                          const float *restrict sxd, const int *restrict sx, int k,
-                                                         const unsigned char *restrict q, const float *restrict d,
-                                                         const float *restrict mo, const int R, const int Q4,
-                                                         float *restrict y, size_t ldy, int col, int m) {
+                                                         const unsigned char *restrict q, const unsigned char *restrict sc,
+                                                         const int R, const int Q4, float *restrict y, size_t ldy,
+                                                         int col, int m) {
     const int nb = k / BLOCK;
     __m256 acc[MAX_RA];
 #pragma GCC unroll 8
@@ -382,7 +389,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
         __m256i s[MAX_RA];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
-        const unsigned char *qb = q + (size_t)b * (BLOCK * LANES / (Q4 ? 2 : 1));
+        const unsigned char *qb = q + (size_t)b * A_BLOCK_BYTES(Q4);
         const signed char *xb = xq + (size_t)b * BLOCK;
 #pragma GCC unroll 4
         for (int h = 0; h < 4; h++) {
@@ -412,8 +419,9 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
                     s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
             }
         }
-        const __m256 dv = _mm256_loadu_ps(d + (size_t)b * LANES);
-        const __m256 mv = Q4 ? _mm256_loadu_ps(mo + (size_t)b * LANES) : _mm256_setzero_ps();
+        const unsigned char *sb = sc + (size_t)b * A_BLOCK_BYTES(Q4);
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
+        const __m256 mv = Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 2 * LANES))) : _mm256_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dx[(size_t)r * nb + b])), acc[r]);
@@ -436,30 +444,35 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
 
 #ifdef VW
 #define TILE_A(R) tile_a(xq + (size_t)r0 * k, dx + (size_t)r0 * nb, sxd + (size_t)r0 * nb, sx + (size_t)r0 * nb, k, \
-                         qp, dp, dp + mstride, R, Q4, y + (size_t)r0 * m, (size_t)m, col, m)
+                         qp, sp, R, Q4, y + (size_t)r0 * m, (size_t)m, col, m)
 
 static inline __attribute__((always_inline)) void rows_a(const float *restrict x, const unsigned char *restrict q,
-                                                         const float *restrict dm, float *restrict y, int n, int m,
-                                                         int k, int threads, const int Q4) {
+                                                         float *restrict y, int n, int m, int k, int threads,
+                                                         const int Q4) {
     const int nb = k / BLOCK, panels = (m + LANES - 1) / LANES;
-    const size_t qstride = (size_t)k * LANES / (Q4 ? 2 : 1), dstride = (size_t)nb * LANES;
-    const size_t mstride = (size_t)panels * dstride;
+    const size_t pstride = (size_t)nb * A_BLOCK_BYTES(Q4);
     signed char *xq = malloc((size_t)n * k);
     float *dx = malloc(sizeof(float) * (size_t)n * nb * 2);
     int *sx = malloc(sizeof(int) * (size_t)n * nb);
     const float *sxd = dx + (size_t)n * nb;
     const int tiles = (n + MAX_RA - 1) / MAX_RA;
+    const long blocks = (long)n * nb;
+    /* the activations first: a decode step's few blocks by this thread (a barrier costs more than
+     * they do), a longer block's by every thread a share, then every thread reads all */
+    const int shared = blocks > 64;
+    if (!shared) quantize_blocks(x, 0, blocks, xq, dx, dx + (size_t)n * nb, sx);
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const long blocks = (long)n * nb; /* the activations first, each thread a share, then every thread reads all */
-        quantize_blocks(x, blocks * t / T, blocks * (t + 1) / T, xq, dx, dx + (size_t)n * nb, sx);
+        if (shared) {
+            quantize_blocks(x, blocks * t / T, blocks * (t + 1) / T, xq, dx, dx + (size_t)n * nb, sx);
 #pragma omp barrier
+        }
         const int begin = (int)((long)panels * t / T), end = (int)((long)panels * (t + 1) / T);
         for (int p = begin; p < end; p++)
             for (int part = 0; part < LANES / VW; part++) { /* AVX2: each half of the panel */
-                const unsigned char *qp = q + (size_t)p * qstride + (size_t)part * VW * 4;
-                const float *dp = dm + (size_t)p * dstride + (size_t)part * VW;
+                const unsigned char *qp = q + (size_t)p * pstride + (size_t)part * VW * 4;
+                const unsigned char *sp = q + (size_t)p * pstride + A_SCALES(Q4) + (size_t)part * VW * 2;
                 const int col = p * LANES + part * VW;
                 for (int j = 0, r0 = 0; j < tiles; j++) {
                     const int R = (n - r0) / (tiles - j);
@@ -480,14 +493,15 @@ int tandem_quant_a_available(void) { return 1; }
 
 const char *tandem_quant_a_isa(void) { return A_ISA; }
 
-void tandem_quant_rows_q4a(const float *restrict x, const unsigned char *restrict q, const float *restrict dm,
-                           float *restrict y, int n, int m, int k, int threads) {
-    rows_a(x, q, dm, y, n, m, k, threads, 1);
+/* x: [n, k] float32 row-major (k a multiple of 32); q: the packed weights as above; y: [n, m]. */
+void tandem_quant_rows_q4a(const float *restrict x, const unsigned char *restrict q, float *restrict y, int n, int m,
+                           int k, int threads) {
+    rows_a(x, q, y, n, m, k, threads, 1);
 }
 
-void tandem_quant_rows_q8a(const float *restrict x, const unsigned char *restrict q, const float *restrict dm,
-                           float *restrict y, int n, int m, int k, int threads) {
-    rows_a(x, q, dm, y, n, m, k, threads, 0);
+void tandem_quant_rows_q8a(const float *restrict x, const unsigned char *restrict q, float *restrict y, int n, int m,
+                           int k, int threads) {
+    rows_a(x, q, y, n, m, k, threads, 0);
 }
 
 #else /* neither AVX-512 VNNI nor AVX2: the 8-bit-activation target is not offered (its reference still runs) */
@@ -495,13 +509,11 @@ int tandem_quant_a_available(void) { return 0; }
 
 const char *tandem_quant_a_isa(void) { return "none"; }
 
-void tandem_quant_rows_q4a(const float *x, const unsigned char *q, const float *dm, float *y, int n, int m, int k,
-                           int threads) {
-    (void)x, (void)q, (void)dm, (void)y, (void)n, (void)m, (void)k, (void)threads;
+void tandem_quant_rows_q4a(const float *x, const unsigned char *q, float *y, int n, int m, int k, int threads) {
+    (void)x, (void)q, (void)y, (void)n, (void)m, (void)k, (void)threads;
 }
 
-void tandem_quant_rows_q8a(const float *x, const unsigned char *q, const float *dm, float *y, int n, int m, int k,
-                           int threads) {
-    (void)x, (void)q, (void)dm, (void)y, (void)n, (void)m, (void)k, (void)threads;
+void tandem_quant_rows_q8a(const float *x, const unsigned char *q, float *y, int n, int m, int k, int threads) {
+    (void)x, (void)q, (void)y, (void)n, (void)m, (void)k, (void)threads;
 }
 #endif

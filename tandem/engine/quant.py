@@ -39,9 +39,13 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    for name in ("tandem_quant_rows_q4", "tandem_quant_rows_q8", "tandem_quant_rows_q4a", "tandem_quant_rows_q8a"):
+    for name in ("tandem_quant_rows_q4", "tandem_quant_rows_q8"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        fn.restype = None
+    for name in ("tandem_quant_rows_q4a", "tandem_quant_rows_q8a"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
         fn.restype = None
     lib.tandem_quant_rows_a_ref.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.tandem_quant_rows_a_ref.restype = None
@@ -208,11 +212,14 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_int8_activations(rows: QuantRows) -> torch.Tensor:
-    """quant.c's layout for the int8-activation kernel (see there): Q4 `# [panels, k/32, 4, 16, 4]`
-    uint8, inputs 4h..4h+3 of a block in the low nibbles and 16+4h.. in the high ones; Q8
-    `# [panels, k/32, 8, 16, 4]` uint8, q + 128."""
+    """quant.c's layout for the int8-activation kernel (see there) `# [panels, k/32, bytes]` uint8:
+    per panel of 16 outputs and block, the weights (Q4: `[4, 16, 4]` bytes, inputs 4h..4h+3 of the
+    block in the low nibbles and 16+4h.. in the high ones; Q8: `[8, 16, 4]` bytes, q + 128), then d
+    `[16]` and (Q4) m `[16]` as float16: the file's bytes, 20 (Q4) or 34 (Q8) per output and block."""
     out, k = rows.shape
     panels, blocks = -(-out // LANES), k // BLOCK
+    if not (torch.equal(rows.d.half().float(), rows.d) and torch.equal(rows.m.half().float(), rows.m)):
+        raise ValueError("the int8-activation layout keeps d and m as float16, as GGUF files do: these do not fit")
     q = torch.zeros(panels * LANES, k, dtype=torch.int16)
     q[:out] = rows.q.to(torch.int16)
     q = q.view(panels, LANES, blocks, BLOCK)
@@ -221,7 +228,10 @@ def _pack_int8_activations(rows: QuantRows) -> torch.Tensor:
         packed = lo | (hi << 4)  # [panels, 16, blocks, 4, 4]
     else:
         packed = (q + 128).view(panels, LANES, blocks, 8, 4)
-    return packed.permute(0, 2, 3, 1, 4).to(torch.uint8).contiguous()
+    weights = packed.permute(0, 2, 3, 1, 4).to(torch.uint8).reshape(panels, blocks, -1)  # [panels, blocks, 256 | 512]
+    scales = [_panels(rows.d)] + ([_panels(rows.m)] if rows.q4 else [])  # each [panels, blocks, 16] float32
+    halves = [t.half().contiguous().view(torch.uint8) for t in scales]  # each [panels, blocks, 32]
+    return torch.cat([weights, *halves], dim=2).contiguous()
 
 
 class QuantizedWeight:
@@ -241,18 +251,21 @@ class QuantizedWeight:
         self.kind, self.activations = rows.kind, activations
         self.out_features, self.in_features = rows.shape
         if activations == "int8":
-            self.q = _pack_int8_activations(rows)
+            self.q = _pack_int8_activations(rows)  # weights and scales in one stream
+            self.dm = None
         else:
             q = _panels(rows.q)  # [panels, k, 16]
             if rows.q4:  # two inputs per byte: input 2j in the low nibble, 2j + 1 in the high one
                 q = q[:, 0::2] | (q[:, 1::2] << 4)  # [panels, k/2, 16]
             self.q = q.contiguous()
-        self.dm = torch.stack([_panels(rows.d), _panels(rows.m)]).contiguous()  # [2, panels, k/32, 16]
-        self.nbytes = self.q.numel() * self.q.element_size() + self.dm.numel() * 4
+            self.dm = torch.stack([_panels(rows.d), _panels(rows.m)]).contiguous()  # [2, panels, k/32, 16]
+        self.nbytes = self.q.numel() * self.q.element_size() + (self.dm.numel() * 4 if self.dm is not None else 0)
         lib = library()
         fns = {("int8", True): lib.tandem_quant_rows_q4a, ("int8", False): lib.tandem_quant_rows_q8a,
                ("float32", True): lib.tandem_quant_rows_q4, ("float32", False): lib.tandem_quant_rows_q8}
         self._fn = fns[activations, rows.q4]
+        self._q_ptr = self.q.data_ptr()  # fixed for the weight's life
+        self._dm_ptr = self.dm.data_ptr() if self.dm is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = x.shape
@@ -261,8 +274,11 @@ class QuantizedWeight:
                              f"got {x.dtype} {tuple(x.shape)} on {x.device}")
         x = x.contiguous()
         y = torch.empty(n, self.out_features, dtype=torch.float32)
-        self._fn(x.data_ptr(), self.q.data_ptr(), self.dm.data_ptr(), y.data_ptr(), n, self.out_features, k,
-                 torch.get_num_threads())
+        if self.dm is None:
+            self._fn(x.data_ptr(), self._q_ptr, y.data_ptr(), n, self.out_features, k, torch.get_num_threads())
+        else:
+            self._fn(x.data_ptr(), self._q_ptr, self._dm_ptr, y.data_ptr(), n, self.out_features, k,
+                     torch.get_num_threads())
         return y
 
 

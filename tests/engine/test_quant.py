@@ -141,9 +141,8 @@ def test_the_avx2_form_gives_the_same_bits() -> None:
                 x = torch.randn(n, in_features, generator=gen)
                 y = torch.empty(n, out_features)
                 fn = lib.tandem_quant_rows_q4a if rows.q4 else lib.tandem_quant_rows_q8a
-                fn(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(weight.q.data_ptr()),
-                   ctypes.c_void_p(weight.dm.data_ptr()), ctypes.c_void_p(y.data_ptr()), n, out_features,
-                   in_features, torch.get_num_threads())
+                fn(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(weight.q.data_ptr()), ctypes.c_void_p(y.data_ptr()),
+                   n, out_features, in_features, torch.get_num_threads())
                 assert torch.equal(y, weight(x)), (kind, out_features, n)
                 assert torch.equal(y, quant.reference_int8(rows, x)), (kind, out_features, n)
 
@@ -167,11 +166,22 @@ def test_a_drafts_int8_weights_run_as_blocks_within_rounding() -> None:
         del _Int8Weight.CHOSEN[key]
     assert lin.kernel == "blocks" and lin.q is None  # only the blocks are kept
     q, scale = panel.quantize_int8(w)
-    exact_w = q.float() * scale[:, None]  # [out, in]
+    exact_w = q.float() * scale.half().float()[:, None]  # [out, in]: the blocks keep the scale in float16
     for n in (1, 5):
         x = torch.randn(n, 576, generator=gen)
         exact = F.linear(x, exact_w)
         assert (lin(x) - exact).norm() <= 0.02 * exact.norm()
+
+
+@needs_int8
+def test_scales_float16_cannot_hold_are_refused() -> None:
+    """The int8 layout keeps d and m in float16, as GGUF files do: other scales would be rounded
+    silently, so they are refused."""
+    rows = QuantRows.quantize(torch.randn(16, 64), "Q8_0")
+    odd = QuantRows("Q8_0", rows.q, rows.d * (1 + 2**-15), rows.m)
+    with pytest.raises(ValueError, match="float16"):
+        QuantizedWeight(odd, "int8")
+    QuantizedWeight(odd, "float32")  # the float-activation layout keeps float32 scales
 
 
 @needs_kernel
