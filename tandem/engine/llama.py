@@ -19,6 +19,8 @@ logits with `transformers` on identical inputs.
 
 from __future__ import annotations
 
+import ctypes
+
 import functools
 import math
 
@@ -177,6 +179,53 @@ class _Int8Weight:
     def available() -> bool:
         """Whether some int8 kernel runs here (ours or torch's)."""
         return panel.library() is not None or _Int8Weight.torch_available()
+
+
+class _FusedAttention:
+    """One forward's rotary embedding, cache write and attention on our kernels (rowops.rope_store,
+    attend.attend), for every block and layer. Layer 0 goes through the checked wrappers; the other
+    layers repeat the same calls with the same layout (the same buffers and caches, the layer's
+    slice of each cache found by its stride), straight to the libraries: a one-token step makes 60 of
+    these calls, and the checks, slices and views cost more than the kernels at short contexts.
+
+    Why raw calls are safe here: every pointer is one the layer-0 call checked, moved by whole
+    layers inside the same cache tensor (`ensure` ran before the forward, so no cache reallocates
+    during it), and `qkv` is each layer's fresh GEMM output of the same shape, checked per call."""
+
+    def __init__(self, model: NativeLlama, blocks, offsets, starts, bits, cos2, sin2, att):
+        # cos2, sin2 `# [N, D]`, att `# [N, H D]`: the forward's; q `# [N, H, D]` written per layer
+        self.H, self.KV, self.D = model.n_heads, model.n_kv, model.head_dim
+        self.scale, self.att, self.cos2, self.sin2 = model.scale, att, cos2, sin2
+        self.q = torch.empty(att.shape[0], self.H, self.D, dtype=att.dtype)
+        self.blocks = [(offsets[b], offsets[b + 1], starts[b], cache, bits[b]) for b, (_, cache) in enumerate(blocks)]
+        self.width = (self.H + 2 * self.KV) * self.D  # qkv's row length
+        self.rope, self.attn = rowops.library(), attend.library()
+        self.threads = torch.get_num_threads()
+
+    def __call__(self, li: int, qkv: torch.Tensor) -> None:
+        # qkv `# [N, (H + 2 KV) D]` contiguous, this layer's
+        H, KV, D = self.H, self.KV, self.D
+        if li == 0:
+            for a, e, s, cache, tree in self.blocks:
+                rowops.rope_store(qkv[a:e], self.cos2[a:e], self.sin2[a:e], self.q[a:e], cache.k[0], cache.v[0], s)
+                attend.attend(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, self.scale, tree)
+            return
+        if qkv.shape != (self.q.shape[0], self.width) or not qkv.is_contiguous() or qkv.dtype != torch.float32:
+            raise ValueError(f"layer {li}'s qkv {tuple(qkv.shape)} is not the layout layer 0 was checked with")
+        f = 4  # bytes per float32
+        qkv_p, q_p, att_p = qkv.data_ptr(), self.q.data_ptr(), self.att.data_ptr()
+        cos_p, sin_p = self.cos2.data_ptr(), self.sin2.data_ptr()
+        for a, e, s, cache, tree in self.blocks:
+            cap = cache.k.shape[2]
+            k_p = cache.k.data_ptr() + li * cache.k.stride(0) * f
+            v_p = cache.v.data_ptr() + li * cache.v.stride(0) * f
+            self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
+                                        sin_p + a * D * f, q_p + a * H * D * f, k_p, v_p, cap, s)
+            rc = self.attn.tandem_attend(q_p + a * H * D * f, H * D, k_p, v_p, att_p + a * H * D * f, H * D, H, KV,
+                                         e - a, D, s, cap, self.scale, self.threads,
+                                         None if tree is None else ctypes.addressof(tree))
+            if rc != 0:
+                raise MemoryError(f"the CPU attention kernel failed ({rc})")
 
 
 class NativeLlama:
@@ -388,18 +437,16 @@ class NativeLlama:
         fused = self.row_kernel and all(kernel)
         cos2, sin2 = cos.view(N, D), sin.view(N, D)  # [N, D] each
         x = self.embed[flat]  # [N, hidden]
+        # one buffer per forward, rewritten by every layer (its output projection reads it first)
+        att = torch.empty(N, H * D, dtype=x.dtype, device=self.device)  # [N, H D]
+        fused_calls = _FusedAttention(self, blocks, offsets, starts, bits, cos2, sin2, att) if fused else None
         for li, w in enumerate(self.layers):
             h = self._rms(x, w["in_norm"])
             qkv = w["wqkv"](h)  # [N, (H+2KV)D]
             if w["bqkv"] is not None:
                 qkv = qkv + w["bqkv"]
-            att = torch.empty(N, H * D, dtype=x.dtype, device=self.device)  # [N, H D]
             if fused:
-                q = torch.empty(N, H, D, dtype=x.dtype)  # [N, H, D]
-                for b, (_, cache) in enumerate(blocks):
-                    a, e, s = offsets[b], offsets[b + 1], starts[b]
-                    rowops.rope_store(qkv[a:e], cos2[a:e], sin2[a:e], q[a:e], cache.k[li], cache.v[li], s)
-                    attend.attend(q[a:e], cache.k[li], cache.v[li], att[a:e], s, self.scale, bits[b])
+                fused_calls(li, qkv)
             else:
                 qk = self._rotate(qkv[:, : (H + KV) * D].view(N, H + KV, D), cos, sin)  # [N, H+KV, D]
                 q = qk[:, :H]  # [N, H, D]
