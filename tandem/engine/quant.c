@@ -446,45 +446,57 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
 #define TILE_A(R) tile_a(xq + (size_t)r0 * k, dx + (size_t)r0 * nb, sxd + (size_t)r0 * nb, sx + (size_t)r0 * nb, k, \
                          qp, sp, R, Q4, y + (size_t)r0 * m, (size_t)m, col, m)
 
-static inline __attribute__((always_inline)) void rows_a(const float *restrict x, const unsigned char *restrict q,
-                                                         float *restrict y, int n, int m, int k, int threads,
-                                                         const int Q4) {
-    const int nb = k / BLOCK, panels = (m + LANES - 1) / LANES;
+/* Panels [begin, end) for all n rows, the activations already quantized. Q4 must be a literal at
+ * each call: the parallel region below is outlined by the compiler, which does not carry a
+ * constant into it, so it calls this once per kind. */
+static inline __attribute__((always_inline)) void panels_a(const signed char *restrict xq, const float *restrict dx,
+                                                           const float *restrict sxd, const int *restrict sx,
+                                                           const unsigned char *restrict q, float *restrict y, int n,
+                                                           int m, int k, int begin, int end, const int Q4) {
+    const int nb = k / BLOCK, tiles = (n + MAX_RA - 1) / MAX_RA;
     const size_t pstride = (size_t)nb * A_BLOCK_BYTES(Q4);
+    for (int p = begin; p < end; p++)
+        for (int part = 0; part < LANES / VW; part++) { /* AVX2: each half of the panel */
+            const unsigned char *qp = q + (size_t)p * pstride + (size_t)part * VW * 4;
+            const unsigned char *sp = q + (size_t)p * pstride + A_SCALES(Q4) + (size_t)part * VW * 2;
+            const int col = p * LANES + part * VW;
+            for (int j = 0, r0 = 0; j < tiles; j++) {
+                const int R = (n - r0) / (tiles - j);
+                switch (R) {
+                case 1: TILE_A(1); break;
+                case 2: TILE_A(2); break;
+                case 3: TILE_A(3); break;
+                default: TILE_A(4); break;
+                }
+                r0 += R;
+            }
+        }
+}
+
+static void rows_a(const float *restrict x, const unsigned char *restrict q, float *restrict y, int n, int m, int k,
+                   int threads, const int Q4) {
+    const int nb = k / BLOCK, panels = (m + LANES - 1) / LANES;
     signed char *xq = malloc((size_t)n * k);
     float *dx = malloc(sizeof(float) * (size_t)n * nb * 2);
     int *sx = malloc(sizeof(int) * (size_t)n * nb);
-    const float *sxd = dx + (size_t)n * nb;
-    const int tiles = (n + MAX_RA - 1) / MAX_RA;
+    float *sxd = dx + (size_t)n * nb;
     const long blocks = (long)n * nb;
     /* the activations first: a decode step's few blocks by this thread (a barrier costs more than
      * they do), a longer block's by every thread a share, then every thread reads all */
     const int shared = blocks > 64;
-    if (!shared) quantize_blocks(x, 0, blocks, xq, dx, dx + (size_t)n * nb, sx);
+    if (!shared) quantize_blocks(x, 0, blocks, xq, dx, sxd, sx);
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         if (shared) {
-            quantize_blocks(x, blocks * t / T, blocks * (t + 1) / T, xq, dx, dx + (size_t)n * nb, sx);
+            quantize_blocks(x, blocks * t / T, blocks * (t + 1) / T, xq, dx, sxd, sx);
 #pragma omp barrier
         }
         const int begin = (int)((long)panels * t / T), end = (int)((long)panels * (t + 1) / T);
-        for (int p = begin; p < end; p++)
-            for (int part = 0; part < LANES / VW; part++) { /* AVX2: each half of the panel */
-                const unsigned char *qp = q + (size_t)p * pstride + (size_t)part * VW * 4;
-                const unsigned char *sp = q + (size_t)p * pstride + A_SCALES(Q4) + (size_t)part * VW * 2;
-                const int col = p * LANES + part * VW;
-                for (int j = 0, r0 = 0; j < tiles; j++) {
-                    const int R = (n - r0) / (tiles - j);
-                    switch (R) {
-                    case 1: TILE_A(1); break;
-                    case 2: TILE_A(2); break;
-                    case 3: TILE_A(3); break;
-                    default: TILE_A(4); break;
-                    }
-                    r0 += R;
-                }
-            }
+        if (Q4)
+            panels_a(xq, dx, sxd, sx, q, y, n, m, k, begin, end, 1);
+        else
+            panels_a(xq, dx, sxd, sx, q, y, n, m, k, begin, end, 0);
     }
     free(xq), free(dx), free(sx);
 }
