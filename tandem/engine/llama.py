@@ -361,6 +361,26 @@ class NativeLlama:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
 
+    def _add_rms(self, x: torch.Tensor, o: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, o: [n, hidden] -> (x + o, its RMSNorm) each [n, hidden]; o None: (x, its norm). On the row
+        # kernel the sum is written into x (the forward's own residual stream) and both come from
+        # one call: the same IEEE sum as torch's add, so the same bits, one call fewer per norm.
+        if o is None:
+            return x, self._rms(x, w)
+        if self.row_kernel:
+            return x, rowops.add_rms_norm(x, o, w, self.eps)
+        x = x + o
+        return x, self._rms(x, w)
+
+    def _gated(self, gu: torch.Tensor) -> torch.Tensor:
+        # gu: [n, 2 I] (gate, up) -> silu(gate) * up [n, I]; on the row kernel in one call (its own exp:
+        # not torch's bits, the same for every row count, which is what plain and speculative
+        # decoding need to agree)
+        if self.row_kernel:
+            return rowops.silu_mul(gu)
+        inter = gu.shape[-1] // 2
+        return F.silu(gu[:, :inter]) * gu[:, inter:]
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each `# [n, 1, D]`, for `_rotate`: the sine's first half negated."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [n, D/2]
@@ -440,8 +460,9 @@ class NativeLlama:
         # one buffer per forward, rewritten by every layer (its output projection reads it first)
         att = torch.empty(N, H * D, dtype=x.dtype, device=self.device)  # [N, H D]
         fused_calls = _FusedAttention(self, blocks, offsets, starts, bits, cos2, sin2, att) if fused else None
+        down = None  # the previous layer's MLP output, added to the residual stream with the next norm
         for li, w in enumerate(self.layers):
-            h = self._rms(x, w["in_norm"])
+            x, h = self._add_rms(x, down, w["in_norm"])
             qkv = w["wqkv"](h)  # [N, (H+2KV)D]
             if w["bqkv"] is not None:
                 qkv = qkv + w["bqkv"]
@@ -467,11 +488,10 @@ class NativeLlama:
             o = w["wo"](att)  # [N, hidden]
             if w["bo"] is not None:
                 o = o + w["bo"]
-            x = x + o
-            h = self._rms(x, w["post_norm"])
-            gu = w["wgu"](h)  # [N, 2I]
-            inter = gu.shape[-1] // 2
-            x = x + w["wdown"](F.silu(gu[:, :inter]) * gu[:, inter:])
+            x, h = self._add_rms(x, o, w["post_norm"])
+            down = w["wdown"](self._gated(w["wgu"](h)))  # [N, 2I] -> [N, I] -> [N, hidden]
+        if down is not None:
+            x = x + down
         for (_, cache), s, n in zip(blocks, starts, lens):
             cache.length = s + n
         # rows of each block that get logits: all (True), none (False) or the last ("last")

@@ -1,5 +1,6 @@
-"""Loads rowops.c (row-wise operations of the native forward: RMSNorm; rotary embedding with the
-block's keys and values written into the cache), compiling it at first use.
+"""Loads rowops.c (row-wise operations of the native forward: RMSNorm, alone or after the residual
+add; the gated MLP's silu(gate) * up; rotary embedding with the block's keys and values written into
+the cache), compiling it at first use.
 
 Built like gemv.c (tandem.engine.gemv.build: the host's compiler, cached per source, flags and CPU).
 Without a compiler, or where the build fails, `library()` is None and the forward keeps torch's ops.
@@ -21,6 +22,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.tandem_rms_norm
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 3 + [
         ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+    fn = lib.tandem_add_rms_norm
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+    fn = lib.tandem_silu_mul
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     fn.restype = None
     fn = lib.tandem_rope_store
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
@@ -50,6 +57,38 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(n, d, dtype=torch.float32)
     lib.tandem_rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), d, n, d, eps, torch.get_num_threads())
     return y
+
+
+def add_rms_norm(x: torch.Tensor, o: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, o `# [n, d]` float32 CPU contiguous, w `# [d]`: x += o in place (torch's add, the same bits),
+    then returns rms_norm(x, w, eps) `# [n, d]`, in one call."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the row-wise CPU kernels are not available on this host")
+    n, d = x.shape
+    ok = (x.dtype == o.dtype == w.dtype == torch.float32 and x.is_contiguous() and o.is_contiguous()
+          and tuple(o.shape) == (n, d) and tuple(w.shape) == (d,) and w.is_contiguous()
+          and x.device.type == o.device.type == w.device.type == "cpu")
+    if not ok:  # the kernel reads and writes raw pointers: anything else would touch the wrong memory
+        raise ValueError(f"add_rms_norm takes float32 CPU contiguous x, o [n, d] and w [d], got x {tuple(x.shape)}, "
+                         f"o {tuple(o.shape)} {o.dtype}, w {tuple(w.shape)}")
+    y = torch.empty(n, d, dtype=torch.float32)
+    lib.tandem_add_rms_norm(x.data_ptr(), o.data_ptr(), w.data_ptr(), y.data_ptr(), n, d, eps, torch.get_num_threads())
+    return y
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu `# [n, 2 I]` float32 CPU contiguous (gate, then up) -> silu(gate) * up `# [n, I]` (rowops.c:
+    our exp, within ~2 float32 ulps of the exact value; row-invariant)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the row-wise CPU kernels are not available on this host")
+    n, two = gu.shape
+    if gu.dtype != torch.float32 or not gu.is_contiguous() or two % 2 or gu.device.type != "cpu":
+        raise ValueError(f"silu_mul takes a float32 CPU contiguous [n, 2 I], got {gu.dtype} {tuple(gu.shape)}")
+    out = torch.empty(n, two // 2, dtype=torch.float32)
+    lib.tandem_silu_mul(gu.data_ptr(), out.data_ptr(), n, two // 2, torch.get_num_threads())
+    return out
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, k: torch.Tensor,

@@ -97,3 +97,35 @@ def test_rope_store_refuses_what_would_write_out_of_bounds() -> None:
         rowops.rope_store(torch.randn(3, 4 * 16), cos, sin, q, k, v, 0)  # too few heads for q_out
     with pytest.raises(ValueError, match="qkv"):
         rowops.rope_store(qkv, cos, sin, q, k.transpose(1, 2), v, 0)  # a view that is not [KV, cap, D]
+
+
+@needs_kernel
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit() -> None:
+    """The residual add and the next norm in one call: the same bits as torch's add and rms_norm."""
+    gen = torch.Generator().manual_seed(4)
+    for n, d in ((1, 576), (9, 576), (70, 64)):
+        x, o, w = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen), torch.randn(d, generator=gen)
+        expected_x = x + o
+        expected_y = rowops.rms_norm(expected_x, w, 1e-5)
+        y = rowops.add_rms_norm(x, o, w, 1e-5)  # x is updated in place
+        assert torch.equal(x, expected_x) and torch.equal(y, expected_y)
+    with pytest.raises(ValueError, match="contiguous"):
+        rowops.add_rms_norm(torch.randn(4, 8).t(), torch.randn(8, 4), torch.randn(4), 1e-5)
+
+
+@needs_kernel
+def test_silu_mul_is_within_float_rounding_and_row_invariant() -> None:
+    """silu(gate) * up with our exp: within a few float32 ulps of the float64 value (including
+    large |gate|, where the exp is clamped and silu is 0 or the gate itself to float precision), and
+    a row's bits do not depend on the rows beside it."""
+    gen = torch.Generator().manual_seed(6)
+    gu = torch.randn(33, 2 * 1536, generator=gen) * 4
+    gu[0, :6] = torch.tensor([-100.0, -87.5, 0.0, 1e-30, 87.5, 100.0])
+    out = rowops.silu_mul(gu)
+    g, u = gu[:, :1536].double(), gu[:, 1536:].double()
+    exact = g * torch.sigmoid(g) * u
+    assert torch.allclose(out.double(), exact, rtol=4 * 2**-24, atol=1e-30)
+    for r in (0, 5, 32):
+        assert torch.equal(rowops.silu_mul(gu[r : r + 1].contiguous()), out[r : r + 1])
+    with pytest.raises(ValueError, match="2 I"):
+        rowops.silu_mul(torch.randn(2, 7))
