@@ -3,10 +3,16 @@
  *
  * Why: a user who brings a Q4_1 or Q8_0 GGUF knows that model as it runs quantized, and a CPU
  * decode step is bound by reading the weights: SmolLM2-135M's linear layers are 540 MB in float32
- * and ~115 MB here (0.75 bytes a weight in Q4, 1.25 in Q8). So the weights stay quantized and are
- * widened to float32 in registers, per use.
+ * and ~96 MB as the file holds them (20 bytes per 32 weights in Q4_1, 34 in Q8_0).
  *
- * Formats (after tandem/engine/quant.py repacks a GGUF tensor; w = q * d + m for every kind):
+ * Two arithmetics, each its own kernel below:
+ *   - float32 activations (precision "gguf-float", AVX-512): the weights widened to float32 in
+ *     registers per use, one float FMA per weight and row; this first part of the file;
+ *   - 8-bit activations (precision "gguf", the default: llama.cpp's arithmetic), integer dot
+ *     products on AVX-512 VNNI or AVX2 with the same bits on both; the second part.
+ *
+ * Formats of the float-activation kernel (after tandem/engine/quant.py repacks a GGUF tensor;
+ * w = q * d + m for every kind):
  *   Q4 (GGUF Q4_0 with m = -8 d, and Q4_1): q in 0..15, two inputs per byte: for panel p, input
  *       pair j and lane o, byte [p][j][o] holds q[o][2j] in its low and q[o][2j+1] in its high nibble;
  *   Q8 (GGUF Q8_0, m = 0): q in -127..127, int8 [p][k][16].
@@ -21,8 +27,9 @@
  * plain decoding and verification compute the same numbers (the lossless rule needs no more).
  * Reference: dequantize, then F.linear (tandem/engine/quant.py; tests compare within rounding).
  *
- * Built at first use like gemv.c; without AVX-512 tandem_quant_available() says 0 and a quantized
- * target is not offered (the GGUF is dequantized to float32 as before).
+ * Built at first use like gemv.c; tandem_quant_available() / tandem_quant_a_available() say which
+ * kernel this host's build has (quant.py offers only those; with neither, a GGUF is dequantized to
+ * float32 as before).
  */
 #include <stddef.h>
 #include <math.h>
