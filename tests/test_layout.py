@@ -156,3 +156,26 @@ def test_the_wheel_carries_every_file_the_code_reads(tmp_path) -> None:
     assert sources and all(s in names for s in sources), sorted(set(sources) - names)
     assert any(n.startswith("tandem/tools/prompts/") and n.endswith(".jsonl") for n in names)
     assert "tandem/kernels/reference.py" in names and "tandem/services/gateway/tools.py" in names
+
+
+def test_the_kernels_folder_does_not_shadow_a_package_of_that_name() -> None:
+    """From a checkout's root (`python -m ...` puts it first on sys.path) the bare name `kernels` is
+    Hugging Face's package, which transformers 5.25+ imports while loading a model; our folder is
+    only `tandem.kernels`. Without that package installed, the bare import fails saying so."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    code = ("import kernels, sys; from tandem import kernels as ours; "
+            "print(kernels.__file__); print(ours.__name__, hasattr(ours, 'greedy_accept'))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    try:
+        installed = bool(importlib.metadata.version("kernels"))
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    if installed:
+        assert res.returncode == 0, res.stderr
+        first, second = res.stdout.splitlines()
+        assert not first.startswith(str(ROOT / "kernels")) and second == "tandem.kernels True"
+    else:
+        assert res.returncode != 0 and "imported as tandem.kernels" in res.stderr
