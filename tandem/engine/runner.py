@@ -619,6 +619,13 @@ class Sequence:
         self.ids.extend(tokens)
         self.rollback(len(self.ids) - 1)
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` committed tokens, the last of them pending (its KV dropped)."""
+        if not 0 < length <= len(self.ids):
+            raise ValueError(f"cannot keep {length} of {len(self.ids)} tokens")
+        del self.ids[length:]
+        self.rollback(length - 1)
+
     def share_from(self, other: "Sequence", length: int) -> None:
         """Take the first `length` positions of another sequence's KV (a copy: both stay
         independent) instead of computing them; then `set_context` computes only the rest."""

@@ -404,6 +404,14 @@ class Generation:
             first = draft.as_chain().tokens
             self.stats.tree_off_path += verdict.tokens[: verdict.accepted] != first[: verdict.accepted]
         out = self._emit(verdict.tokens, verdict.drafted, verdict.accepted)
+        if self.finish_reason in (FinishReason.stop, FinishReason.length):
+            # A block may have committed tokens past the end (drafts accepted after a stop id, or past
+            # the token limit): nobody's answer. Drop them, so the sequence ends as plain decoding
+            # leaves it: the output (and the stop id, pending) with the KV of everything before. A
+            # later turn reuses that KV and prefills the rest, and the prefill computes positions with
+            # other kernels than a decode step does (torch's attention over a long piece), so which
+            # positions were decoded must not depend on the mode, or the next turn's numbers differ.
+            self.seq.truncate(self._context_len + len(self.output) + (self._stop_id is not None))
         if self.sampling.top_logprobs is not None:
             out.logprobs = token_logprobs(raw[: len(out.tokens)], out.tokens, self.sampling.top_logprobs)
         out.proposer = draft.proposer if draft is not None else None

@@ -1070,3 +1070,47 @@ def test_a_resumed_sampled_generation_follows_the_targets_distribution(strategy,
 def test_resumed_must_leave_a_prompt(tiny_loaded) -> None:
     with pytest.raises(ValueError, match="resumed_tokens"):
         Engine(tiny_loaded).start([1, 2, 3], SamplingParams(max_new_tokens=2), SpecConfig(strategy="none"), resumed=3)
+
+
+def test_a_finished_generation_leaves_its_sequence_as_plain_decoding_does(tiny_loaded, contexts) -> None:
+    """A verification block may commit tokens past a stop id (drafts accepted after it). They are
+    dropped, so the sequence (its ids, and which positions a decode step computed the KV of) is
+    exactly what plain decoding leaves, and a later turn reusing it computes the same numbers in
+    every mode. Before, the speculative sequence kept the stop id's KV from its block while plain
+    decoding computed it in the next turn's prefill, with torch's attention: on the GGUF target
+    (8-bit activations amplify a last-bit difference) a second agent turn differed from plain.
+    An oracle proposer (plain decoding's own continuation) makes every block run past the stop."""
+
+    class Oracle(Proposer):
+        name = "oracle"
+
+        def __init__(self, text: list[int]):
+            self.text = text  # context + plain decoding's output, and beyond
+
+        def propose(self, ids, k, sampling, gen):
+            return Draft(tokens=self.text[len(ids) : len(ids) + k], proposer=self.name)
+
+    engine = Engine(tiny_loaded)
+    none = SpecConfig(strategy="none")
+    ngram = SpecConfig(strategy="ngram", adaptive=False, max_draft_tokens=8)
+    for name in ("code", "json", "prose"):
+        ctx = contexts[name]
+        plain = engine.generate(ctx, SamplingParams(max_new_tokens=48, ignore_eos=True), none).token_ids
+        stop = plain[20]
+        for strategy, proposer in (("none", None), ("oracle", Oracle(ctx + plain))):
+            seq = engine.runner.new_sequence()
+            sampling = SamplingParams(max_new_tokens=48, stop_token_ids=[stop], ignore_eos=True)
+            gen = engine.start(ctx, sampling, none if proposer is None else ngram, sequence=seq, proposer=proposer)
+            steps = list(gen)
+            if proposer is not None:  # the last block committed tokens past the stop id
+                assert steps[-1].accepted + 1 > len(steps[-1].tokens) + 1, name
+            ended = (gen.result().token_ids, list(seq.ids), seq.cached_len)
+            # the next turn: the reply, then new text, prefilled on top of what the sequence holds
+            nxt = engine.start(list(seq.ids) + contexts["prose"][:9], SamplingParams(max_new_tokens=12), none,
+                               sequence=seq)
+            for _ in nxt:
+                pass
+            if proposer is None:
+                expected = (*ended, nxt.result().token_ids)
+            else:
+                assert (*ended, nxt.result().token_ids) == expected, name
