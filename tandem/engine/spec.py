@@ -419,10 +419,9 @@ class Generation:
         if self.proposer is not None:
             if self.finished:
                 if self.finish_reason != FinishReason.error:
-                    # The text as it ended: context, output, and the stop id that ended it (a
-                    # block may have committed tokens past it, which are nobody's answer).
-                    ended = self.seq.ids[: self._context_len + len(self.output)]
-                    self.proposer.finish(ended + ([self._stop_id] if self._stop_id is not None else []))
+                    # The text as it ended: context, output, and the stop id that ended it (the
+                    # sequence was cut there above)
+                    self.proposer.finish(list(self.seq.ids))
                 self.proposer.close()
             else:
                 self.proposer.on_commit(self.seq.ids, verdict.tokens, self._next_block_hint())
