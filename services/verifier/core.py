@@ -39,6 +39,7 @@ log = logging.getLogger("tandem.verifier")
 
 
 MAX_SALT_BYTES = 64  # a tenant name; longer is a client bug or an attack on memory
+STEP_POLL_S = 0.05  # how often a handler waiting for its next step looks at its client and the drain
 
 
 class InvalidRequest(ValueError):
@@ -138,7 +139,6 @@ class VerifierCore:
         self.connector = connector
         self.address = settings.advertise_address or f"{settings.host}:{settings.port}"
         self.executor = self.engine.runner.enable_batching(
-            settings.batch_wait_ms / 1000.0,
             PrefillPolicy(max_piece=settings.prefill_chunk_tokens, min_piece=settings.prefill_min_tokens,
                           cost_factor=settings.prefill_cost_factor))
         self.kv_capacity = kv_budget_tokens(settings, target)
@@ -522,30 +522,38 @@ class VerifierCore:
                     "tandem.prefill.reused_tokens": reused, "tandem.prefill.computed_tokens": computed,
                     "tandem.strategy": spec.strategy.value, "tandem.drafter": drafter_address,
                 })
-            self.executor.session_busy(+1)
             with self._lock:
                 self._running += 1
+            # From here the step loop runs the generation (plan, forward, verify, commit, with every
+            # other session's step); this handler only reads its steps and stops it.
+            entry = self.executor.attach(gen)
+            faults = (0, 0)
+            streamed = 0
             try:
-                while not gen.finished:
-                    if not is_active():
-                        gen.cancel()
-                        break
-                    if self._cut.is_set():
-                        gen.cancel()
-                        raise Draining(
-                            f"verifier {self.settings.verifier_id} is shutting down and cut this stream after "
-                            f"{len(gen.output)} tokens (its drain grace ended); continue it on another verifier")
-                    faults = (proposer.fallback_steps, proposer.rejected_blocks) if proposer is not None else (0, 0)
-                    with tracer.start_as_current_span("verify_step") as span:
-                        step = gen.step()
-                        # The batch that just ran (the executor's last one): exact unless another
-                        # batch completed in the microseconds since.
-                        self._observe(span, step, proposer, faults, max(1, self.executor.last_batch_size))
+                while not (self._cut.is_set() or not is_active()):
+                    rec = entry.next(STEP_POLL_S)  # raises what failed the generation
+                    if rec is None:
+                        if entry.done:
+                            break
+                        continue
+                    step = rec.output
+                    # The step as it ran in the loop: its span has the loop's times, this request's parent.
+                    span = tracer.start_span("verify_step", start_time=rec.start_ns)
+                    self._observe(span, step, faults, max(1, rec.batch_size), proposer)
+                    span.end(end_time=rec.end_ns)
+                    faults = step.faults
+                    streamed += len(step.tokens)
                     yield step
             finally:
-                self.executor.session_busy(-1)
+                entry.stop()  # the loop lets go before anyone touches the sequence again
                 with self._lock:
                     self._running -= 1
+            if not gen.finished:
+                gen.cancel()  # the client left, or the drain grace ended
+                if self._cut.is_set():
+                    raise Draining(
+                        f"verifier {self.settings.verifier_id} is shutting down and cut this stream after "
+                        f"{streamed} tokens (its drain grace ended); continue it on another verifier")
             result = gen.result()
             self.metrics.faults(result.stats.fallback_steps, result.stats.rejected_blocks)
             yield result
@@ -561,7 +569,7 @@ class VerifierCore:
                 proposer.close("finished" if keep else "cancelled")
             self._release(session_id, sess, keep and gen_ok(sess))
 
-    def _observe(self, span, step: StepOutput, proposer, faults_before: tuple[int, int], batch_size: int) -> None:
+    def _observe(self, span, step: StepOutput, faults_before: tuple[int, int], batch_size: int, proposer) -> None:
         """One verify step to the metrics and its span (in DESIGN.md's terms); a drafter fallback
         or rejected blocks during the step become span events."""
         self.metrics.step(step.drafted, step.accepted, len(step.tokens), batch_size, step.proposer)
@@ -579,14 +587,12 @@ class VerifierCore:
             "tandem.batch_size": batch_size,
             "tandem.first_index": step.first_index,
         })
-        if proposer is not None:
-            fallback = proposer.fallback_steps - faults_before[0]
-            rejected = proposer.rejected_blocks - faults_before[1]
-            if fallback > 0:
-                span.add_event("drafter_fallback", {"tandem.proposer": proposer.name,
-                                                    "tandem.fallback_steps": proposer.fallback_steps})
-            if rejected > 0:
-                span.add_event("draft_blocks_rejected", {"tandem.rejected_blocks": rejected})
+        fallback, rejected = step.faults
+        if fallback > faults_before[0]:
+            span.add_event("drafter_fallback", {"tandem.proposer": proposer.name,
+                                                "tandem.fallback_steps": fallback})
+        if rejected > faults_before[1]:
+            span.add_event("draft_blocks_rejected", {"tandem.rejected_blocks": rejected})
 
 
 def gen_ok(sess: _Session) -> bool:

@@ -63,7 +63,6 @@ class VerifierSettings(BaseModel):
     # Empty: no drafter at all (sessions draft with the verifier's own prompt lookup or decode plainly).
     drafters: tuple[str, ...] = ()
     max_draft_tokens: int = Field(8, ge=1, le=64)
-    batch_wait_ms: float = Field(2.0, ge=0)  # longest wait for busy sessions to join a batched forward
     # Chunked prefill (runner.PrefillPolicy): prompts run in pieces that share steps with decoding;
     # a step with pieces may cost up to prefill_cost_factor times the step without them (the cost
     # model's estimate), with at least prefill_min_tokens and at most prefill_chunk_tokens of prompt.

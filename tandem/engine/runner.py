@@ -285,12 +285,13 @@ class TargetRunner:
             verify_rows([check], [logits])
         return logits
 
-    def enable_batching(self, max_wait_s: float = 0.002, prefill: "PrefillPolicy | None" = None) -> "BatchExecutor":
-        """From now on, forwards of concurrent callers (sessions) run batched in one thread, and
-        prompts are prefilled in pieces that share steps with decoding (`prefill`)."""
+    def enable_batching(self, prefill: "PrefillPolicy | None" = None) -> "BatchExecutor":
+        """From now on one step loop runs every forward: generations attached to it
+        (`BatchExecutor.attach`) and blocks of concurrent callers run batched, and prompts are
+        prefilled in pieces that share steps with decoding (`prefill`)."""
         if self.executor is None:
             policy = prefill or PrefillPolicy(max_piece=self.prefill_chunk)
-            self.executor = BatchExecutor(self, max_wait_s, policy)
+            self.executor = BatchExecutor(self, policy)
         return self.executor
 
 
@@ -306,16 +307,14 @@ class PrefillPolicy:
     decoding a step carries `max_piece` prompt tokens. Measured on the Intel host, SmolLM2-135M, 2
     threads, context 1k: a forward of 1 token 22 ms, 16 tokens 52 ms, 64 105 ms, 256 328 ms.
 
-    While prompts wait, the step loop waits up to `wait_s` for every decoding session to queue its
-    block (one waiting on its drafter takes up to draft_wait_ms), so the pieces ride along in their
-    steps; a step without their rows while they decode may take only (cost_factor - 1) times their
-    step, which bounds what they wait for it.
+    The step loop plans every decoding session's block itself, so pieces ride along in their steps;
+    a step without their rows while they decode (all of them waiting for their readers) may take
+    only (cost_factor - 1) times their step, which bounds what they wait for it.
     """
 
     max_piece: int = 256
     min_piece: int = 4  # at 7k context 16 tokens of attention already cost ~2x a lone decoding step (EPYC)
     cost_factor: float = 2.0
-    wait_s: float = 0.03
 
     def split(self, budget: int, waiting: list[int]) -> tuple[list[int], int]:
         """Prompt tokens per waiting prompt for one step, and how many of them went whole.
@@ -411,6 +410,7 @@ class _Job:
     result: torch.Tensor | None = None
     error: BaseException | None = None
     done_tokens: int = 0  # a prefill's tokens already run (the executor runs it in pieces)
+    start_ns: int = 0  # when a generation planned it (wall clock, for its trace span)
 
     @property
     def prefill(self) -> bool:
@@ -418,53 +418,163 @@ class _Job:
         return not self.all_logits and self.tree is None and not self.alone
 
 
-class BatchExecutor:
-    """The verifier's step loop: every forward of every session goes through one thread, which
-    runs whatever is queued as one ragged batched forward (continuous batching).
+@dataclass
+class PlannedStep:
+    """A decode step's forward as its generation planned it (spec.Generation.plan_step): the block
+    `inputs` (the pending token, then the drafts) on top of `cache`, the step's verification
+    (`check`), and the generation's own notes for finishing the step (`state`)."""
 
-    Sessions join and leave between steps: a session thread queues its block and waits; the worker
-    takes all queued blocks, waiting up to `max_wait_s` for the sessions that are still busy
-    verifying their previous step (so a batch is not split by a few hundred microseconds); a
-    session that is waiting on its drafter still counts as busy, so a step waits at most that long
-    for it. After the forward the loop verifies every row with a check in one `verify_rows` call
-    (one kernel call per kind), then wakes the sessions, which commit. Prompts are run
-    in pieces planned by `PrefillPolicy`, alongside the decoding rows: a long prompt arriving does
-    not stop the sessions that are streaming.
+    cache: object
+    inputs: list[int]
+    check: Check
+    alone: bool = False  # each row with a one-token step's bits (TargetRunner.forward)
+    tree: list[int] | None = None  # row parents of a token tree (Sequence.tree_rows)
+    state: object = None
+
+
+@dataclass
+class StepRecord:
+    """One step of a scheduled generation, as its reader gets it."""
+
+    output: object  # spec.StepOutput
+    start_ns: int  # wall clock (time.time_ns) when the step was planned and when it committed
+    end_ns: int
+    batch_size: int  # rows and prompt pieces in the forward that ran it (1: alone)
+
+
+class Scheduled:
+    """A generation the step loop runs (BatchExecutor.attach); its reader only reads the steps.
+
+    The generation must offer `plan_step() -> PlannedStep | output` (an output when the step ended
+    it without a forward), `finish_step(planned, logits) -> output`, `finished` and `cancel()`.
+    The loop plans, forwards, verifies and commits it with every other session's step; the reader
+    (a gRPC handler) takes `StepRecord`s with `next` and may `stop` it. Up to `max_unread` steps
+    are run ahead of the reader, then the session waits for it (a slow client holds nobody else).
+    """
+
+    def __init__(self, gen, cond: threading.Condition, max_unread: int):
+        self.gen = gen
+        self._cond = cond
+        self.max_unread = max_unread
+        self._records: deque[StepRecord] = deque()
+        self._stop = False
+        self.error: BaseException | None = None
+        self.detached = False  # the loop will not touch the generation again (guarded by cond)
+
+    @property
+    def ready(self) -> bool:
+        """The loop should take it up at its next step (under the condition's lock)."""
+        return not self.detached and (self._stop or len(self._records) < self.max_unread)
+
+    def next(self, timeout_s: float) -> StepRecord | None:
+        """The next step, or None when none came within `timeout_s` or none will come (the
+        generation ended or stopped: see `done`). Raises the error that failed the generation."""
+        with self._cond:
+            end = time.monotonic() + timeout_s
+            while not self._records and not self.detached:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            if self._records:
+                rec = self._records.popleft()
+                self._cond.notify_all()  # room to run ahead again
+                return rec
+            if self.error is not None:
+                raise self.error
+            return None
+
+    @property
+    def done(self) -> bool:
+        """No step is left to read and the loop has let go of the generation."""
+        with self._cond:
+            return self.detached and not self._records
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Ask the loop to let go of the generation before its next step; wait until it has (the
+        caller may then touch the generation and its sequence). False: not within `timeout_s`."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            end = None if timeout_s is None else time.monotonic() + timeout_s
+            while not self.detached:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    # -- the loop's side (its thread only) ----------------------------------------------------
+
+    def _deliver(self, rec: StepRecord) -> None:
+        with self._cond:
+            self._records.append(rec)
+            self._cond.notify_all()
+
+    def _detach(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            if error is not None and self.error is None:
+                self.error = error
+            self.detached = True
+            self._cond.notify_all()
+
+
+class BatchExecutor:
+    """The verifier's step loop: one thread runs every session's step, together.
+
+    Each step has four parts. **plan**: every attached generation (`attach`) that its reader keeps
+    up with plans its block (drafts from its proposer, the block length from the batch cost model)
+    and prompts waiting to be prefilled get pieces within the step's token budget (`PrefillPolicy`,
+    `PieceBudget`); **forward**: one ragged batched forward over all of it (prompt pieces, verify
+    blocks, plain steps, token trees); **verify**: every row's check in one `verify_rows` call (one
+    kernel call per kind, greedy and sampled rows together); **commit**: each generation advances
+    its KV and output and tells its drafter, and its step goes to its reader. No session has a
+    thread of its own: gRPC handlers attach a generation and read its steps.
+
+    Prompts come from the handlers' own threads (`forward` with no logits wanted: the caller waits
+    while the loop runs them in pieces beside the decoding rows), so a long prompt arriving does not
+    stop the sessions that are streaming. `forward` with logits also still works from any thread
+    (one block, run in the next step): what tests and other callers use.
     """
 
     HISTORY = 4096  # steps kept in `history` (for tests and debugging)
+    MAX_UNREAD = 8  # steps a generation runs ahead of its reader
 
-    def __init__(self, runner: "TargetRunner", max_wait_s: float, policy: PrefillPolicy | None = None):
+    def __init__(self, runner: "TargetRunner", policy: PrefillPolicy | None = None):
         self.runner = runner
-        self.max_wait_s = max_wait_s
         self.policy = policy or PrefillPolicy()
         self.budget = PieceBudget(self.policy)
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._prefills: list[_Job] = []  # prompts being prefilled, oldest first (worker thread only)
-        self._busy = 0  # sessions between steps that will queue again soon
+        self._attached: list[Scheduled] = []  # generations the loop runs, in arrival order
         self.last_batch_tokens = 0
         self.last_batch_size = 0
         self.batches = 0
         self.prefill_pieces = 0  # prompt pieces run
         self.mixed_steps = 0  # steps that carried prompt pieces and decoding rows together
         self.verified_rows = 0  # rows verified by the step loop (verify_rows, batched per step)
+        self.planned_steps = 0  # generation steps planned by the loop (attached sessions)
         # Per step: (decoding rows, prompt pieces' token counts, seconds). Bounded: a debugging view.
         self.history: deque[tuple[int, tuple[int, ...], float]] = deque(maxlen=self.HISTORY)
-        threading.Thread(target=self._loop, daemon=True, name="batch-executor").start()
+        threading.Thread(target=self._loop, daemon=True, name="step-loop").start()
 
     @property
     def busy_sessions(self) -> int:
-        return self._busy
+        """Generations the loop is running (their rows share its steps)."""
+        return len(self._attached)
 
-    def session_busy(self, delta: int) -> None:
-        """+1 when a session enters its decode loop, -1 when it leaves."""
+    def attach(self, gen, max_unread: int | None = None) -> Scheduled:
+        """Run `gen` in the step loop from its next step on; read its steps from the result."""
+        entry = Scheduled(gen, self._cond, max_unread or self.MAX_UNREAD)
         with self._cond:
-            self._busy += delta
+            self._attached.append(entry)
             self._cond.notify_all()
+        return entry
 
     def forward(self, cache, ids: list[int], all_logits: bool, alone: bool = False,
                 tree: list[int] | None = None, check: Check | None = None) -> torch.Tensor | None:
+        """One block from the caller's thread, run in the next step; the caller waits for it."""
         job = _Job(cache, list(ids), all_logits, threading.Event(), alone=alone, tree=tree, check=check)
         if job.prefill and not job.ids:
             return None  # nothing to run (and a piece plan never finishes an empty prompt)
@@ -479,19 +589,16 @@ class BatchExecutor:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._prefills:
+                while not self._queue and not self._prefills and not any(e.ready for e in self._attached):
                     self._cond.wait()
-                # With prompts waiting, wait longer for the decoding sessions: a step they miss is a
-                # prefill step they wait for (PrefillPolicy.wait_s).
-                wait = max(self.max_wait_s, self.policy.wait_s) if self._prefills else self.max_wait_s
-                deadline = time.monotonic() + wait
-                while len(self._queue) < self._busy and time.monotonic() < deadline:
-                    self._cond.wait(max(0.0, deadline - time.monotonic()))
                 queued, self._queue = self._queue, []
+                entries = [e for e in self._attached if e.ready]
             self._prefills.extend(j for j in queued if j.prefill)
-            decode = [j for j in queued if not j.prefill and not j.alone]
+            planned = self._plan(entries)
+            step_jobs = [job for _, _, job in planned]
+            decode = [j for j in queued if not j.prefill and not j.alone] + [j for j in step_jobs if not j.alone]
             # Rows-alone jobs run as their own batch: the others keep the plan's (faster) paths.
-            alone = [j for j in queued if j.alone]
+            alone = [j for j in queued if j.alone] + [j for j in step_jobs if j.alone]
             try:
                 self._step(decode)
             except Exception as exc:  # a fault in planning: fail this step's sessions, never the loop
@@ -502,10 +609,62 @@ class BatchExecutor:
                 self._prefills = []
             if alone:
                 self._run(alone, [], alone=True)
+            self._commit(planned)
+
+    def _plan(self, entries: list[Scheduled]) -> list[tuple[Scheduled, PlannedStep, _Job]]:
+        """plan: each generation's block for this step (drafts, verification); a generation that
+        was stopped or ended without a forward is let go here."""
+        planned = []
+        for entry in entries:
+            gen = entry.gen
+            if entry._stop or gen.finished:
+                self._let_go(entry)
+                continue
+            start_ns = time.time_ns()
+            try:
+                step = gen.plan_step()
+            except Exception as exc:  # this session's fault (its proposer, its grammar): its error
+                log.exception("planning a step failed; the session gets the error")
+                self._let_go(entry, exc)
+                continue
+            self.planned_steps += 1
+            if not isinstance(step, PlannedStep):  # it ended without a forward (a grammar dead end)
+                entry._deliver(StepRecord(step, start_ns, time.time_ns(), 0))
+                if gen.finished:
+                    self._let_go(entry)
+                continue
+            job = _Job(step.cache, step.inputs, True, threading.Event(), alone=step.alone, tree=step.tree,
+                       check=step.check, start_ns=start_ns)
+            planned.append((entry, step, job))
+        return planned
+
+    def _commit(self, planned: list[tuple[Scheduled, PlannedStep, _Job]]) -> None:
+        """commit: each generation takes its verdict (KV, output, its drafter told); the step
+        goes to its reader."""
+        size = self.last_batch_size
+        for entry, step, job in planned:
+            if job.error is not None:
+                self._let_go(entry, job.error)
+                continue
+            try:
+                out = entry.gen.finish_step(step, job.result)
+            except Exception as exc:
+                log.exception("committing a step failed; the session gets the error")
+                self._let_go(entry, exc)
+                continue
+            entry._deliver(StepRecord(out, job.start_ns, time.time_ns(), 1 if job.alone else size))
+            if entry.gen.finished:
+                self._let_go(entry)
+
+    def _let_go(self, entry: Scheduled, error: BaseException | None = None) -> None:
+        with self._cond:
+            if entry in self._attached:
+                self._attached.remove(entry)
+        entry._detach(error)
 
     def _step(self, decode: list[_Job]) -> None:
         """plan (which prompt pieces join the decoding rows) and forward."""
-        decoding = self._busy > 0
+        decoding = bool(self._attached) or bool(decode)
         budget = self.budget.next(bool(decode), decoding)
         plan, whole = self.policy.split(budget, [len(j.ids) - j.done_tokens for j in self._prefills])
         pieces = [(j, n) for j, n in zip(self._prefills, plan) if n > 0]
@@ -591,20 +750,27 @@ class Sequence:
         self.ids = list(context_ids)
         return PrefillStats(reused=keep, computed=len(todo))
 
+    def block_inputs(self, drafts: list[int]) -> list[int]:
+        """A step's forward input: the pending token, then the drafts."""
+        assert self.cached_len == len(self.ids) - 1, "cache must hold ids[:-1] between steps"
+        return [self.ids[-1], *drafts]
+
+    @staticmethod
+    def tree_rows(parents: list[int]) -> list[int]:
+        """The forward's row parents for a token tree behind the pending token (row 0)."""
+        return [-1] + [p + 1 for p in parents]
+
     def forward_block(self, drafts: list[int], *, alone: bool = False, check: Check | None = None) -> torch.Tensor:
         """One target forward over the pending token and `drafts`; logits `# [k+1, vocab]`.
         `alone`: each row as a one-token step computes it; `check`: the step's verification, run
         on these logits (TargetRunner.forward)."""
-        assert self.cached_len == len(self.ids) - 1, "cache must hold ids[:-1] between steps"
-        return self.runner.forward(self.cache, [self.ids[-1], *drafts], alone=alone, check=check)
+        return self.runner.forward(self.cache, self.block_inputs(drafts), alone=alone, check=check)
 
     def forward_tree(self, drafts: list[int], parents: list[int], *, check: Check | None = None) -> torch.Tensor:
         """One target forward over the pending token and a token tree (`parents[i]`: the draft node
         that node i follows, -1 for the pending token; topological order); logits `# [k+1, vocab]`,
         row i+1 after node i. Then `commit_tree` keeps the accepted path."""
-        assert self.cached_len == len(self.ids) - 1, "cache must hold ids[:-1] between steps"
-        rows = [-1] + [p + 1 for p in parents]
-        return self.runner.forward(self.cache, [self.ids[-1], *drafts], tree=rows, check=check)
+        return self.runner.forward(self.cache, self.block_inputs(drafts), tree=self.tree_rows(parents), check=check)
 
     def commit_tree(self, tokens: list[int], nodes: list[int]) -> None:
         """`commit` after `forward_tree`: `nodes` are the accepted path's node indices (the first

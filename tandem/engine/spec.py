@@ -28,7 +28,7 @@ from tandem.engine.adaptive import AcceptanceCounts, BlockLengthController
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.models import LoadedModel
 from tandem.engine.proposers import Draft, Proposer, ProposerFactory
-from tandem.engine.runner import PrefillStats, Sequence, TargetRunner
+from tandem.engine.runner import PlannedStep, PrefillStats, Sequence, TargetRunner
 from tandem.engine.sampling import make_generator
 from tandem.engine.verify import Check
 
@@ -131,6 +131,9 @@ class StepOutput:
     proposer: str | None = None  # which proposer drafted this step (None: a plain step)
     block_len: int = 0  # drafts the controller asked for (>= drafted: a proposer may offer fewer)
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    # The proposer's fault counts after this step (fallback steps, rejected blocks), cumulative:
+    # what the step added is the difference from the step before.
+    faults: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -356,11 +359,23 @@ class Generation:
         return int(round(others * per_job)), float(others)
 
     def step(self) -> StepOutput:
-        """Run one target forward; return what it committed."""
+        """Run one target forward; return what it committed (`plan_step`, the forward,
+        `finish_step`: the verifier's step loop runs the three parts itself, batched)."""
+        planned = self.plan_step()
+        if not isinstance(planned, PlannedStep):
+            return planned
+        raw = self.runner.forward(planned.cache, planned.inputs, alone=planned.alone, tree=planned.tree,
+                                  check=planned.check)
+        return self.finish_step(planned, raw)
+
+    def plan_step(self) -> PlannedStep | StepOutput:
+        """The next step's forward: drafts, block and verification (a StepOutput instead when the
+        generation ends without one: a grammar with no way on)."""
         if self.finished:
             raise RuntimeError("generation already finished")
         draft, block_len = self._draft()
         start = time.perf_counter()
+        bitmask = None
         if self.constraint is not None:
             # The block is cut right after the first draft the grammar refuses; every position's
             # mask is filled now, from the committed state and the drafts before it.
@@ -378,14 +393,23 @@ class Generation:
         if self.sampling.adjusts_logits and not tree:
             ids = self.seq.ids
             check.prompt_ids, check.generated_ids = ids[: self.prompt_len], ids[self.prompt_len:]
-        if tree:
-            raw = self.seq.forward_tree(draft.tokens, draft.parents, check=check)  # [k+1, vocab], row i+1 after node i
-        else:
-            # With logprobs, every row is computed as a one-token step would (where the backend can):
-            # the numbers are then plain decoding's to the bit, not only within rounding.
-            raw = self.seq.forward_block(draft.tokens if draft else [], alone=self.sampling.top_logprobs is not None,
-                                         check=check)  # [k+1, vocab]
-        verdict = check.result()
+        tokens = draft.tokens if draft is not None else []
+        return PlannedStep(
+            cache=self.seq.cache,
+            inputs=self.seq.block_inputs(tokens),
+            check=check,
+            # With logprobs, every row is computed as a one-token step would (where the backend
+            # can): the numbers are then plain decoding's to the bit, not only within rounding.
+            alone=not tree and self.sampling.top_logprobs is not None and self.runner.backend.rows_alone,
+            tree=self.seq.tree_rows(draft.parents) if tree else None,  # logits row i+1 after node i
+            state=(draft, block_len, start),
+        )
+
+    def finish_step(self, planned: PlannedStep, raw: torch.Tensor) -> StepOutput:
+        """Commit what the planned step's verification decided (`raw`: its logits `# [k+1, vocab]`)."""
+        draft, block_len, start = planned.state
+        tree = planned.tree is not None
+        verdict = planned.check.result()
         self.stats.verify_seconds += time.perf_counter() - start
         if draft is not None:
             # a tree planned as such is counted as one even when it came out a single branch
@@ -417,6 +441,7 @@ class Generation:
         out.proposer = draft.proposer if draft is not None else None
         out.block_len = block_len
         if self.proposer is not None:
+            out.faults = (self.proposer.fallback_steps, self.proposer.rejected_blocks)
             if self.finished:
                 if self.finish_reason != FinishReason.error:
                     # The text as it ended: context, output, and the stop id that ended it (the

@@ -690,8 +690,8 @@ def test_sampled_tree_drafts_follow_the_target_distribution(sharp, contexts, mon
     from tandem.engine.runner import Sequence
 
     calls = []
-    real = Sequence.forward_tree
-    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p, **kw: calls.append(list(p)) or real(self, d, p, **kw))
+    real = Sequence.tree_rows  # every token tree a step verifies, in process or in the step loop
+    monkeypatch.setattr(Sequence, "tree_rows", staticmethod(lambda p: calls.append(list(p)) or real(p)))
     ctx = contexts["random"]
     p1, joint, firsts, pairs, accepted = _tree_draws(Engine(sharp), ctx, DRAWS)
     assert len(calls) >= DRAWS and calls[0] == [-1, -1, 0, 1]

@@ -136,8 +136,8 @@ def test_greedy_output_through_trees_equals_the_target_alone(tiny_loaded, adapti
     prompts = [tok(t)["input_ids"] for t in PROMPTS]
     store = _branchy_store(engine, prompts, 60)
     calls = []
-    real = Sequence.forward_tree
-    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p, **kw: calls.append(len(d)) or real(self, d, p, **kw))
+    real = Sequence.tree_rows  # every token tree a step verifies, in process or in the step loop
+    monkeypatch.setattr(Sequence, "tree_rows", staticmethod(lambda p: calls.append(len(p)) or real(p)))
     sampling = SamplingParams(max_new_tokens=60, ignore_eos=True)
     spec = SpecConfig(strategy=DraftStrategy.suffix, adaptive=adaptive, max_draft_tokens=12)
     accepted = tree_steps = 0
@@ -165,8 +165,8 @@ def test_trees_fall_back_to_chains_where_drafts_are_needed_in_order(tiny_loaded,
     ids = tok("cat dog bird fish cow")["input_ids"]
     store = _branchy_store(engine, [ids], 40)
     calls = []
-    real = Sequence.forward_tree
-    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p, **kw: calls.append(len(d)) or real(self, d, p, **kw))
+    real = Sequence.tree_rows  # every token tree a step verifies, in process or in the step loop
+    monkeypatch.setattr(Sequence, "tree_rows", staticmethod(lambda p: calls.append(len(p)) or real(p)))
     sampling = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3)
     want = engine.generate(ids, sampling, SpecConfig(strategy=DraftStrategy.none)).token_ids
     gen = engine.start(ids, sampling, SpecConfig(strategy=DraftStrategy.suffix, adaptive=False),

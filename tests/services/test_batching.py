@@ -94,7 +94,7 @@ def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
 
 
 def _verifier(loaded, **kw) -> VerifierCore:
-    return VerifierCore(VerifierSettings(**{"verifier_id": "v-batch", "port": 0, "batch_wait_ms": 20, **kw}), loaded,
+    return VerifierCore(VerifierSettings(**{"verifier_id": "v-batch", "port": 0, **kw}), loaded,
                         connector=GrpcDrafterConnector())
 
 

@@ -25,9 +25,7 @@ NGRAM = SpecConfig(strategy=DraftStrategy.ngram, adaptive=False, max_draft_token
 
 
 def _core(loaded, **kw) -> VerifierCore:
-    # batch_wait_ms: generous, so a stream between two steps is not left out of a batch on a busy
-    # machine (the test counts the steps that carried it).
-    return VerifierCore(VerifierSettings(**{"verifier_id": "v-sched", "port": 0, "batch_wait_ms": 200, **kw}), loaded)
+    return VerifierCore(VerifierSettings(**{"verifier_id": "v-sched", "port": 0, **kw}), loaded)
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -131,7 +129,7 @@ def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded, monkeypatch)
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name: calls.setdefault(_n, []).append(a[0].shape[0])
                             or _r(*a))
-    core = _core(tiny_loaded, prefill_chunk_tokens=24, prefill_min_tokens=8, batch_wait_ms=20)
+    core = _core(tiny_loaded, prefill_chunk_tokens=24, prefill_min_tokens=8)
     prompts = [_ids(30, 3) * 2, _ids(300, 4), _ids(12, 5) * 3, _ids(250, 6)]
     specs = [NGRAM, NONE, NGRAM, NGRAM]
     samplings = [SamplingParams(max_new_tokens=30, ignore_eos=True),
@@ -185,6 +183,118 @@ def test_a_steps_rows_are_verified_in_one_kernel_call(tiny_loaded, monkeypatch):
     assert max(sizes) == 3, f"the three sessions' rows shared a call: call sizes {sizes}"
     for i in range(3):
         assert results[i].token_ids == Engine(tiny_loaded).generate(prompts[i], sampling, NONE).token_ids, i
+
+
+def test_every_sessions_step_runs_on_the_step_loop_thread(tiny_loaded, monkeypatch):
+    """No thread per session: the request handlers only read steps. Every plan and every commit of
+    six concurrent sessions runs on the one step-loop thread, their rows share steps, and each
+    output is the target alone's."""
+    from tandem.engine.spec import Generation
+
+    where: list[str] = []
+    real_plan, real_finish = Generation.plan_step, Generation.finish_step
+    monkeypatch.setattr(Generation, "plan_step",
+                        lambda self: where.append(threading.current_thread().name) or real_plan(self))
+    monkeypatch.setattr(Generation, "finish_step",
+                        lambda self, p, r: where.append(threading.current_thread().name) or real_finish(self, p, r))
+    core = _core(tiny_loaded)
+    prompts = [_ids(16, 40 + i) * 2 for i in range(6)]
+    specs = [NGRAM, NONE] * 3
+    sampling = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    results: dict[int, list] = {}
+    start = threading.Barrier(6)
+
+    def run(i: int) -> None:
+        start.wait()
+        results[i] = list(core.generate(f"t{i}", prompts[i], sampling, specs[i]))
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"handler-{i}") for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    steps = sum(len(items) - 1 for items in results.values())
+    assert len(results) == 6 and len(where) == 2 * steps, (len(results), len(where), steps)
+    assert set(where) == {"step-loop"}, set(where)
+    assert max(rows for rows, _, _ in core.executor.history) > 1, "sessions shared steps"
+    assert core.executor.busy_sessions == 0, "every generation was let go"
+    for i in range(6):
+        assert results[i][-1].token_ids == Engine(tiny_loaded).generate(prompts[i], sampling, NONE).token_ids, i
+
+
+def test_a_reader_that_stops_reading_holds_only_its_own_session(tiny_loaded):
+    """A client that stops reading its stream: its session runs a few steps ahead (the loop's
+    bound), then waits for it, while another session runs to the end; read again, it finishes
+    with the target alone's output."""
+    from tandem.engine.runner import BatchExecutor
+
+    core = _core(tiny_loaded)
+    ctx_slow, ctx_fast = _ids(20, 50), _ids(20, 51)
+    sampling = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    slow = core.generate("slow", ctx_slow, sampling, NONE)
+    first = next(slow)  # streaming, then its reader stalls
+    fast = list(core.generate("fast", ctx_fast, sampling, NONE))
+    assert len(fast[-1].token_ids) == 60
+    (entry,) = core.executor._attached
+    ahead = len(entry.gen.output) - len(first.tokens)
+    assert 0 < ahead <= BatchExecutor.MAX_UNREAD, f"the stalled session ran {ahead} steps ahead of its reader"
+    rest = list(slow)
+    assert rest[-1].token_ids == Engine(tiny_loaded).generate(ctx_slow, sampling, NONE).token_ids
+    assert fast[-1].token_ids == Engine(tiny_loaded).generate(ctx_fast, sampling, NONE).token_ids
+
+
+def test_a_client_leaving_mid_stream_keeps_a_consistent_session(tiny_loaded):
+    """The reader closes its stream after three steps (the loop may have run further): the loop
+    lets go of the generation, the session stays resident and consistent, and the next turn, built
+    from what the client saw, is the target alone's."""
+    core = _core(tiny_loaded)
+    ctx = _ids(20, 60)
+    running = core.generate("c", ctx, SamplingParams(max_new_tokens=50, ignore_eos=True), NONE)
+    seen = [tok for _, step in zip(range(3), running) for tok in step.tokens]
+    running.close()
+    assert core.executor.busy_sessions == 0 and core.running() == 0
+    assert "c" in core.session_ids()
+    turn2 = ctx + seen + _ids(5, 61)
+    sampling = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    again = list(core.generate("c", turn2, sampling, NGRAM))[-1]
+    assert again.stats.prefill_reused_tokens >= len(ctx) + len(seen) - 1, "the session's KV was kept"
+    assert again.token_ids == Engine(tiny_loaded).generate(turn2, sampling, NONE).token_ids
+
+
+def test_one_sessions_failing_step_fails_it_alone(tiny_loaded, monkeypatch):
+    """A step that fails in planning (a proposer's or a grammar's bug) fails its own session with
+    the error; the sessions in the same steps finish normally."""
+    from tandem.engine.spec import Generation
+
+    real_plan = Generation.plan_step
+    broken = {"n": 0}
+
+    def plan(self):
+        if self.prompt_len == 21 and len(self.output) >= 5:  # the "bad" session's sixth step
+            broken["n"] += 1
+            raise RuntimeError("proposer bug")
+        return real_plan(self)
+
+    monkeypatch.setattr(Generation, "plan_step", plan)
+    core = _core(tiny_loaded)
+    sampling = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    outcome: dict[str, object] = {}
+
+    def run(sid: str, ctx: list[int]) -> None:
+        try:
+            outcome[sid] = list(core.generate(sid, ctx, sampling, NONE))[-1]
+        except RuntimeError as exc:
+            outcome[sid] = exc
+
+    ctxs = {"bad": _ids(21, 70), "good": _ids(20, 71)}
+    threads = [threading.Thread(target=run, args=item) for item in ctxs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert broken["n"] == 1 and isinstance(outcome["bad"], RuntimeError) and "proposer bug" in str(outcome["bad"])
+    assert outcome["good"].token_ids == Engine(tiny_loaded).generate(ctxs["good"], sampling, NONE).token_ids
+    assert "bad" not in core.session_ids(), "the failed session's KV is not trusted"
 
 
 def test_in_process_prefill_in_pieces_equals_one_piece(tiny_loaded):
@@ -311,7 +421,7 @@ def test_the_kv_budget_can_come_from_free_memory(tiny_loaded):
 
 
 def test_a_fault_in_step_planning_fails_that_step_and_the_loop_keeps_serving(tiny_loaded):
-    core = _core(tiny_loaded, batch_wait_ms=2)
+    core = _core(tiny_loaded)
     real = core.executor.budget.next
     calls = {"n": 0}
 
@@ -340,7 +450,7 @@ def test_health_is_answered_while_every_admission_slot_is_taken(tiny_loaded):
     from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
     settings = VerifierSettings(verifier_id="v-slots", port=0, max_sessions=1, admission_queue=40,
-                                admission_wait_s=60, batch_wait_ms=2)
+                                admission_wait_s=60)
     core = VerifierCore(settings, tiny_loaded)
     assert server_workers(settings) > 41
     server, port, _ = build_server(core)

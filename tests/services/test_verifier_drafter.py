@@ -318,8 +318,8 @@ def test_token_trees_over_the_wire_commit_the_targets_text(tiny_loaded, monkeypa
     from tandem.engine.runner import Sequence
 
     calls = []
-    real = Sequence.forward_tree
-    monkeypatch.setattr(Sequence, "forward_tree", lambda self, d, p, **kw: calls.append(list(p)) or real(self, d, p, **kw))
+    real = Sequence.tree_rows  # every token tree a step verifies, in process or in the step loop
+    monkeypatch.setattr(Sequence, "tree_rows", staticmethod(lambda p: calls.append(list(p)) or real(p)))
     want = Engine(tiny_loaded).generate(FRESH, SamplingParams(max_new_tokens=40, ignore_eos=True),
                                         SpecConfig(strategy=DraftStrategy.none)).token_ids
     for trees in (True, False):
