@@ -158,6 +158,7 @@ class VerifierCore:
         self._cut = threading.Event()
         self._running = 0  # generations in progress (guarded by _lock)
         self.metrics = metrics or VerifierMetrics()
+        self.executor.on_step = self.metrics.loop_step
         self.metrics.watch_kv(self.kv_capacity, self.kv_used_tokens, lambda: len(self._sessions))
         self.metrics.read("tandem_admission_waiting", "Requests waiting for KV room (admission queue).",
                           lambda: len(self._waiting))

@@ -21,6 +21,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import logging
@@ -442,6 +443,20 @@ class StepRecord:
     batch_size: int  # rows and prompt pieces in the forward that ran it (1: alone)
 
 
+@dataclass(frozen=True)
+class StepPhases:
+    """Where one step of the loop spent its time (seconds), and what it carried."""
+
+    rows: int  # decoding rows of attached generations (verify blocks, plain steps)
+    tokens: int  # their tokens (pending + drafts)
+    committed: int  # tokens they committed
+    pieces: int  # prompt tokens carried beside them
+    plan: float
+    forward: float
+    verify: float
+    commit: float
+
+
 class Scheduled:
     """A generation the step loop runs (BatchExecutor.attach); its reader only reads the steps.
 
@@ -552,9 +567,17 @@ class BatchExecutor:
         self.last_batch_size = 0
         self.batches = 0
         self.prefill_pieces = 0  # prompt pieces run
+        self.prefill_tokens = 0  # their tokens
         self.mixed_steps = 0  # steps that carried prompt pieces and decoding rows together
         self.verified_rows = 0  # rows verified by the step loop (verify_rows, batched per step)
         self.planned_steps = 0  # generation steps planned by the loop (attached sessions)
+        # The last step's attached rows: (tokens, committed) in all, which a planning generation
+        # reads, less its own, as what the others add to the next forward (Generation._batch_load).
+        self.last_rows = (0, 0, 0)  # (rows, tokens, committed)
+        self.steps_planned = 0  # steps that carried attached generations (last_rows is the newest's)
+        self.phases: deque[StepPhases] = deque(maxlen=self.HISTORY)
+        self.on_step: Callable[[StepPhases], None] | None = None  # e.g. the verifier's metrics
+        self._verify_s = 0.0  # the last _run's verify part
         # Per step: (decoding rows, prompt pieces' token counts, seconds). Bounded: a debugging view.
         self.history: deque[tuple[int, tuple[int, ...], float]] = deque(maxlen=self.HISTORY)
         threading.Thread(target=self._loop, daemon=True, name="step-loop").start()
@@ -594,7 +617,11 @@ class BatchExecutor:
                 queued, self._queue = self._queue, []
                 entries = [e for e in self._attached if e.ready]
             self._prefills.extend(j for j in queued if j.prefill)
+            t0 = time.perf_counter()
             planned = self._plan(entries)
+            t1 = time.perf_counter()
+            pieces_before = self.prefill_tokens
+            self._verify_s = 0.0
             step_jobs = [job for _, _, job in planned]
             decode = [j for j in queued if not j.prefill and not j.alone] + [j for j in step_jobs if not j.alone]
             # Rows-alone jobs run as their own batch: the others keep the plan's (faster) paths.
@@ -609,7 +636,18 @@ class BatchExecutor:
                 self._prefills = []
             if alone:
                 self._run(alone, [], alone=True)
-            self._commit(planned)
+            t2 = time.perf_counter()
+            committed = self._commit(planned)
+            if planned:
+                t3 = time.perf_counter()
+                tokens = sum(len(job.ids) for _, _, job in planned)
+                self.last_rows = (len(planned), tokens, committed)
+                self.steps_planned += 1
+                phases = StepPhases(len(planned), tokens, committed, self.prefill_tokens - pieces_before,
+                                    t1 - t0, t2 - t1 - self._verify_s, self._verify_s, t3 - t2)
+                self.phases.append(phases)
+                if self.on_step is not None:
+                    self.on_step(phases)
 
     def _plan(self, entries: list[Scheduled]) -> list[tuple[Scheduled, PlannedStep, _Job]]:
         """plan: each generation's block for this step (drafts, verification); a generation that
@@ -638,10 +676,11 @@ class BatchExecutor:
             planned.append((entry, step, job))
         return planned
 
-    def _commit(self, planned: list[tuple[Scheduled, PlannedStep, _Job]]) -> None:
+    def _commit(self, planned: list[tuple[Scheduled, PlannedStep, _Job]]) -> int:
         """commit: each generation takes its verdict (KV, output, its drafter told); the step
-        goes to its reader."""
+        goes to its reader. Returns the tokens committed."""
         size = self.last_batch_size
+        committed = 0
         for entry, step, job in planned:
             if job.error is not None:
                 self._let_go(entry, job.error)
@@ -652,9 +691,11 @@ class BatchExecutor:
                 log.exception("committing a step failed; the session gets the error")
                 self._let_go(entry, exc)
                 continue
+            committed += len(step.check.result().tokens)
             entry._deliver(StepRecord(out, job.start_ns, time.time_ns(), 1 if job.alone else size))
             if entry.gen.finished:
                 self._let_go(entry)
+        return committed
 
     def _let_go(self, entry: Scheduled, error: BaseException | None = None) -> None:
         with self._cond:
@@ -700,11 +741,14 @@ class BatchExecutor:
         self.batches += 1
         self.history.append((len(jobs), tuple(n for _, n in pieces), seconds))
         self.prefill_pieces += len(pieces)
+        self.prefill_tokens += sum(n for _, n in pieces)
         self.mixed_steps += bool(jobs and pieces)
         checked = [(j, out) for j, out in zip(jobs, outs) if j.check is not None]
         if checked:
             # verify: every row's check in one kernel call per kind (a row's fault is its own)
+            t = time.perf_counter()
             verify_rows([j.check for j, _ in checked], [out for _, out in checked])
+            self._verify_s += time.perf_counter() - t
             self.verified_rows += len(checked)
         for j, out in zip(jobs, outs):
             j.result = out

@@ -270,6 +270,7 @@ class Generation:
         if proposer is not None:
             proposer.allow_trees(self.trees)
         self.stats = SpecStats()
+        self._last_step = (-1, 0, 0)  # see finish_step
         self.output: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.started = time.perf_counter()
@@ -350,13 +351,19 @@ class Generation:
 
     def _batch_load(self) -> tuple[int, float]:
         """What other sessions add to the next batched forward: (tokens, committed tokens), from the
-        last batch. Zero when not batching, and for replayable requests (timing-independent)."""
+        step loop's last step less this generation's own part of it. Zero when not batching, and
+        for replayable requests (timing-independent). The others' committed tokens are what they
+        did commit, not one each: sessions that draft well commit several, and a draft of ours
+        must pay against that whole batch's output, or blocks get priced too cheaply in big batches."""
         ex = self.runner.executor
-        if ex is None or self.replayable or ex.last_batch_size <= 1:
+        if ex is None or self.replayable:
             return 0, 0.0
-        others = ex.last_batch_size - 1
-        per_job = ex.last_batch_tokens / ex.last_batch_size
-        return int(round(others * per_job)), float(others)
+        rows, tokens, committed = ex.last_rows
+        if self._last_step[0] == ex.steps_planned:  # we were in that step: leave ourselves out
+            rows, tokens, committed = rows - 1, tokens - self._last_step[1], committed - self._last_step[2]
+        if rows <= 0:
+            return 0, 0.0
+        return tokens, float(committed)
 
     def step(self) -> StepOutput:
         """Run one target forward; return what it committed (`plan_step`, the forward,
@@ -411,6 +418,9 @@ class Generation:
         tree = planned.tree is not None
         verdict = planned.check.result()
         self.stats.verify_seconds += time.perf_counter() - start
+        ex = self.runner.executor
+        # (the loop's step this was, its tokens, its committed tokens): see _batch_load
+        self._last_step = ((ex.steps_planned + 1) if ex is not None else 0, len(planned.inputs), len(verdict.tokens))
         if draft is not None:
             # a tree planned as such is counted as one even when it came out a single branch
             nodes = None if draft.parents is None else verdict.nodes if tree else list(range(verdict.accepted))

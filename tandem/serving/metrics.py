@@ -12,6 +12,7 @@ port). Names follow Prometheus conventions: `_total` counters, base units in the
               tandem_bonus_tokens_total, tandem_generated_tokens_total, tandem_verify_steps_total{kind},
               tandem_drafted_by_position_total{position}, tandem_accepted_by_position_total{position},
               tandem_accepted_length_tokens (histogram), tandem_verify_batch_size (histogram),
+              tandem_step_phase_seconds{phase} (histogram: the step loop's plan, forward, verify, commit),
               tandem_prefill_tokens_total{kind}, tandem_kv_used_tokens, tandem_kv_capacity_tokens,
               tandem_resident_sessions, tandem_kv_evictions_total, tandem_drafter_fallback_steps_total,
               tandem_rejected_draft_blocks_total, tandem_redis_errors_total
@@ -57,6 +58,7 @@ _LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32, 48, 65)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _REQUESTS_DOC = "Requests handled, by service and outcome (ok, cancelled, or the error's kind)."
+_PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -166,6 +168,11 @@ class VerifierMetrics(ServiceMetrics):
         self._by_proposer = Counter(
             "tandem_proposer_tokens", "Draft tokens by the proposer that drafted them (a hybrid session uses "
             "two) and outcome (drafted, accepted).", ["proposer", "outcome"], registry=r)
+        self._phase = Histogram(
+            "tandem_step_phase_seconds", "Time of each part of a step of the verifier's step loop: plan (drafts, "
+            "block lengths), forward, verify (the kernels), commit (KV, streams, drafters).", ["phase"],
+            buckets=_PHASE_BUCKETS, registry=r)
+        self._phases = {name: self._phase.labels(name) for name in ("plan", "forward", "verify", "commit")}
         self._kv_capacity = Gauge("tandem_kv_capacity_tokens", "KV cache budget over all sessions.", registry=r)
         self._positions: list = []  # (drafted child, accepted child) per position, created on use
 
@@ -192,6 +199,11 @@ class VerifierMetrics(ServiceMetrics):
                 self._positions[i][1].inc()
         self._length.observe(accepted + 1)
         self._batch.observe(batch_size)
+
+    def loop_step(self, phases) -> None:
+        """One step of the step loop (tandem.engine.runner.StepPhases)."""
+        for name, child in self._phases.items():
+            child.observe(getattr(phases, name))
 
     def prefill(self, reused: int, computed: int) -> None:
         self._prefill.labels("reused").inc(reused)

@@ -472,3 +472,47 @@ def test_health_is_answered_while_every_admission_slot_is_taken(tiny_loaded):
             s.cancel()
         channel.close()
         server.stop(None)
+
+
+def test_the_loop_reports_its_step_phases_and_what_each_step_committed(tiny_loaded):
+    """Each step of the loop: its rows, tokens and committed tokens, and the time of each part
+    (plan, forward, verify, commit), in `phases` and in the Prometheus histogram."""
+    core = _core(tiny_loaded)
+    prompts = [_ids(16, 80 + i) * 2 for i in range(3)]
+    sampling = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    done: dict[int, GenerationResult] = {}
+
+    def run(i: int) -> None:
+        done[i] = list(core.generate(f"p{i}", prompts[i], sampling, NGRAM))[-1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    phases = list(core.executor.phases)
+    assert len(phases) == core.executor.steps_planned > 0
+    assert sum(p.rows for p in phases) == sum(r.stats.steps for r in done.values())
+    # every step commits at least a token a row; the tokens committed are the outputs (a last
+    # block may commit past the limit: the output is cut there)
+    assert all(p.rows <= p.committed <= p.tokens for p in phases)
+    assert sum(p.committed for p in phases) >= 3 * 20
+    assert all(min(p.plan, p.forward, p.verify, p.commit) >= 0 for p in phases)
+    for name in ("plan", "forward", "verify", "commit"):
+        assert core.metrics.value("tandem_step_phase_seconds_count", phase=name) == len(phases)
+
+
+def test_a_plan_prices_its_drafts_against_what_the_others_committed(tiny_loaded):
+    """The batch a block joins: the loop's last step less the planning generation's own part of
+    it (when it was in it), with the others' committed tokens as committed, not one a row."""
+    core = _core(tiny_loaded)
+    gen = core.engine.start(_ids(20, 90), SamplingParams(max_new_tokens=4, ignore_eos=True), NGRAM)
+    ex = core.executor
+    ex.last_rows, ex.steps_planned = (3, 12, 9), 5
+    gen._last_step = (5, 4, 3)  # it was in that step: 4 tokens, 3 committed
+    assert gen._batch_load() == (8, 6.0)
+    gen._last_step = (4, 4, 3)  # it was not (its reader was behind): the whole step is the others'
+    assert gen._batch_load() == (12, 9.0)
+    ex.last_rows = (1, 4, 3)
+    gen._last_step = (5, 4, 3)
+    assert gen._batch_load() == (0, 0.0), "alone in the batch"
