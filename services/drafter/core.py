@@ -44,6 +44,7 @@ from tandem.engine.config import DraftStrategy, SamplingParams
 from tandem.engine.proposers import Draft, DraftModelProposer, HybridProposer, NgramProposer, Proposer
 from tandem.engine.sampling import make_generator
 from tandem.engine.suffix import SuffixProposer, SuffixStores
+from tandem.engine.threads import ComputeThread
 from tandem.serving.messages import DraftBlock, DrafterInfo
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.serving.telemetry import tracer
@@ -148,14 +149,17 @@ SessionKey = tuple[str, str]  # (owner, session_id)
 class DrafterCore:
     """Per-session draft state for every stream of one drafter process. Thread safe: calls for
     different sessions may run concurrently; per-session state is guarded by the session's lock,
-    the draft model (shared by all sessions, not thread safe) by one lock. Lock order: sessions
-    map -> session -> draft model -> stats."""
+    the draft model (shared by all sessions, not thread safe) runs on its own thread, one call at
+    a time. Lock order: sessions map -> session -> stats (a session's lock is held while it waits
+    for the draft model's thread)."""
 
     def __init__(self, settings: DrafterSettings):
         self.settings = settings
         self._lock = threading.Lock()  # guards _sessions
         self._sessions: dict[SessionKey, _Session] = {}
-        self._model_lock = threading.Lock()
+        # The draft model's forwards all run on one thread (which also serialises them: the model
+        # is not thread safe), not on whichever worker drafts: tandem.engine.threads.
+        self._model_thread = ComputeThread("draft-model") if settings.draft_model is not None else None
         self._stats_lock = threading.Lock()
         self._stats = DrafterStats()
         model = settings.draft_model
@@ -516,8 +520,7 @@ class DrafterCore:
             draft = session.proposer.ngram.propose(ids, k, session.sampling, session.gen)
         else:
             k = min(k, self._draft_context - len(ids))  # every drafted position inside the window
-            with self._model_lock:
-                draft = session.proposer.propose(ids, k, session.sampling, session.gen)
+            draft = self._model_thread.call(session.proposer.propose, ids, k, session.sampling, session.gen)
         return draft if len(draft) else None
 
     def _block(self, session: _Session, base_len: int, draft: Draft, *, speculative: bool) -> DraftBlock | None:

@@ -112,16 +112,24 @@ def serve(settings) -> None:
     import torch
 
     from tandem.engine.models import load_model, resolve_device
+    from tandem.engine.threads import in_passing_thread
 
     torch.set_num_threads(settings.threads or torch.get_num_threads())
-    target = load_model(settings.model, device=resolve_device(settings.device), precision=settings.precision)
     publisher = None
     residency = settings.residency_config()
     if residency is not None:
         from tandem.serving.residency import ResidencyPublisher
 
         publisher = ResidencyPublisher(residency)
-    core = VerifierCore(settings, target, publisher=publisher, connector=GrpcDrafterConnector(tls=settings.tls))
+
+    def build() -> VerifierCore:
+        target = load_model(settings.model, device=resolve_device(settings.device), precision=settings.precision)
+        return VerifierCore(settings, target, publisher=publisher, connector=GrpcDrafterConnector(tls=settings.tls))
+
+    # The main thread runs no model work: the step loop's thread is the only one with an OpenMP
+    # pool while serving (tandem.engine.threads: a second pool halves the step's speed).
+    core = in_passing_thread(build)
+    target = core.target
     if settings.metrics_port is not None:
         core.metrics.serve(settings.metrics_port, settings.host)
     health = None if settings.health_port is None else f"{settings.host}:{settings.health_port}"

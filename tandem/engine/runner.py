@@ -577,6 +577,9 @@ class BatchExecutor:
         self.steps_planned = 0  # steps that carried attached generations (last_rows is the newest's)
         self.phases: deque[StepPhases] = deque(maxlen=self.HISTORY)
         self.on_step: Callable[[StepPhases], None] | None = None  # e.g. the verifier's metrics
+        # The loop thread runs every forward with the creating thread's OpenMP thread count (a new
+        # thread would start from every core): tandem.engine.threads.
+        self.threads = torch.get_num_threads()
         self._verify_s = 0.0  # the last _run's verify part
         # Per step: (decoding rows, prompt pieces' token counts, seconds). Bounded: a debugging view.
         self.history: deque[tuple[int, tuple[int, ...], float]] = deque(maxlen=self.HISTORY)
@@ -610,6 +613,7 @@ class BatchExecutor:
         return job.result
 
     def _loop(self) -> None:
+        torch.set_num_threads(self.threads)
         while True:
             with self._cond:
                 while not self._queue and not self._prefills and not any(e.ready for e in self._attached):

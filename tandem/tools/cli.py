@@ -821,9 +821,10 @@ def drafter(
     draft = None
     if draft_model:
         from tandem.engine.models import ModelError, load_model
+        from tandem.engine.threads import in_passing_thread
 
         try:
-            draft = load_model(draft_model)
+            draft = in_passing_thread(load_model, draft_model)  # no model work on the main thread
         except ModelError as exc:
             _fail(str(exc))
     fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
