@@ -2,7 +2,7 @@
 # Concurrency sweep through a local stack (issue 14): `tandem loadtest` at 1, 8, 16, 32 and 64
 # sessions, speculation off and on, MT-Bench, 2 turns of 64 tokens. Nothing else may run meanwhile.
 #
-#   scripts/sweep_bench.sh              # this checkout: docs/results/<host>/mixed/sweep.json (+ .png)
+#   scripts/sweep_bench.sh              # this checkout: docs/results/<host>/mixed/sweep.json (+ .png; OUT=dir elsewhere)
 #   BEFORE=c603e97 scripts/sweep_bench.sh
 #       before/after in one sitting: the stack built from BEFORE (a git worktree with its own
 #       editable install, sharing this checkout's packages), then this checkout's, the same client
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/stack.sh
 HOST=${HOST:-$(lscpu | grep -qi amd && echo epyc || echo intel)}
-OUT=docs/results/$HOST/mixed
+OUT=${OUT:-docs/results/$HOST/mixed}
 mkdir -p "$OUT"
 T=.venv/bin/tandem
 PORT=${PORT:-50171}
