@@ -3,7 +3,7 @@
 step's time goes (plan, forward, verify, commit) and aggregate tokens/s, speculation off and on.
 
 Each level runs `c` sessions at once through one VerifierCore on the default model (MT-Bench
-prompts, greedy, --max-tokens each); handlers are threads that only read, as the gRPC server's.
+prompts, greedy, --max-tokens each; at least 8 prompts a level, a worker's one after another); handlers are threads that only read, as the gRPC server's.
 `--pricing old,new` alternates how a plan prices its drafts within the batch (new: against what the
 other rows of the last step committed; old: one token per other row, as before df36550), in one
 process, so machine drift falls on both alike. Nothing else CPU-heavy may run meanwhile.
@@ -38,6 +38,7 @@ from tandem.services.verifier.settings import VerifierSettings  # noqa: E402
 from tandem.tools.datasets import load_prompts, dev_set, to_chat  # noqa: E402
 
 NEW_LOAD = Generation._batch_load
+MIN_PROMPTS = 8
 
 
 def _old_load(self) -> tuple[int, float]:
@@ -56,12 +57,18 @@ def run_level(core: VerifierCore, prompts: list[list[int]], c: int, spec: SpecCo
     ex = core.executor
     first = len(ex.phases)
     sampling = SamplingParams(max_new_tokens=max_tokens)
-    results: list = [None] * c
     barrier = threading.Barrier(c + 1)
 
+    total = max(c, MIN_PROMPTS)  # at least MIN_PROMPTS prompts a level: one prompt says little
+    results = [None] * total
+
     def session(i: int) -> None:
+        from tandem.serving.grpc_server import handler_thread
+
+        handler_thread()  # as a gRPC handler: no OpenMP pool of its own (tandem.engine.threads)
         barrier.wait()
-        results[i] = list(core.generate(f"{tag}-{i}", prompts[i % len(prompts)], sampling, spec))[-1]
+        for j in range(i, total, c):  # worker i runs prompts i, i + c, ... one after another
+            results[j] = list(core.generate(f"{tag}-{j}", prompts[j % len(prompts)], sampling, spec))[-1]
 
     threads = [threading.Thread(target=session, args=(i,)) for i in range(c)]
     for t in threads:

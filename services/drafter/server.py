@@ -48,7 +48,7 @@ from tandem.services.drafter.core import (
     UnknownSession,
 )
 from tandem.services.drafter.settings import DrafterSettings
-from tandem.serving.grpc_server import build_server as build_grpc_server
+from tandem.serving.grpc_server import build_server as build_grpc_server, handler_thread
 from tandem.serving.protoconv import (
     draft_block_to_proto,
     drafter_info_to_proto,
@@ -94,7 +94,9 @@ _WAKE = object()  # a stream's reader or a lane ended: the sender checks whether
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, core: DrafterCore):
         self.core = core
-        self._pool = ThreadPoolExecutor(max_workers=core.settings.draft_workers, thread_name_prefix="draft")
+        # (no OpenMP pools on the workers: the draft model runs on its own thread, tandem.engine.threads)
+        self._pool = ThreadPoolExecutor(max_workers=core.settings.draft_workers, thread_name_prefix="draft",
+                                        initializer=handler_thread)
 
     def Draft(
         self, request_iterator: Iterator[drafter_pb2.DraftRequest], context: grpc.ServicerContext

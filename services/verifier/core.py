@@ -494,7 +494,11 @@ class VerifierCore:
         keep = True
         try:
             self._share_prefix(sess, list(context_ids))
-            if spec.strategy != DraftStrategy.none and drafter_address and self.connector is not None:
+            # Prompt lookup runs here, drafter or not: the same algorithm on the same ids in tens of
+            # microseconds, where a drafter would add a round trip and messages every step (see
+            # docs/design-notes.md, "prompt lookup on the verifier").
+            remote = spec.strategy not in (DraftStrategy.none, DraftStrategy.ngram)
+            if remote and drafter_address and self.connector is not None:
                 proposer = RemoteProposer(
                     self.connector, drafter_address, session_id or uuid.uuid4().hex, sampling, spec,
                     self.target.vocab_size, wait_s=self.settings.draft_wait_ms / 1000.0,

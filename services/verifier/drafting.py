@@ -142,8 +142,8 @@ class RemoteProposer(Proposer):
             self._blocks.clear()
             self._generation += 1
             generation = self._generation
-        next_k = 0 if self._lookup_locally() else self.spec.max_draft_tokens
-        self._paused = next_k == 0
+        next_k = self.spec.max_draft_tokens
+        self._paused = False
         request = DraftSessionOpen(
             session_id=self.session_id, context_ids=list(context_ids), strategy=self.spec.strategy,
             max_draft_tokens=self.spec.max_draft_tokens, sampling=self.sampling,
@@ -284,12 +284,6 @@ class RemoteProposer(Proposer):
         self.fallback_steps += 1
         return self._local(ids)
 
-    def _lookup_locally(self) -> bool:
-        """Under batching the verifier's own prompt lookup (tens of microseconds, the same algorithm
-        on the same ids) replaces the drafter's: no round trip, no messages, and on a shared host no
-        drafter process taking cores from the batched forward."""
-        return self.spec.strategy == DraftStrategy.ngram and self.local is not None and self.others_busy()
-
     def _local(self, ids: list[int]) -> Offer:
         if self.local is None:
             return Offer(self.name, 0, 0)
@@ -347,8 +341,6 @@ class RemoteProposer(Proposer):
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self._offer = None
         self._local_offer = None
-        if next_k > 0 and self._lookup_locally():
-            next_k = 0
         self._paused = next_k <= 0
         if self._link is None or self._dead_since is not None:
             return

@@ -577,8 +577,8 @@ class BatchExecutor:
         self.steps_planned = 0  # steps that carried attached generations (last_rows is the newest's)
         self.phases: deque[StepPhases] = deque(maxlen=self.HISTORY)
         self.on_step: Callable[[StepPhases], None] | None = None  # e.g. the verifier's metrics
-        # The loop thread runs every forward with the creating thread's OpenMP thread count (a new
-        # thread would start from every core): tandem.engine.threads.
+        # The loop thread runs every forward with the creating thread's OpenMP thread count, not
+        # with whatever another thread last set (tandem.engine.threads.use_threads).
         self.threads = torch.get_num_threads()
         self._verify_s = 0.0  # the last _run's verify part
         # Per step: (decoding rows, prompt pieces' token counts, seconds). Bounded: a debugging view.
@@ -613,7 +613,9 @@ class BatchExecutor:
         return job.result
 
     def _loop(self) -> None:
-        torch.set_num_threads(self.threads)
+        from tandem.engine.threads import use_threads
+
+        use_threads(self.threads)
         while True:
             with self._cond:
                 while not self._queue and not self._prefills and not any(e.ready for e in self._attached):

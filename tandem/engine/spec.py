@@ -469,8 +469,8 @@ class Generation:
             return self.spec.max_draft_tokens
         if self.proposer.costly or self.spec.strategy in (DraftStrategy.model, DraftStrategy.hybrid):
             return max(1, self.controller.choose(self.spec.strategy.value, 0, self.spec.max_draft_tokens))
-        # Prompt lookup: up to the maximum (under batching the remote proposer pauses its drafter
-        # and looks up locally instead, see services/verifier/drafting.py).
+        # Prompt lookup: up to the maximum (a remote proposer asks its drafter for none and looks
+        # up on the verifier instead, see services/verifier/drafting.py).
         return self.spec.max_draft_tokens
 
     def _emit(self, tokens: list[int], drafted: int, accepted: int) -> StepOutput:

@@ -14,7 +14,7 @@ Hence the rule for services: the main thread runs no model work (loading happens
 thread, `in_passing_thread`, whose pool leaves with it), and one long-lived thread runs every
 forward: the verifier's step loop, the drafter's `ComputeThread`. Each sets its OpenMP thread
 count itself (`torch.set_num_threads` is per thread under OpenMP: a new thread starts from the
-default, every core, not from what the main thread set).
+default, or from whatever thread last set one: `use_threads`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,15 @@ import torch
 T = TypeVar("T")
 
 
+def use_threads(n: int) -> None:
+    """Run this thread's torch and OpenMP work with `n` threads from now on, whatever other threads
+    set later. torch initialises a thread's count lazily at its first parallel op, from the
+    process-wide value of the last `torch.set_num_threads` anywhere (a gRPC handler's 1, say): so
+    trigger that first, then set ours."""
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
 def in_passing_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     """`fn(*args, **kwargs)` on a new thread that ends when it returns (its OpenMP pool with it);
     its result, or its exception raised here. With the caller's torch thread count."""
@@ -37,7 +46,7 @@ def in_passing_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     out: Future = Future()
 
     def run() -> None:
-        torch.set_num_threads(threads)
+        use_threads(threads)
         try:
             out.set_result(fn(*args, **kwargs))
         except BaseException as exc:  # handed to the caller, who raises it
@@ -69,7 +78,7 @@ class ComputeThread:
         return done.result()
 
     def _run(self) -> None:
-        torch.set_num_threads(self.threads)
+        use_threads(self.threads)
         while True:
             fn, args, kwargs, done = self._calls.get()
             if not done.set_running_or_notify_cancel():

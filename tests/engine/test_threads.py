@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import pytest
 import torch
 
@@ -71,25 +72,46 @@ def test_a_compute_thread_runs_every_call_itself_in_order(one_thread):
     assert compute.call(lambda: "still serving") == "still serving"
 
 
-def test_the_step_loop_runs_every_forward_with_the_configured_thread_count(tiny_loaded, one_thread):
-    """The core built on a thread set to one OpenMP thread: every forward of its step loop runs
-    with one (before, the loop thread used the default: every core)."""
-    core = VerifierCore(VerifierSettings(verifier_id="v-threads", port=0), tiny_loaded)
-    backend = core.engine.runner.backend
-    counts, real = [], backend.forward_batch
+def test_the_step_loop_keeps_its_thread_count_and_grpc_handlers_own_no_pool(tiny_loaded):
+    """A verifier built with 2 OpenMP threads, served over real gRPC: the handler threads run
+    torch with one thread (so they grow no pool), which sets torch's process-wide default to one;
+    every forward of the step loop still runs with its own 2 (before, the loop thread took the
+    default at its first forward, after the handlers had changed it)."""
+    from tandem.services.verifier.server import build_server
+    from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
-    def counted(*args, **kwargs):
-        counts.append((threading.current_thread().name, torch.get_num_threads()))
-        return real(*args, **kwargs)
-
-    backend.forward_batch = counted
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
-        items = list(core.generate("t", list(range(20, 60)), SamplingParams(max_new_tokens=8, ignore_eos=True),
-                                   SpecConfig(strategy=DraftStrategy.ngram)))
+        core = VerifierCore(VerifierSettings(verifier_id="v-threads", port=0), tiny_loaded)
+        backend, real_forward, real_generate = core.engine.runner.backend, core.engine.runner.backend.forward_batch, core.generate
+        loop, handler = set(), set()
+
+        def forward(*args, **kwargs):
+            loop.add((threading.current_thread().name, torch.get_num_threads()))
+            return real_forward(*args, **kwargs)
+
+        def generate(*args, **kwargs):
+            handler.add(torch.get_num_threads())
+            return real_generate(*args, **kwargs)
+
+        backend.forward_batch, core.generate = forward, generate
+        server, port, _ = build_server(core)
+        server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                for i in range(2):
+                    request = verifier_pb2.SessionGenerateRequest(
+                        session_id=f"s{i}", context_ids=list(range(20 + i, 60)),
+                        sampling=common_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True))
+                    assert len(list(stub.Generate(request, timeout=60))) > 1
+        finally:
+            server.stop(None)
     finally:
-        backend.forward_batch = real
-    assert len(items[-1].token_ids) == 8
-    assert counts and set(counts) == {("step-loop", 1)}, set(counts)
+        torch.set_num_threads(before)
+    assert handler == {1}, handler
+    assert loop == {("step-loop", 2)}, loop
 
 
 def test_the_drafters_model_runs_on_its_own_thread(tiny_loaded, tiny_draft_loaded, one_thread, monkeypatch):

@@ -105,7 +105,7 @@ def verifier_factory(tiny_loaded):
         core.stop()
 
 
-def _generate(stub, drafter: str, strategy=common_pb2.DRAFT_STRATEGY_NGRAM, session: str = ""):
+def _generate(stub, drafter: str, strategy=common_pb2.DRAFT_STRATEGY_SUFFIX, session: str = ""):
     """(tokens, final message) of one Generate call, fixed block lengths so that drafts are verified."""
     request = verifier_pb2.SessionGenerateRequest(
         session_id=session, context_ids=CONTEXT, drafter_address=drafter,
@@ -116,7 +116,7 @@ def _generate(stub, drafter: str, strategy=common_pb2.DRAFT_STRATEGY_NGRAM, sess
     return [t for m in messages for t in m.token_ids], messages[-1]
 
 
-def _refused(stub, drafter: str, strategy=common_pb2.DRAFT_STRATEGY_NGRAM) -> str:
+def _refused(stub, drafter: str, strategy=common_pb2.DRAFT_STRATEGY_SUFFIX) -> str:
     with pytest.raises(grpc.RpcError) as info:
         _generate(stub, drafter, strategy)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value

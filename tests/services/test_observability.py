@@ -67,7 +67,7 @@ def _grpc_turn(address: str) -> dict:
         session_id=SESSION,
         messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content=PROMPT)]),
         sampling=common_pb2.SamplingParams(max_new_tokens=24),
-        speculation=common_pb2.SpeculationParams(strategy=common_pb2.DRAFT_STRATEGY_NGRAM, max_draft_tokens=6),
+        speculation=common_pb2.SpeculationParams(strategy=common_pb2.DRAFT_STRATEGY_SUFFIX, max_draft_tokens=6),
     )
     with grpc.insecure_channel(address) as channel:
         chunks = list(gateway_pb2_grpc.GatewayStub(channel).Generate(
@@ -129,7 +129,7 @@ def observed(tmp_path_factory, redis_url) -> Observed:
             f"{stack.http_url}/v1/chat/completions", timeout=60,
             headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "X-Session-Id": SESSION},
             json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24,
-                  "speculation": {"strategy": "ngram", "max_draft_tokens": 6}},
+                  "speculation": {"strategy": "suffix", "max_draft_tokens": 6}},
         )
         assert r.status_code == 200, r.text
         responses = [r.json(), _grpc_turn(stack.grpc_address)]
@@ -206,7 +206,7 @@ def test_one_trace_across_the_three_services(observed: Observed) -> None:
     blocks = children(draft_session, "draft_block", "tandem-drafter")
     assert blocks, "each draft block is a span under the drafter's session span"
     for b in map(_attrs, blocks):
-        assert b["tandem.proposer"] == "ngram" and b["tandem.session_id"] == SESSION
+        assert b["tandem.proposer"] == "suffix" and b["tandem.session_id"] == SESSION
         assert b["tandem.draft_time_us"] >= 0 and isinstance(b["tandem.speculative"], bool)
     assert any(b["tandem.drafted"] > 0 for b in map(_attrs, blocks))
 
@@ -242,9 +242,10 @@ def test_metrics_move_by_what_the_responses_report(observed: Observed) -> None:
         == steps - o.delta(verifier, "tandem_verify_steps_total", kind="plain")
     assert o.delta(verifier, "tandem_generated_tokens_total") == sum(r["usage"]["completion_tokens"] for r in o.responses)
     assert o.delta(verifier, "tandem_drafter_fallback_steps_total") == o.total("fallback_steps")
-    # by proposer (here prompt lookup only, remote or the verifier's own): the same totals
-    assert o.delta(verifier, "tandem_proposer_tokens_total", proposer="ngram", outcome="drafted") == o.total("drafted")
-    assert o.delta(verifier, "tandem_proposer_tokens_total", proposer="ngram", outcome="accepted") == o.total("accepted")
+    # by proposer (here suffix decoding only: the drafter's; prompt lookup would run on the
+    # verifier and leave the drafter out of the trace): the same totals
+    assert o.delta(verifier, "tandem_proposer_tokens_total", proposer="suffix", outcome="drafted") == o.total("drafted")
+    assert o.delta(verifier, "tandem_proposer_tokens_total", proposer="suffix", outcome="accepted") == o.total("accepted")
     assert o.delta(verifier, "tandem_rejected_draft_blocks_total") == o.total("rejected_blocks")
     cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in o.responses]
     assert cached[0] == 0 and cached[1] > 0

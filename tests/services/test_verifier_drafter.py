@@ -97,7 +97,8 @@ def test_drafter_killed_mid_generation_then_back(tiny_loaded):
     core = _verifier(tiny_loaded, drafters=(address,))
     core.settings.drafter_retry_s = 0.05
     sampling = SamplingParams(max_new_tokens=60)
-    steps = core.generate("s", CONTEXT, sampling, SpecConfig(strategy=DraftStrategy.ngram, adaptive=False), address)
+    # suffix decoding: the drafter's (prompt lookup runs on the verifier and never needs it)
+    steps = core.generate("s", CONTEXT, sampling, SpecConfig(strategy=DraftStrategy.suffix, adaptive=False), address)
     tokens, drafted_after_return = [], 0
     restarted = None
     for i, item in enumerate(steps):
@@ -169,7 +170,7 @@ def test_garbage_drafter_changes_nothing(tiny_loaded):
     try:
         core = _verifier(tiny_loaded, drafters=(f"127.0.0.1:{port}",))
         for sampling in (SamplingParams(max_new_tokens=24),):
-            result = _run(core, f"127.0.0.1:{port}", DraftStrategy.ngram, max_new=24, sampling=sampling)
+            result = _run(core, f"127.0.0.1:{port}", DraftStrategy.suffix, max_new=24, sampling=sampling)
             assert result.token_ids == _reference(tiny_loaded, 24)
             assert result.stats.rejected_blocks >= 10, "garbage is counted"
     finally:
@@ -178,7 +179,7 @@ def test_garbage_drafter_changes_nothing(tiny_loaded):
 
 def test_unreachable_drafter_falls_back_to_local_prompt_lookup(tiny_loaded):
     core = _verifier(tiny_loaded, draft_wait_ms=5, drafters=("127.0.0.1:1",))
-    result = _run(core, "127.0.0.1:1", DraftStrategy.ngram)
+    result = _run(core, "127.0.0.1:1", DraftStrategy.hybrid)  # its draft model is the drafter's
     assert result.token_ids == _reference(tiny_loaded)
     assert result.stats.fallback_steps > 0
     # the verifier's own prompt lookup kept drafting (CONTEXT repeats, so it finds matches)
@@ -228,36 +229,18 @@ def test_a_paused_drafter_is_not_waited_for_and_local_lookup_still_drafts(tiny_l
         server.stop(None)
 
 
-def test_under_batching_prompt_lookup_runs_in_the_verifier(tiny_loaded):
-    """With other sessions in the batch, an ngram session pauses its drafter at each commit and
-    drafts with the verifier's own lookup; alone again, it asks the drafter again."""
-    from tandem.engine.proposers import NgramProposer
-    from tandem.services.verifier.drafting import RemoteProposer
-
+def test_prompt_lookup_runs_in_the_verifier_even_with_a_drafter(tiny_loaded):
+    """An ngram session drafts with the verifier's own lookup and opens nothing on its (allowed)
+    drafter: no stream session, no blocks; the output is the target alone's."""
     dcore, server, address = _drafter()
-    connector = GrpcDrafterConnector()
-    busy = [True]
     try:
-        spec = SpecConfig(strategy=DraftStrategy.ngram, max_draft_tokens=4)
-        remote = RemoteProposer(connector, address, "b", SamplingParams(), spec, tiny_loaded.vocab_size, wait_s=5.0,
-                                local=NgramProposer(1, 4), others_busy=lambda: busy[0])
-        remote.open(CONTEXT)  # opened under batching: paused from the start
-        assert remote.peek(CONTEXT).proposer == "ngram"
-        ids = CONTEXT + [99]
-        remote.on_commit(ids, [99], 4)  # asks for 4, but the batch is shared: still paused
-        waits = _count_waits(remote)
-        assert remote.peek(ids).proposer == "ngram" and waits == []  # no waiting for a block
-        assert remote.fallback_steps == 0
-        busy[0] = False
-        ids = ids + [3]
-        remote.on_commit(ids, [3], 4)  # alone: the drafter drafts again
-        deadline = time.monotonic() + 5.0
-        while dcore.stats()["regular_blocks"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert dcore.stats()["regular_blocks"] >= 1
-        remote.close()
+        core = _verifier(tiny_loaded, drafters=(address,))
+        result = _run(core, address, DraftStrategy.ngram)
+        assert result.token_ids == _reference(tiny_loaded)
+        assert result.stats.by_proposer["ngram"]["drafted"] > 0 and result.stats.fallback_steps == 0
+        assert dcore.stats()["sessions_opened"] == 0 and dcore.stats()["regular_blocks"] == 0
+        assert core.connector.streams() == 0, "no stream was opened for it"
     finally:
-        connector.close()
         server.stop(None)
 
 
@@ -356,7 +339,7 @@ def test_one_draft_stream_carries_64_concurrent_sessions(tiny_loaded):
     address = f"127.0.0.1:{bound}"
     try:
         core = _verifier(tiny_loaded, drafters=(address,), max_sessions=64, draft_wait_ms=50)
-        spec = SpecConfig(strategy=DraftStrategy.ngram, adaptive=False, max_draft_tokens=3)
+        spec = SpecConfig(strategy=DraftStrategy.suffix, adaptive=False, max_draft_tokens=3)  # the drafter's
         contexts = [CONTEXT[i % 7:] + CONTEXT[: i % 7] + [10 + i] for i in range(64)]
         results: dict[int, GenerationResult] = {}
         errors: list[BaseException] = []
@@ -406,7 +389,7 @@ def test_a_slow_session_does_not_hold_back_the_others_on_the_shared_stream(tiny_
     address = f"127.0.0.1:{bound}"
     try:
         core = _verifier(tiny_loaded, drafters=(address,), draft_wait_ms=50)
-        spec = SpecConfig(strategy=DraftStrategy.ngram, adaptive=False, max_draft_tokens=3)
+        spec = SpecConfig(strategy=DraftStrategy.suffix, adaptive=False, max_draft_tokens=3)  # the drafter's
         slow_done = threading.Event()
         t = threading.Thread(target=lambda: (list(core.generate("slow", CONTEXT, SamplingParams(max_new_tokens=8),
                                                                 spec, address)), slow_done.set()))

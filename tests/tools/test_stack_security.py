@@ -196,7 +196,8 @@ def test_up_end_to_end_with_the_password_and_the_allowlist(tiny_dir, monkeypatch
     stack.start()
     try:
         r = httpx.post(f"{stack.http_url}/v1/chat/completions", timeout=60, json={
-            "model": "tiny-llama", "max_tokens": 16, "messages": [{"role": "user", "content": "the answer is the answer is"}]})
+            "model": "tiny-llama", "max_tokens": 16, "messages": [{"role": "user", "content": "the answer is the answer is"}],
+            "speculation": {"strategy": "suffix"}})  # the drafter's (prompt lookup runs on the verifier)
         assert r.status_code == 200, r.text
         drafter_metrics = httpx.get(stack.metrics_urls["drafter"], timeout=10).text
         assert 'tandem_requests_total{service="drafter",status="ok"} 1.0' in drafter_metrics
@@ -229,7 +230,8 @@ def test_up_with_tls_and_api_keys_end_to_end(tiny_dir, tmp_path, monkeypatch) ->
     stack.start()
     try:
         assert stack.http_url.startswith("https://") and stack.ca == tmp_path / "certs" / "ca.pem"
-        body = {"model": "tiny-llama", "max_tokens": 16, "messages": [{"role": "user", "content": "the answer is the answer is"}]}
+        body = {"model": "tiny-llama", "max_tokens": 16, "messages": [{"role": "user", "content": "the answer is the answer is"}],
+                "speculation": {"strategy": "suffix"}}  # the drafter's (prompt lookup runs on the verifier)
         with httpx.Client(verify=ssl.create_default_context(cafile=stack.ca), timeout=60) as http:
             assert http.post(f"{stack.http_url}/v1/chat/completions", json=body).status_code == 401
             r = http.post(f"{stack.http_url}/v1/chat/completions", json=body,
