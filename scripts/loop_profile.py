@@ -55,7 +55,7 @@ def _old_load(self) -> tuple[int, float]:
 def run_level(core: VerifierCore, prompts: list[list[int]], c: int, spec: SpecConfig, max_tokens: int,
               tag: str) -> dict:
     ex = core.executor
-    first = len(ex.phases)
+    first = ex.steps_planned  # (phases is bounded: count steps, then take the newest)
     sampling = SamplingParams(max_new_tokens=max_tokens)
     barrier = threading.Barrier(c + 1)
 
@@ -78,7 +78,8 @@ def run_level(core: VerifierCore, prompts: list[list[int]], c: int, spec: SpecCo
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    phases = list(ex.phases)[first:]
+    ran = ex.steps_planned - first
+    phases = list(ex.phases)[-ran:] if ran else []
     tokens = sum(len(r.token_ids) for r in results)
     drafted = sum(r.stats.drafted for r in results)
     accepted = sum(r.stats.accepted for r in results)
