@@ -505,7 +505,7 @@ class VerifierCore:
                     retry_s=self.settings.drafter_retry_s, headers=headers,
                     others_busy=lambda: self.executor.busy_sessions > 1,
                     local=(self.engine.factory.build(spec.model_copy(update={"strategy": DraftStrategy.ngram}))
-                           if spec.strategy in (DraftStrategy.ngram, DraftStrategy.hybrid) else None),
+                           if spec.strategy == DraftStrategy.hybrid else None),
                     target_model=self.target.model_id, cache_scope=scope_of(cache_salt),
                     token_trees=trees_allowed(self.engine.runner, sampling),
                 )

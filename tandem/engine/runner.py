@@ -570,7 +570,6 @@ class BatchExecutor:
         self.prefill_tokens = 0  # their tokens
         self.mixed_steps = 0  # steps that carried prompt pieces and decoding rows together
         self.verified_rows = 0  # rows verified by the step loop (verify_rows, batched per step)
-        self.planned_steps = 0  # generation steps planned by the loop (attached sessions)
         # The last step's attached rows: (tokens, committed) in all, which a planning generation
         # reads, less its own, as what the others add to the next forward (Generation._batch_load).
         self.last_rows = (0, 0, 0)  # (rows, tokens, committed)
@@ -671,7 +670,6 @@ class BatchExecutor:
                 log.exception("planning a step failed; the session gets the error")
                 self._let_go(entry, exc)
                 continue
-            self.planned_steps += 1
             if not isinstance(step, PlannedStep):  # it ended without a forward (a grammar dead end)
                 entry._deliver(StepRecord(step, start_ns, time.time_ns(), 0))
                 if gen.finished:

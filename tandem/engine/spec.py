@@ -469,8 +469,7 @@ class Generation:
             return self.spec.max_draft_tokens
         if self.proposer.costly or self.spec.strategy in (DraftStrategy.model, DraftStrategy.hybrid):
             return max(1, self.controller.choose(self.spec.strategy.value, 0, self.spec.max_draft_tokens))
-        # Prompt lookup: up to the maximum (a remote proposer asks its drafter for none and looks
-        # up on the verifier instead, see services/verifier/drafting.py).
+        # A cheap proposer (suffix decoding; prompt lookup runs on the verifier): up to the maximum.
         return self.spec.max_draft_tokens
 
     def _emit(self, tokens: list[int], drafted: int, accepted: int) -> StepOutput:

@@ -32,6 +32,16 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _in_threads(run, args: list[tuple], name: str = "") -> None:
+    """run(*a) for each a in `args`, each in a thread of its own (named name-i when `name`), all
+    at once; back when every one has ended."""
+    threads = [threading.Thread(target=run, args=a, name=f"{name}-{i}" if name else None) for i, a in enumerate(args)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+
 def _wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
     end = time.monotonic() + timeout_s
     while not cond():
@@ -141,11 +151,7 @@ def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded, monkeypatch)
     def run(i: int) -> None:
         results[i] = list(core.generate(f"m{i}", prompts[i], samplings[i], specs[i]))[-1]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _in_threads(run, [(i,) for i in range(4)])
     assert core.executor.mixed_steps > 0, "some steps carried prompt pieces and decoding rows"
     ex = core.executor
     assert sum(calls["greedy_accept"]) + sum(calls["rejection_sample"]) == ex.verified_rows
@@ -174,11 +180,7 @@ def test_a_steps_rows_are_verified_in_one_kernel_call(tiny_loaded, monkeypatch):
         start.wait()
         results[i] = list(core.generate(f"r{i}", prompts[i], sampling, NGRAM))[-1]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _in_threads(run, [(i,) for i in range(3)])
     assert sum(sizes) == core.executor.verified_rows and len(sizes) <= core.executor.batches
     assert max(sizes) == 3, f"the three sessions' rows shared a call: call sizes {sizes}"
     for i in range(3):
@@ -208,11 +210,7 @@ def test_every_sessions_step_runs_on_the_step_loop_thread(tiny_loaded, monkeypat
         start.wait()
         results[i] = list(core.generate(f"t{i}", prompts[i], sampling, specs[i]))
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"handler-{i}") for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _in_threads(run, [(i,) for i in range(6)], name="handler")
     steps = sum(len(items) - 1 for items in results.values())
     assert len(results) == 6 and len(where) == 2 * steps, (len(results), len(where), steps)
     assert set(where) == {"step-loop"}, set(where)
@@ -287,11 +285,7 @@ def test_one_sessions_failing_step_fails_it_alone(tiny_loaded, monkeypatch):
             outcome[sid] = exc
 
     ctxs = {"bad": _ids(21, 70), "good": _ids(20, 71)}
-    threads = [threading.Thread(target=run, args=item) for item in ctxs.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _in_threads(run, list(ctxs.items()))
     assert broken["n"] == 1 and isinstance(outcome["bad"], RuntimeError) and "proposer bug" in str(outcome["bad"])
     assert outcome["good"].token_ids == Engine(tiny_loaded).generate(ctxs["good"], sampling, NONE).token_ids
     assert "bad" not in core.session_ids(), "the failed session's KV is not trusted"
@@ -485,11 +479,7 @@ def test_the_loop_reports_its_step_phases_and_what_each_step_committed(tiny_load
     def run(i: int) -> None:
         done[i] = list(core.generate(f"p{i}", prompts[i], sampling, NGRAM))[-1]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _in_threads(run, [(i,) for i in range(3)])
     phases = list(core.executor.phases)
     assert len(phases) == core.executor.steps_planned > 0
     assert sum(p.rows for p in phases) == sum(r.stats.steps for r in done.values())
