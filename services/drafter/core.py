@@ -7,6 +7,11 @@ Sessions. A verifier opens a session with its context, then commits what each ve
 accepted; the core answers with blocks of drafts. Sessions are keyed by (owner, session_id), the
 owner being the Draft stream that opened them, so a session moved to another verifier (a new
 stream re-opening the same id) never shares state with, or is closed by, the stream it left.
+A session closed without an error is *parked*: its proposer (a draft model's KV cache, the
+prompt-lookup and suffix indexes) waits, within DrafterSettings.parked_sessions / parked_tokens,
+for the same stream to open the same session again, which is what an agent's next turn does; the
+proposer then resyncs to the new context by their common prefix (a draft model reads only the
+new tokens, not the whole conversation again), exactly as a re-open of a session still open does.
 
 Draft-ahead. While the verifier checks the block just sent (the *anchor*), the core drafts the
 next one on the guess that the anchor is accepted whole and followed by a guessed bonus token:
@@ -34,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -74,6 +79,7 @@ class DrafterStats:
     excluded)."""
 
     sessions_opened: int = 0
+    sessions_resumed: int = 0  # opened on a parked session's proposer (its next turn)
     regular_blocks: int = 0
     speculative_blocks: int = 0
     speculative_used: int = 0  # consistent with the commit that followed them
@@ -91,6 +97,7 @@ class DrafterStats:
     def as_dict(self) -> dict:
         return {
             "sessions_opened": self.sessions_opened,
+            "sessions_resumed": self.sessions_resumed,
             "regular_blocks": self.regular_blocks,
             "speculative_blocks": self.speculative_blocks,
             "speculative_used": self.speculative_used,
@@ -141,6 +148,7 @@ class _Session:
     anchor: DraftBlock | None = None  # the block the verifier is checking now (draft-ahead extends it)
     pending: _Pending | None = None
     span: object = None  # the session's `draft_session` span, parent of its draft_block spans
+    park_key: tuple = ()  # where its proposer is parked when it closes (DrafterCore._park)
 
 
 SessionKey = tuple[str, str]  # (owner, session_id)
@@ -168,6 +176,12 @@ class DrafterCore:
         # Suffix decoding's cross-session stores, one per (target model, tenant scope): a drafter
         # serving many verifiers sees every session's responses, which no single engine does.
         self.suffix_stores = SuffixStores(settings.suffix_store_tokens, settings.suffix_max_stores)
+        # Closed sessions' proposers kept for their next turn, oldest first (guarded by _lock):
+        # (owner, session_id, strategy, target model, tenant scope) -> (proposer, its tokens). The
+        # key holds everything a proposer was built for, so a parked one only ever serves the same
+        # stream's same session of the same model and tenant.
+        self._parked: OrderedDict[tuple, tuple[Proposer, int]] = OrderedDict()
+        self._parked_tokens = 0
 
     # -- session lifecycle ----------------------------------------------------------------------
 
@@ -229,11 +243,14 @@ class DrafterCore:
                     f"drafter {self.settings.drafter_id} holds {len(self._sessions)} sessions "
                     f"(max_sessions={self.settings.max_sessions}); session {session_id} refused"
                 )
+            park_key = (owner, session_id, strategy.value, target_model, cache_scope)
             reusable = None
             if old is not None:
                 with old.lock:
                     self._end(old)
                     reusable = old.proposer
+            else:
+                reusable = self._unpark_locked(park_key)
             store = (self.suffix_stores.get(target_model, cache_scope)
                      if strategy in (DraftStrategy.suffix, DraftStrategy.hybrid) else None)
             session = _Session(
@@ -247,13 +264,16 @@ class DrafterCore:
                 ids=ids,
                 next_block_len=next_block_len,
                 max_id=max(ids, default=-1),
+                park_key=park_key,
             )
+            resumed = reusable is not None and session.proposer is reusable
             session.proposer.begin(len(ids))
             session.proposer.allow_trees(token_trees and self.settings.suffix_trees)
             session.span = _session_span(session, trace_context)
             self._sessions[key] = session
         with self._stats_lock:
             self._stats.sessions_opened += 1
+            self._stats.sessions_resumed += int(resumed)
         if next_block_len <= 0:
             return iter(())
         return self._blocks(session, session.epoch, regular=True)
@@ -308,14 +328,40 @@ class DrafterCore:
         with session.lock:
             if finished and error is None and not session.closed:
                 session.proposer.finish(session.ids)
+            # not after an error: whatever went wrong may have left the proposer inconsistent
+            parkable = error is None and not session.closed
             self._end(session)
+        if parkable:
+            self._park(session.park_key, session.proposer, len(session.ids))
         return True
+
+    def _park(self, key: tuple, proposer: Proposer, tokens: int) -> None:
+        """Keep a closed session's proposer for its next turn; the oldest parked go first."""
+        s = self.settings
+        with self._lock:
+            self._unpark_locked(key)
+            if s.parked_sessions <= 0 or tokens > s.parked_tokens:
+                return
+            self._parked[key] = (proposer, tokens)
+            self._parked_tokens += tokens
+            while len(self._parked) > s.parked_sessions or self._parked_tokens > s.parked_tokens:
+                self._parked_tokens -= self._parked.popitem(last=False)[1][1]
+
+    def _unpark_locked(self, key: tuple) -> Proposer | None:  # the caller holds _lock
+        entry = self._parked.pop(key, None)
+        if entry is None:
+            return None
+        self._parked_tokens -= entry[1]
+        return entry[0]
+
 
     def close_owner(self, owner: str) -> int:
         """Close every session of one stream (it ended or was cancelled); returns how many."""
         with self._lock:
             keys = [key for key in self._sessions if key[0] == owner]
             sessions = [self._sessions.pop(key) for key in keys]
+            for key in [key for key in self._parked if key[0] == owner]:  # no later turn can reach them
+                self._unpark_locked(key)
         for session in sessions:
             with session.lock:
                 self._end(session)
@@ -337,9 +383,11 @@ class DrafterCore:
     def stats(self) -> dict:
         with self._lock:
             active = len(self._sessions)
+            parked, parked_tokens = len(self._parked), self._parked_tokens
         with self._stats_lock:
             out = self._stats.as_dict()
         out["active_sessions"] = active
+        out["parked_sessions"], out["parked_tokens"] = parked, parked_tokens
         out["suffix"] = self.suffix_stores.stats()
         return out
 

@@ -33,6 +33,14 @@ class DrafterSettings(BaseModel):
     hybrid_min_match: int = Field(3, ge=1, le=64)
     lookahead: bool = True  # draft block n+1 while block n is verified (speculative blocks)
     max_sessions: int = Field(1024, ge=1)  # open sessions over all streams; more are refused
+    # A session closed normally keeps its draft state (the draft model's KV cache, the prompt-lookup
+    # and suffix indexes) for its next turn, up to this many sessions and tokens over all of them
+    # (oldest dropped first; 0: none kept). A turn re-opened from it reads only its new tokens:
+    # without it, every turn of a 1,400-token agent conversation made the draft model read all
+    # 1,400 again. Memory: the draft model's KV per token (3 KB for the default 2-layer draft, so
+    # ~200 MB at the default bound) plus the indexes (~0.5 KB a token).
+    parked_sessions: int = Field(256, ge=0)
+    parked_tokens: int = Field(65_536, ge=0)
     # Threads that draft for the sessions of every stream: a session's messages run in order on
     # one of them at a time, different sessions' concurrently (a slow one holds only its own).
     draft_workers: int = Field(16, ge=1)

@@ -298,6 +298,10 @@ class _DrafterCollector:
         yield CounterMetricFamily("tandem_draft_seconds", "Seconds spent drafting (every block).",
                                   value=s["draft_seconds"])
         yield GaugeMetricFamily("tandem_draft_sessions_active", "Open draft sessions.", value=s["active_sessions"])
+        yield GaugeMetricFamily("tandem_draft_sessions_parked", "Closed sessions whose draft state waits for their "
+                                "next turn (DrafterSettings.parked_sessions).", value=s["parked_sessions"])
+        yield CounterMetricFamily("tandem_draft_sessions_resumed", "Sessions opened on a parked session's draft "
+                                  "state (a next turn that read only its new tokens).", value=s["sessions_resumed"])
         suffix = s.get("suffix")
         if suffix is not None:
             yield GaugeMetricFamily("tandem_suffix_store_tokens", "Tokens of earlier answers held for suffix "

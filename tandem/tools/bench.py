@@ -241,11 +241,18 @@ class EngineTarget:
         return sampling.model_copy(update={"grammar": tools_mod.call_grammar(
             rec.functions, tools_mod.detect(self.tokenizer).dialect)})
 
-    def run(self, ids: list[int], sampling: SamplingParams, mode: str, sequence) -> GenerationResult:
+    def new_proposer(self, mode: str):
+        """A proposer for one conversation in one of our modes (None: plain decoding)."""
+        spec = self.engine.spec.model_copy(update={"strategy": MODES[mode]})
+        return self._factories.get(mode, self.engine.factory).build(spec)
+
+    def run(self, ids: list[int], sampling: SamplingParams, mode: str, sequence, proposer=None) -> GenerationResult:
+        """One generation. `proposer`: the conversation's own, kept across its turns as its
+        sequence is (a draft model's KV of the turns so far, prompt lookup's index); None: a new one."""
         if mode in MODES:
             spec = self.engine.spec.model_copy(update={"strategy": MODES[mode]})
-            factory = self._factories.get(mode)
-            proposer = factory.build(spec) if factory is not None else None
+            if proposer is None:
+                proposer = self.new_proposer(mode)
             gen = self.engine.start(ids, sampling, spec, sequence=sequence, proposer=proposer)
             for _ in gen:
                 pass
@@ -320,12 +327,17 @@ class Conversation:
         self.rec = rec
         self.mode = mode
         self.sequence = target.engine.runner.new_sequence() if mode in MODES else None
+        # Kept across turns like the sequence, as the drafter keeps a session's (DrafterCore's
+        # parked sessions): a later turn's draft model reads only the new tokens, not the whole
+        # conversation again (a 1,400-token re-read per turn made the hybrid's second turns of
+        # agent_tools slower than plain decoding)
+        self.proposer = target.new_proposer(mode) if mode in MODES else None
         self.history: list[dict] | None = None  # earlier turns' messages, no system message
 
     def turn(self, t: int, sampling: SamplingParams) -> GenerationResult:
         messages = to_chat(self.rec, t, self.history if t > 0 else None)
         res = self.target.run(self.target.context_ids(self.rec, messages), self.target.record_sampling(self.rec, sampling),
-                              self.mode, self.sequence)
+                              self.mode, self.sequence, self.proposer)
         reply = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         head = 1 if self.rec.system else 0
         self.history = messages[head:] + [{"role": "assistant", "content": reply}]

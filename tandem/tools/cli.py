@@ -499,6 +499,7 @@ def loadtest(
     mixed: Annotated[bool, typer.Option("--mixed", help="The mixed workload instead: per concurrency, the short conversations for --duration alone, then again while long prompts (--long-tokens) arrive one after another; reports the streams' chunk gaps and TTFT during the long prefills.")] = False,
     long_tokens: Annotated[str, typer.Option("--long-tokens", help="--mixed: approximate sizes of the long prompts, in tokens, comma-separated (sent in turn).")] = "4000,7500",
     long_gap: Annotated[float, typer.Option("--long-gap", help="--mixed: seconds between one long prompt's end and the next one's start.", min=0)] = 3.0,
+    strategy: Annotated[str, typer.Option("--strategy", help="The draft strategy of the phases with speculation on: ngram (prompt lookup, on the verifier), suffix, model or hybrid (these three on the stack's drafter). Not with --mixed (ngram).")] = "ngram",
 ) -> None:
     """Load-test a running stack: concurrent multi-turn sessions, speculation off and on at each
     concurrency; aggregate tokens/s, TTFT and inter-token latency (p50, p99), acceptance and KV
@@ -516,6 +517,10 @@ def loadtest(
         if not levels or min(levels) < 1:
             raise ValueError("--concurrency needs positive integers, e.g. 1,4,16")
         records = load_prompts(resolve_dataset(dataset), limit)
+        if strategy not in ("ngram", "suffix", "model", "hybrid"):
+            raise ValueError(f"--strategy must be ngram, suffix, model or hybrid, not {strategy!r}")
+        if mixed and strategy != "ngram":
+            raise ValueError("--mixed measures speculation with prompt lookup only (leave --strategy out)")
     except ValueError as exc:
         _fail(str(exc))
     base = endpoint if endpoint.startswith("http") else f"http://{endpoint}"
@@ -557,7 +562,7 @@ def loadtest(
         )
 
     result = run_loadtest(base, records, levels, turns=turns, max_tokens=max_tokens, duration_s=duration,
-                          conversations_per_worker=conversations, on_phase=show)
+                          conversations_per_worker=conversations, on_phase=show, strategy=strategy)
     text = json.dumps(result, indent=2)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)

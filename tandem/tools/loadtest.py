@@ -162,8 +162,8 @@ def _pct(values: list[float | None], q: float) -> float | None:
 
 
 async def _one_request(client: httpx.AsyncClient, session: str, messages: list[dict], *, speculation: bool,
-                       max_tokens: int, turn: int) -> tuple[RequestResult, str]:
-    body = stream_chat_body(messages, strategy="ngram" if speculation else "none", max_tokens=max_tokens)
+                       max_tokens: int, turn: int, strategy: str = "ngram") -> tuple[RequestResult, str]:
+    body = stream_chat_body(messages, strategy=strategy if speculation else "none", max_tokens=max_tokens)
     start = time.perf_counter()
     first = last = None
     chunks: list[float] = []
@@ -207,7 +207,7 @@ async def _one_request(client: httpx.AsyncClient, session: str, messages: list[d
 
 
 async def _worker(client, conversations, phase: Phase, *, speculation: bool, turns: int, max_tokens: int,
-                  deadline: float) -> None:
+                  deadline: float, strategy: str = "ngram") -> None:
     for rec in conversations:
         if time.monotonic() >= deadline:
             return
@@ -218,7 +218,7 @@ async def _worker(client, conversations, phase: Phase, *, speculation: bool, tur
                 return
             messages.append({"role": "user", "content": user})
             result, reply = await _one_request(client, session, messages, speculation=speculation,
-                                               max_tokens=max_tokens, turn=t)
+                                               max_tokens=max_tokens, turn=t, strategy=strategy)
             phase.results.append(result)
             if not result.ok:
                 break
@@ -226,7 +226,8 @@ async def _worker(client, conversations, phase: Phase, *, speculation: bool, tur
 
 
 async def run_phase(base_url: str, records: list[PromptRecord], concurrency: int, speculation: bool, *,
-                    turns: int, max_tokens: int, duration_s: float, conversations_per_worker: int) -> Phase:
+                    turns: int, max_tokens: int, duration_s: float, conversations_per_worker: int,
+                    strategy: str = "ngram") -> Phase:
     """One concurrency level, speculation on or off: `concurrency` workers, each running
     `conversations_per_worker` conversations (records taken round-robin), bounded by `duration_s`."""
     phase = Phase(concurrency, speculation)
@@ -238,7 +239,7 @@ async def run_phase(base_url: str, records: list[PromptRecord], concurrency: int
         deadline = time.monotonic() + duration_s
         await asyncio.gather(*(
             _worker(client, plan, phase, speculation=speculation, turns=turns, max_tokens=max_tokens,
-                    deadline=deadline)
+                    deadline=deadline, strategy=strategy)
             for plan in plans
         ))
         phase.wall_s = time.perf_counter() - start
@@ -247,14 +248,16 @@ async def run_phase(base_url: str, records: list[PromptRecord], concurrency: int
 
 def run_loadtest(base_url: str, records: list[PromptRecord], concurrencies: list[int], *, turns: int = 2,
                  max_tokens: int = 64, duration_s: float = 120.0, conversations_per_worker: int = 1,
-                 on_phase=None) -> dict:
+                 on_phase=None, strategy: str = "ngram") -> dict:
     """Every concurrency, speculation off then on (interleaved per concurrency, so machine noise
-    hits both alike). Returns {"results": [...], "config": {...}}."""
+    hits both alike); speculation on = the draft strategy `strategy`. Returns {"results": [...],
+    "config": {...}}."""
     out = []
     for c in concurrencies:
         for speculation in (False, True):
             phase = asyncio.run(run_phase(base_url, records, c, speculation, turns=turns, max_tokens=max_tokens,
-                                          duration_s=duration_s, conversations_per_worker=conversations_per_worker))
+                                          duration_s=duration_s, conversations_per_worker=conversations_per_worker,
+                                          strategy=strategy))
             summary = phase.summary()
             out.append(summary)
             if on_phase is not None:
@@ -262,7 +265,8 @@ def run_loadtest(base_url: str, records: list[PromptRecord], concurrencies: list
     return {
         "results": out,
         "config": {"endpoint": base_url, "turns": turns, "max_tokens": max_tokens, "duration_s": duration_s,
-                   "conversations_per_worker": conversations_per_worker, "prompts": len(records)},
+                   "conversations_per_worker": conversations_per_worker, "prompts": len(records),
+                   "strategy": strategy},
     }
 
 

@@ -452,3 +452,96 @@ def test_serve_runs_until_stopped() -> None:
     stop.set()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def _count_feeds(monkeypatch) -> list[int]:
+    """The token counts of the draft model's feeds from now on (every proposer's, in this process)."""
+    from tandem.engine import proposers
+
+    fed: list[int] = []
+    real = proposers._DraftLM.feed
+
+    def feed(self, tokens):
+        fed.append(len(tokens))
+        return real(self, tokens)
+
+    monkeypatch.setattr(proposers._DraftLM, "feed", feed)
+    return fed
+
+
+def test_a_finished_sessions_next_turn_reads_only_its_new_tokens(tiny_draft_loaded, monkeypatch) -> None:
+    """An agent's next turn re-opens its session with the whole conversation: the drafter resumes
+    the parked proposer, whose draft model then reads the turn's new tokens, not the conversation
+    again. Another stream opening the same session id (another verifier) gets none of it."""
+    served = _serve(DrafterSettings(drafter_id="d-park", draft_model=tiny_draft_loaded, lookahead=False))
+    core, channel = next(served)
+    try:
+        fed = _count_feeds(monkeypatch)
+        turn1 = [(7 * i + 3) % VOCAB for i in range(300)]
+        stream = DraftStream(channel)
+        stream.open("agent", turn1, strategy=common_pb2.DRAFT_STRATEGY_MODEL)
+        first = stream.next()
+        assert first.base_len == 300 and first.token_ids
+        assert max(fed) >= 299  # the first turn reads its context
+        stream.commit("agent", 303, [11, 12, 13])
+        stream.next()
+        ids = turn1 + [11, 12, 13]
+        stream.close("agent")
+        assert wait_for(lambda: core.stats()["parked_sessions"] == 1)
+        assert core.stats()["parked_tokens"] == len(ids)
+
+        fed.clear()
+        turn2 = ids + [40, 41, 42, 43, 44]  # the reply, then the next user message
+        stream.open("agent", turn2, strategy=common_pb2.DRAFT_STRATEGY_MODEL)
+        block = stream.next()
+        assert block.base_len == len(turn2) and block.token_ids
+        assert max(fed) <= 6, fed  # the 5 new tokens (and the last one again), not 308
+        stats = core.stats()
+        assert (stats["sessions_resumed"], stats["parked_sessions"]) == (1, 0)
+
+        stream.close("agent")
+        assert wait_for(lambda: core.stats()["parked_sessions"] == 1)
+        other = DraftStream(channel)  # another verifier's stream, the same session id
+        fed.clear()
+        other.open("agent", turn2, strategy=common_pb2.DRAFT_STRATEGY_MODEL)
+        other.next()
+        assert max(fed) >= len(turn2) - 1  # read from scratch: nothing of the first stream's
+        assert core.stats()["sessions_resumed"] == 1
+        other.end()
+        stream.end()
+        # a stream that ends takes its parked sessions with it: no later turn can reach them
+        assert wait_for(lambda: core.stats()["parked_sessions"] == 0)
+    finally:
+        served.close()
+
+
+def test_parked_sessions_are_bounded_and_keyed_by_everything_they_were_built_for(tiny_draft_loaded) -> None:
+    """Oldest first out past parked_sessions or parked_tokens; a session dropped after an error is
+    not kept; a re-open for another tenant scope, target model or strategy builds afresh."""
+    core = DrafterCore(DrafterSettings(draft_model=tiny_draft_loaded, lookahead=False, parked_sessions=2,
+                                       parked_tokens=100))
+    ctx = CONTEXT * 2  # 26 tokens
+
+    def turn(sid, *, owner="v1", scope="", model="m", strategy=DraftStrategy.ngram, context=ctx):
+        list(core.open(sid, context, strategy, 8, SamplingParams(), VOCAB, 4, owner=owner, target_model=model,
+                       cache_scope=scope))
+        return core.stats()["sessions_resumed"]
+
+    for sid in ("a", "b", "c"):
+        turn(sid)
+        core.close(sid, owner="v1", finished=True)
+    stats = core.stats()
+    assert (stats["parked_sessions"], stats["parked_tokens"]) == (2, 2 * len(ctx))  # "a" went first
+    assert turn("a") == 0 and turn("b") == 1  # "b" resumed: a parked proposer serves one next turn
+    core.close("a", owner="v1", finished=True)
+    core.close("b", owner="v1", finished=True)  # parked: "a", "b" ("c" went first)
+    for kwargs in ({"scope": "tenant-2"}, {"model": "other"}, {"strategy": DraftStrategy.suffix}, {"owner": "v2"}):
+        assert turn("b", **kwargs) == 1, kwargs  # built afresh
+        core.close("b", owner=kwargs.get("owner", "v1"), error="INVALID_ARGUMENT")  # dropped: not parked
+    assert turn("b") == 2  # the one parked for exactly this is still there
+    core.close("b", owner="v1", finished=True)
+    long = [(5 * i) % VOCAB for i in range(101)]  # above parked_tokens alone: not kept
+    turn("long", context=long)
+    core.close("long", owner="v1", finished=True)
+    assert "long" not in {key[1] for key in core._parked}
+    assert core.stats()["parked_tokens"] <= 100

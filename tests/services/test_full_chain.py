@@ -53,6 +53,12 @@ class RealVerifier:
         self.core.stop()
 
 
+class _Chain(tuple):
+    """(gateway, verifiers), and `.drafter`: the drafter's core."""
+
+    drafter: DrafterCore
+
+
 @pytest.fixture
 def chain(tiny_loaded, tiny_draft_loaded, redis_url):
     redis.Redis.from_url(redis_url).flushdb()
@@ -63,7 +69,9 @@ def chain(tiny_loaded, tiny_draft_loaded, redis_url):
     gw = Gateway(tiny_loaded.tokenizer, model="tiny", redis_url=redis_url, drafters=(f"127.0.0.1:{dport}",),
                  verifiers=tuple(v.address for v in verifiers), poll_interval_s=0.5)
     time.sleep(0.6)  # one poll of the drafter's and verifiers' GetInfo
-    yield gw, verifiers
+    parts = _Chain((gw, verifiers))
+    parts.drafter = dcore
+    yield parts
     gw.close()
     for v in verifiers:
         v.stop()
@@ -131,6 +139,23 @@ def test_second_turn_sticks_to_its_verifier_and_prefills_only_new_tokens(chain):
     assert other.core.metrics.value("tandem_prefill_tokens_total", kind="computed") == 0
 
 
+@pytest.mark.parametrize("strategy", [common_pb2.DRAFT_STRATEGY_MODEL, common_pb2.DRAFT_STRATEGY_HYBRID])
+def test_a_second_turn_resumes_its_drafter_session_and_stays_lossless(chain, tiny_loaded, strategy):
+    """The drafter parks a finished session's draft state; the next turn of that session (same
+    verifier, same stream) resumes it, and its output still equals plain decoding of the target."""
+    gw, _ = chain
+    before = chain.drafter.stats()["sessions_resumed"]
+    _grpc_generate(gw, strategy, session="agent")
+    history = MESSAGES + [{"role": "assistant", "content": "the answer"}, {"role": "user", "content": "and again"}]
+    tokens, last = _grpc_generate(gw, strategy, session="agent", messages=history)
+    assert chain.drafter.stats()["sessions_resumed"] == before + 1
+    assert last.stats.drafted > 0
+    reference = Engine(tiny_loaded).generate(
+        apply_chat_template(tiny_loaded.tokenizer, history), SamplingParams(max_new_tokens=24, ignore_eos=True),
+        SpecConfig(strategy=DraftStrategy.none)).token_ids
+    assert tokens == reference
+
+
 def test_dead_verifier_session_moves_and_is_rebuilt(chain, tiny_loaded):
     gw, verifiers = chain
     _, last1 = _grpc_generate(gw, common_pb2.DRAFT_STRATEGY_NGRAM, session="moving")
@@ -173,6 +198,12 @@ def test_loadtest_over_the_chain(chain, tmp_path):
     assert result["results"][0]["acceptance_rate"] is None  # speculation off drafts nothing
     plot_loadtest(result, str(tmp_path / "lt.png"))
     assert (tmp_path / "lt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # speculation by the drafter's hybrid: its second turns resume their drafter sessions
+    resumed = chain.drafter.stats()["sessions_resumed"]
+    hybrid = run_loadtest(gw.url, records[:1], [1], turns=2, max_tokens=8, duration_s=60, strategy="hybrid")
+    assert hybrid["config"]["strategy"] == "hybrid" and all(r["errors"] == 0 for r in hybrid["results"])
+    assert hybrid["results"][1]["acceptance_rate"] is not None
+    assert chain.drafter.stats()["sessions_resumed"] == resumed + 1
 
 
 def test_mixed_loadtest_sends_long_prompts_beside_running_streams(chain):

@@ -201,9 +201,9 @@ def _spy_runs(monkeypatch) -> list[tuple[list[int], str, SamplingParams]]:
     calls: list[tuple[list[int], str, SamplingParams]] = []
     real = EngineTarget.run
 
-    def spy(self, ids, sampling, mode, sequence):
+    def spy(self, ids, sampling, mode, sequence, proposer=None):
         calls.append((list(ids), mode, sampling))
-        return real(self, ids, sampling, mode, sequence)
+        return real(self, ids, sampling, mode, sequence, proposer)
 
     monkeypatch.setattr(EngineTarget, "run", spy)
     return calls
@@ -243,8 +243,8 @@ def _corrupt(monkeypatch, loaded, bad_record: PromptRecord, bad_mode: str) -> No
     bad_len = len(apply_chat_template(loaded.tokenizer, to_chat(bad_record)))
     real = EngineTarget.run
 
-    def corrupt(self, ids, sampling, mode, sequence):
-        res = real(self, ids, sampling, mode, sequence)
+    def corrupt(self, ids, sampling, mode, sequence, proposer=None):
+        res = real(self, ids, sampling, mode, sequence, proposer)
         if mode == bad_mode and len(ids) == bad_len:
             res.token_ids = res.token_ids[:-1] + [(res.token_ids[-1] + 1) % 512]
         return res
@@ -450,6 +450,30 @@ def test_turns_run_in_order_in_one_session(tiny_loaded, tiny_draft_loaded, monke
     first_turns = mt["turns"][0]["modes"]["ar"]["tokens"] + single["modes"]["ar"]["tokens"]
     assert result["by_turn"]["1"]["ar"]["tokens"] == first_turns
     assert result["config"]["turns"] == 2
+
+
+def test_a_conversations_later_turns_keep_its_proposer(tiny_loaded, tiny_draft_loaded, monkeypatch) -> None:
+    """A conversation keeps its proposer across turns as it keeps its sequence: the draft model's
+    second turn reads the turn's new tokens, not the whole conversation again (as the drafter's
+    parked sessions do through the stack); the output still equals plain decoding's."""
+    from tandem.engine import proposers
+
+    rec = PromptRecord(id="mt", dataset="mt", category=None, system="be kind",
+                       turns=["the cat and the dog and the cat " * 6, "one two one two one two"])
+    engine = Engine(tiny_loaded, tiny_draft_loaded, SpecConfig(adaptive=False, max_draft_tokens=4))  # always drafts
+    target = EngineTarget(engine, tiny_loaded.tokenizer)
+    sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    conv, plain = target.conversation(rec, "model"), target.conversation(rec, "ar")
+    conv.turn(0, sampling), plain.turn(0, sampling)
+    kept = conv.proposer
+    fed: list[int] = []
+    real = proposers._DraftLM.feed
+    monkeypatch.setattr(proposers._DraftLM, "feed", lambda self, tokens: fed.append(len(tokens)) or real(self, tokens))
+    second = conv.turn(1, sampling)
+    assert conv.proposer is kept and second.stats.drafted > 0
+    assert second.stats.prefill_reused_tokens > 40
+    assert max(fed) <= second.stats.prefill_computed_tokens + 12  # the new tokens (and the reply), not ~90
+    assert second.token_ids == plain.turn(1, sampling).token_ids
 
 
 # --- the command ---------------------------------------------------------------------------------------
