@@ -368,7 +368,13 @@ def bench(
             raise ValueError(f"--tools is one of {', '.join(TOOL_MODES)}, not {tools!r}")
         if tools != "prompt" and endpoint:  # before connecting (run_bench refuses it too, after)
             raise ValueError("--tools auto/required runs in process; through --endpoint the records' tool lists go as text")
-        records = workload(dataset, limit) if dataset in WORKLOADS else load_prompts(resolve_dataset(dataset), limit)
+        if dataset in WORKLOADS:
+            records = workload(dataset, limit)
+        else:
+            try:
+                records = load_prompts(resolve_dataset(dataset), limit)
+            except ValueError as exc:
+                raise ValueError(f"{exc}; workloads: {', '.join(WORKLOADS)}") from exc
         grammar = _grammar_option(response_format)
         if grammar is not None and tools == "required":
             raise ValueError("--tools required brings its own grammar (one call of the record's functions); leave out --response-format")
@@ -488,7 +494,7 @@ def distill(
 @app.command()
 def loadtest(
     endpoint: Annotated[str, typer.Option("--endpoint", help="The gateway's HTTP address, HOST:PORT or http://HOST:PORT.")],
-    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Conversations: a bundled development set by name (mt_bench, ...) or any prompt file (multi-turn records run their turns in one session).")],
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Conversations: a bundled development set by name (mt_bench, ...), a multi-session workload (agent_tools: two-turn sessions sharing one tool list; code_twice) or any prompt file (multi-turn records run their turns in one session).")],
     concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Comma-separated concurrent session counts.")] = "1,4,16",
     turns: Annotated[int, typer.Option("--turns", help="Turns per conversation (later turns append the reply and the next user message).", min=1)] = 2,
     duration: Annotated[float, typer.Option("--duration", help="Seconds per phase after which no new request starts.", min=1)] = 120.0,
@@ -508,7 +514,7 @@ def loadtest(
     _setup(1, "warning")
     from rich.console import Console
 
-    from tandem.tools.datasets import load_prompts, resolve_dataset
+    from tandem.tools.datasets import WORKLOADS, load_prompts, resolve_dataset, workload
     from tandem.tools.loadtest import plot_loadtest, run_loadtest
 
     console = Console(stderr=True)
@@ -516,7 +522,13 @@ def loadtest(
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
         if not levels or min(levels) < 1:
             raise ValueError("--concurrency needs positive integers, e.g. 1,4,16")
-        records = load_prompts(resolve_dataset(dataset), limit)
+        if dataset in WORKLOADS:
+            records = workload(dataset, limit)
+        else:
+            try:
+                records = load_prompts(resolve_dataset(dataset), limit)
+            except ValueError as exc:
+                raise ValueError(f"{exc}; workloads: {', '.join(WORKLOADS)}") from exc
         if strategy not in ("ngram", "suffix", "model", "hybrid"):
             raise ValueError(f"--strategy must be ngram, suffix, model or hybrid, not {strategy!r}")
         if mixed and strategy != "ngram":
@@ -540,6 +552,8 @@ def loadtest(
                 f"during long p99 {row['gap_during_long_p99_ms'] or 0:7.1f} ms  "
                 f"TTFT p99 {row['ttft_p99_ms'] or 0:7.0f} ms (during long {row['ttft_during_long_p99_ms'] or 0:7.0f})  "
                 f"long TTFT {row['long_ttft_ms']} ms ({row['errors']} + {row['long_errors']} errors)")
+            if row["top_error"]:
+                console.print(f"  [red]failures:[/red] {row['top_error']}")
 
         result = run_mixed(base, records, levels, long_tokens=sizes, long_gap_s=long_gap, turns=turns,
                            max_tokens=max_tokens, duration_s=duration, on_phase=show_mixed)
@@ -550,6 +564,7 @@ def loadtest(
             console.print(f"wrote {out}")
         else:
             print(text)
+        _fail_if_nothing_served(result)
         return
 
     def show(row: dict) -> None:
@@ -560,6 +575,8 @@ def loadtest(
             f"accept {row['acceptance_rate'] or 0:.0%}  residency hits {row['residency_hit_rate'] or 0:.0%}  "
             f"({row['requests']} requests, {row['errors']} errors)"
         )
+        if row["top_error"]:
+            console.print(f"  [red]failures:[/red] {row['top_error']}")
 
     result = run_loadtest(base, records, levels, turns=turns, max_tokens=max_tokens, duration_s=duration,
                           conversations_per_worker=conversations, on_phase=show, strategy=strategy)
@@ -571,6 +588,16 @@ def loadtest(
         console.print(f"wrote {out} and {out.with_suffix('.png')}")
     else:
         print(text)
+    _fail_if_nothing_served(result)
+
+
+def _fail_if_nothing_served(result: dict) -> None:
+    """A load test whose every request in a phase failed measured nothing: say so, exit 1."""
+    rows = result.get("results") or result.get("mixed") or []  # run_loadtest's or run_mixed's phases
+    dead = [r for r in rows if r["requests"] and r["errors"] == r["requests"]]
+    if dead:
+        _fail(f"every request failed in {len(dead)} phase(s), e.g. c={dead[0]['concurrency']} "
+              f"speculation={'on' if dead[0]['speculation'] else 'off'}: {dead[0]['top_error']}")
 
 
 @app.command()

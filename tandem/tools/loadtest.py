@@ -33,6 +33,7 @@ import itertools
 import json
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -84,9 +85,19 @@ class Phase:
             "residency_hit_rate": sum(1 for r in later if r.cached_tokens > 0) / len(later) if later else None,
             "requests": len(self.results),
             "errors": len(self.results) - len(ok),
+            # what went wrong, said once: the most frequent failure and how often (None: no failure)
+            "top_error": _top_error(self.results),
             "completion_tokens": tokens,
             "wall_s": self.wall_s,
         }
+
+
+def _top_error(results: list[RequestResult]) -> str | None:
+    errors = Counter(r.error for r in results if not r.ok)
+    if not errors:
+        return None
+    text, n = errors.most_common(1)[0]
+    return f"{text} ({n} of {sum(errors.values())} failures)"
 
 
 def _overlaps(a: float, b: float, windows: list[tuple[float, float]]) -> bool:
@@ -338,7 +349,7 @@ def plot_loadtest(result: dict, path: str, *, title: str = "") -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for spec, style in ((False, "o--"), (True, "s-")):
         rows = sorted((r for r in result["results"] if r["speculation"] == spec), key=lambda r: r["concurrency"])
-        label = "speculation on (ngram)" if spec else "speculation off"
+        label = f"speculation on ({result.get('config', {}).get('strategy', 'ngram')})" if spec else "speculation off"
         xs = [r["concurrency"] for r in rows]
         ax1.plot(xs, [r["tokens_per_s"] for r in rows], style, label=label)
         ax2.plot(xs, [r["itl_p50_ms"] or 0 for r in rows], style, label=label + " p50")

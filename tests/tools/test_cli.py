@@ -290,3 +290,32 @@ def test_calibrate_refuses_bad_options(args, message, tiny_dir) -> None:
 def test_convert_leaves_a_hf_directory_alone(tiny_dir) -> None:
     res = invoke("convert", "--model", str(tiny_dir))
     assert res.exit_code == 0 and "nothing to convert" in res.stdout
+
+
+# --- loadtest ---------------------------------------------------------------------------------------
+
+def _closed_port() -> int:
+    """A loopback port that nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_loadtest_that_reaches_nothing_says_why_and_fails(tmp_path) -> None:
+    """A workload by name resolves, and a phase whose every request failed is not a measurement:
+    the reason is printed and the exit status says so (the report is still written)."""
+    out = tmp_path / "lt.json"
+    res = invoke("loadtest", "--endpoint", f"127.0.0.1:{_closed_port()}", "-d", "agent_tools", "-c", "1",
+                 "--turns", "1", "--limit", "1", "--duration", "5", "--out", str(out))
+    assert res.exit_code == 2, res.output
+    assert "every request failed" in res.stderr and "ConnectError" in res.stderr, res.stderr
+    report = json.loads(out.read_text())
+    assert [r["errors"] for r in report["results"]] == [1, 1]
+    assert all("ConnectError" in r["top_error"] for r in report["results"])
+
+
+def test_loadtest_names_the_workloads_when_the_set_is_unknown() -> None:
+    res = invoke("loadtest", "--endpoint", "127.0.0.1:1", "-d", "no_such_set")
+    assert res.exit_code == 2 and "agent_tools" in res.stderr and "mt_bench" in res.stderr, res.output
