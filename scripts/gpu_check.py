@@ -9,25 +9,31 @@
 3. a short in-process run on the GPU: plain decoding against prompt lookup on 4 MT-Bench prompts,
    64 tokens each, greedy (outputs compared token for token).
 
-    .venv/bin/python scripts/gpu_check.py [--out docs/results/gpu/gpu_check.json]
+    .venv/bin/python scripts/gpu_check.py [--out docs/results/gpu/gpu_check.json] [--model PATH]
 
 Without CUDA it says so and checks what it can on the CPU (parts 2-3 on the CPU, no Triton),
-so the script itself is tested where there is no GPU.
+so the script itself is tested where there is no GPU. Each part that fails prints its traceback
+and the others still run (a lent GPU machine is held for minutes: one surprise must not cost the
+rest); the report is written after every part, and the exit status says whether any failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if importlib.util.find_spec("tandem") is None:  # not installed: run from the checkout
+    sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
 from tandem import kernels  # noqa: E402
@@ -68,7 +74,7 @@ def _time(fn, device, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def step_shares(device, batches=(1, 8, 32), k: int = 8, context: int = 512) -> list[dict]:
+def step_shares(device, model, batches=(1, 8, 32), k: int = 8, context: int = 512) -> list[dict]:
     from tandem.engine.config import SamplingParams
     from tandem.engine.models import load_model
     from tandem.engine.proposers import Draft
@@ -76,7 +82,7 @@ def step_shares(device, batches=(1, 8, 32), k: int = 8, context: int = 512) -> l
     from tandem.engine.sampling import make_generator
     from tandem.engine.verify import Check, verify_rows
 
-    loaded = load_model(None, device=device, progress=False)
+    loaded = load_model(model, device=device, progress=False)
     runner = TargetRunner(loaded)
     vocab = loaded.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -135,13 +141,13 @@ def step_shares(device, batches=(1, 8, 32), k: int = 8, context: int = 512) -> l
     return rows
 
 
-def short_bench(device, prompts: int = 4, max_new: int = 64) -> dict:
+def short_bench(device, model, prompts: int = 4, max_new: int = 64) -> dict:
     from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
     from tandem.engine.models import apply_chat_template, load_model
     from tandem.engine.spec import Engine
     from tandem.tools.datasets import dev_set, load_prompts
 
-    loaded = load_model(None, device=device, progress=False)
+    loaded = load_model(model, device=device, progress=False)
     engine = Engine(loaded)
     records = load_prompts(dev_set("mt_bench"), prompts)
     sampling = SamplingParams(max_new_tokens=max_new)
@@ -169,27 +175,58 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu/gpu_check.json")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--model", default=None, help="a model path (default: the embedded SmolLM2 GGUF)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA: Triton parts skipped)",
-              "torch": torch.__version__}
-    print(f"device: {report['device']}", flush=True)
+              "torch": torch.__version__, "python": platform.python_version(), "failed": []}
+    try:
+        import transformers
+
+        report["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    print(f"device: {report['device']}; torch {report['torch']}, python {report['python']}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def part(name: str, title: str, fn) -> None:
+        print(title, flush=True)
+        start = time.perf_counter()
+        try:
+            report[name] = fn()
+        except Exception:  # noqa: BLE001 - report it and go on with the other parts
+            traceback.print_exc()
+            report["failed"].append(name)
+            report[name] = {"error": traceback.format_exc()}
+        report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
     if cuda:
         import triton
 
         report["triton"] = triton.__version__
-        report["kernels"] = check_kernels(device)
-        k = report["kernels"]
-        print(f"kernels: {k['equal']}/{k['cases']} cases equal to the reference; different: {k['different']}", flush=True)
-    print("verifier step, kernel share:", flush=True)
-    report["steps"] = step_shares(device, tuple(int(b) for b in args.batches.split(",")))
-    print("in-process ar vs ngram:", flush=True)
-    report["bench"] = short_bench(device)
-    print(f"  median {report['bench']['median_speedup']:.2f}x, lossless {report['bench']['lossless']}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+
+        def kernel_part() -> dict:
+            k = check_kernels(device)
+            print(f"  {k['equal']}/{k['cases']} cases equal to the reference; different: {k['different']}", flush=True)
+            return k
+
+        part("kernels", "kernels (Triton on the GPU against the reference on the CPU):", kernel_part)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    part("steps", "verifier step, kernel share:", lambda: step_shares(device, args.model, batches))
+
+    def bench_part() -> dict:
+        bench = short_bench(device, args.model)
+        print(f"  median {bench['median_speedup']:.2f}x, lossless {bench['lossless']}", flush=True)
+        return bench
+
+    part("bench", "in-process ar vs ngram:", bench_part)
+    kernels_ok = not cuda or (report.get("kernels", {}).get("equal") == report.get("kernels", {}).get("cases"))
+    lossless = report.get("bench", {}).get("lossless", False)
+    print(f"wrote {args.out}; failed parts: {report['failed'] or 'none'}; kernels bit-exact: {kernels_ok}; "
+          f"lossless: {lossless}", flush=True)
+    sys.exit(0 if not report["failed"] and kernels_ok and lossless else 1)
 
 
 if __name__ == "__main__":
