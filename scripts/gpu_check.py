@@ -3,15 +3,17 @@
 
 1. the verification kernels (Triton on the GPU) against the PyTorch reference on the CPU, on every
    case of tests/kernels (chains and trees; bit for bit is the claim, any difference is printed);
-2. kernel time per call at batch 1, 8 and 32 (K = 8 drafts, the default model's vocabulary), and
+2. kernel time per call at batch 1, 8, 32 and 64 (K = 8 drafts, the default model's vocabulary), and
    a verifier step on the embedded SmolLM2 at the same batches (one ragged forward of B blocks of
    K + 1 tokens over 512 tokens of context, then the kernel): the kernel's share of a step;
-3. a short in-process run on the GPU: plain decoding against prompt lookup on 4 MT-Bench prompts,
+3. the batched forward with the KV pool (the GPU default) against caches of their own, at the same
+   batches: B rows of 1 token and of K + 1, and the largest logit difference between the two;
+4. a short in-process run on the GPU: plain decoding against prompt lookup on 4 MT-Bench prompts,
    64 tokens each, greedy (outputs compared token for token).
 
     .venv/bin/python scripts/gpu_check.py [--out docs/results/gpu/gpu_check.json] [--model PATH]
 
-Without CUDA it says so and checks what it can on the CPU (parts 2-3 on the CPU, no Triton),
+Without CUDA it says so and checks what it can on the CPU (parts 2-4 on the CPU, no Triton),
 so the script itself is tested where there is no GPU. Each part that fails prints its traceback
 and the others still run (a lent GPU machine is held for minutes: one surprise must not cost the
 rest); the report is written after every part, and the exit status says whether any failed.
@@ -85,15 +87,16 @@ def step_shares(device, model, batches=(1, 8, 32), k: int = 8, context: int = 51
     loaded = load_model(model, device=device, progress=False)
     runner = TargetRunner(loaded)
     vocab = loaded.vocab_size
+    lo = min(100, vocab // 4)  # ordinary tokens: past the special ids at the start of a vocabulary
     g = torch.Generator().manual_seed(0)
     rows = []
     for b in batches:
         seqs = []
         for i in range(b):
             seq = runner.new_sequence()
-            seq.set_context(torch.randint(100, 20000, (context,), generator=g).tolist())
+            seq.set_context(torch.randint(lo, vocab, (context,), generator=g).tolist())
             seqs.append(seq)
-        blocks = [torch.randint(100, 20000, (k,), generator=g).tolist() for _ in range(b)]
+        blocks = [torch.randint(lo, vocab, (k,), generator=g).tolist() for _ in range(b)]
 
         def forward():
             outs = runner.backend.forward_batch([(s.cache, [s.ids[-1], *d]) for s, d in zip(seqs, blocks)],
@@ -141,6 +144,55 @@ def step_shares(device, model, batches=(1, 8, 32), k: int = 8, context: int = 51
     return rows
 
 
+def pool_vs_own(device, model, batches=(1, 8, 32), k: int = 8, context: int = 512) -> list[dict]:
+    """The batched forward with every cache in the KV pool (a GPU's default: one set of KV writes
+    and one attention call a layer for the whole batch) against caches of their own (per-sequence
+    calls): B rows of 1 token (plain decoding of B sessions) and of K + 1 (B verification blocks),
+    and the largest logit difference between the two."""
+    from tandem.engine.llama import NativeLlama
+    from tandem.engine.models import load_model
+
+    loaded = load_model(model, device=device, progress=False)
+    # on a GPU the default (a pool); on a CPU, where the default is none, one asked for
+    pool_slots = None if device.type == "cuda" else 1 << 16
+    variants = {"pool": NativeLlama(loaded.model, kv_pool_slots=pool_slots),
+                "own": NativeLlama(loaded.model, kv_pool_slots=0)}
+    vocab = loaded.vocab_size
+    lo = min(100, vocab // 4)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for b in batches:
+        contexts = [torch.randint(lo, vocab, (context,), generator=g).tolist() for _ in range(b)]
+        blocks = [torch.randint(lo, vocab, (k + 1,), generator=g).tolist() for _ in range(b)]
+        row = {"batch": b, "k": k, "context": context}
+        logits = {}
+        for name, nat in variants.items():
+            caches = [nat.new_cache() for _ in range(b)]
+            for ctx, cache in zip(contexts, caches):
+                nat.forward_batch([(ctx, cache)], [False])
+
+            def fwd(n: int, nat=nat, caches=caches):
+                res = nat.forward_batch([(blk[:n], c) for blk, c in zip(blocks, caches)], [True] * b)
+                for c in caches:
+                    c.crop_to(context)
+                return res
+
+            logits[name] = torch.stack(fwd(k + 1))  # [B, K+1, V]
+            row[f"{name}_1_ms"] = 1e3 * _time(lambda: fwd(1), device, 10)
+            row[f"{name}_{k + 1}_ms"] = 1e3 * _time(lambda: fwd(k + 1), device, 10)
+            row[f"{name}_pooled_caches"] = sum(c.pool is not None for c in caches)
+            del caches
+        row["max_abs_logit_diff"] = float((logits["pool"] - logits["own"]).abs().max())
+        row["argmax_equal"] = float((logits["pool"].argmax(-1) == logits["own"].argmax(-1)).float().mean())
+        row["plain_tokens_per_s_pool"] = b / (row["pool_1_ms"] / 1e3)
+        row["plain_tokens_per_s_own"] = b / (row["own_1_ms"] / 1e3)
+        out.append(row)
+        print(f"  batch {b:>2}: 1-token rows pool {row['pool_1_ms']:7.2f} / own caches {row['own_1_ms']:7.2f} ms, "
+              f"{k + 1}-token rows {row[f'pool_{k + 1}_ms']:7.2f} / {row[f'own_{k + 1}_ms']:7.2f} ms; "
+              f"max logit diff {row['max_abs_logit_diff']:.2e}, argmax equal {row['argmax_equal']:.1%}", flush=True)
+    return out
+
+
 def short_bench(device, model, prompts: int = 4, max_new: int = 64) -> dict:
     from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
     from tandem.engine.models import apply_chat_template, load_model
@@ -174,7 +226,7 @@ def short_bench(device, model, prompts: int = 4, max_new: int = 64) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu/gpu_check.json")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--model", default=None, help="a model path (default: the embedded SmolLM2 GGUF)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -215,6 +267,9 @@ def main() -> None:
         part("kernels", "kernels (Triton on the GPU against the reference on the CPU):", kernel_part)
     batches = tuple(int(b) for b in args.batches.split(","))
     part("steps", "verifier step, kernel share:", lambda: step_shares(device, args.model, batches))
+
+    part("pool", "batched forward, KV pool against caches of their own:",
+         lambda: pool_vs_own(device, args.model, batches))
 
     def bench_part() -> dict:
         bench = short_bench(device, args.model)

@@ -152,3 +152,24 @@ def redis_url():
         yield server.connection_url
     finally:
         server.stop()
+
+
+@pytest.fixture(params=[0, 4096, 700], ids=["own-caches", "kv-pool", "kv-pool-runs-out"])
+def kv_pool(request, monkeypatch) -> list:
+    """The verifier's target with caches of their own (a CPU's default), or in a KV pool as on a
+    GPU (tandem.engine.llama.KVPool), one big enough and one that runs out. Returns a list: the
+    pool's size, then the shape of each pooled attention call made during the test."""
+    from tandem.engine import llama
+
+    monkeypatch.setattr(llama, "default_kv_pool_slots", lambda device, per_slot: request.param)
+    calls: list = []
+    real = llama._PooledAttention
+
+    class Counting(real):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            calls.append(self.shape)
+
+    monkeypatch.setattr(llama, "_PooledAttention", Counting)
+    calls.append(request.param)  # first entry: the pool's size
+    return calls

@@ -19,10 +19,13 @@ logits with `transformers` on identical inputs.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 
 import functools
 import math
+import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -64,28 +67,129 @@ def rope_theta(cfg) -> float:
     return float(getattr(cfg, "rope_theta", 10000.0))
 
 
+class KVPool:
+    """Keys and values of many sequences in one buffer each, `# [layers, kv_heads, slots, head_dim]`,
+    so that one forward writes every row's KV with one call a layer and gathers every sequence's
+    context with one more (`_PooledAttention`). Why: on a GPU each call is a kernel launch, and with a
+    cache tensor per sequence the KV writes and attention cost about five launches a row a layer:
+    ~6 ms a row a forward on an H200 with the default model (docs/benchmarks.md, "On a GPU").
+
+    A sequence owns one contiguous region of slots, which its KVCache views as its own
+    `# [layers, kv_heads, capacity, head_dim]` (so every per-sequence operation works unchanged).
+    Regions are first fit from a sorted free list and merged when freed. A region is freed when its
+    cache is dropped; the finalizer may run inside the garbage collector on any thread, even in the
+    middle of an `alloc`, so it only queues the region (a deque append is atomic) and the queue is
+    drained under the lock by the next alloc."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, slots: int):
+        if slots < 1:
+            raise ValueError(f"a KV pool needs at least one slot, not {slots}")
+        with torch.inference_mode(False):  # written by forwards, read by anything, like a cache's own
+            self.k = torch.empty(layers, kv_heads, slots, head_dim, dtype=dtype, device=device)
+            self.v = torch.empty_like(self.k)
+        self.slots = slots
+        self._free: list[tuple[int, int]] = [(0, slots)]  # (start, length), sorted by start, never adjacent
+        self._released: collections.deque[tuple[int, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def alloc(self, n: int) -> int | None:
+        """The start of a free region of `n` slots (now owned by the caller), or None when no free
+        region is that long."""
+        with self._lock:
+            self._drain()
+            for i, (start, length) in enumerate(self._free):
+                if length >= n:
+                    self._free[i:i + 1] = [(start + n, length - n)] if length > n else []
+                    return start
+            return None
+
+    def release(self, start: int, n: int) -> None:
+        """Give a region back (safe from a finalizer: it is only queued here)."""
+        self._released.append((start, n))
+
+    def free_slots(self) -> int:
+        with self._lock:
+            self._drain()
+            return sum(length for _, length in self._free)
+
+    def regions(self) -> list[tuple[int, int]]:
+        """The free regions, (start, length) sorted by start (for tests and logs)."""
+        with self._lock:
+            self._drain()
+            return list(self._free)
+
+    def _drain(self) -> None:
+        while self._released:
+            start, n = self._released.popleft()
+            free = self._free
+            i = 0
+            while i < len(free) and free[i][0] < start:
+                i += 1
+            if (i > 0 and free[i - 1][0] + free[i - 1][1] > start) or (i < len(free) and start + n > free[i][0]):
+                raise RuntimeError(f"KV pool: region ({start}, {n}) released twice or never allocated")
+            free.insert(i, (start, n))
+            if i + 1 < len(free) and start + n == free[i + 1][0]:  # merge with the next
+                free[i:i + 2] = [(start, n + free[i + 1][1])]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == start:  # and with the previous
+                free[i - 1:i + 1] = [(free[i - 1][0], free[i - 1][1] + free[i][1])]
+
+
 class KVCache:
     """Preallocated keys and values of one sequence: `# [layers, kv_heads, capacity, head_dim]`.
 
     `length` is the number of valid positions; rollback only lowers it (entries past it are garbage
-    and are overwritten by the next forward). Capacity doubles when exceeded.
+    and are overwritten by the next forward). Capacity doubles when exceeded. With a `pool`, `k` and
+    `v` are views of one region of the pool's buffers (`base` its first slot); when the pool has no
+    room (at first or when growing), the cache holds tensors of its own (`pool` None) and works
+    the same, its rows taking the per-sequence path of the forward.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, capacity: int = 256):
-        self.k = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, capacity: int = 256,
+                 pool: KVPool | None = None):
+        self.pool: KVPool | None = None
+        self.base = 0
+        self._region: weakref.finalize | None = None
         self.length = 0
+        if pool is None or not self._take(pool, capacity):
+            self.k = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+            self.v = torch.empty_like(self.k)
+
+    def _take(self, pool: KVPool, capacity: int) -> bool:
+        """Move into a new region of `pool` of `capacity` slots, keeping the valid positions."""
+        base = pool.alloc(capacity)
+        if base is None:
+            return False
+        with torch.inference_mode(False):  # plain views, as plain as a cache's own tensors
+            k = pool.k[:, :, base:base + capacity]  # [layers, kv_heads, capacity, head_dim] views
+            v = pool.v[:, :, base:base + capacity]
+        if self.length:
+            k[:, :, : self.length] = self.k[:, :, : self.length]
+            v[:, :, : self.length] = self.v[:, :, : self.length]
+        self._give_back()
+        self.k, self.v, self.pool, self.base = k, v, pool, base
+        self._region = weakref.finalize(self, pool.release, base, capacity)
+        return True
+
+    def _give_back(self) -> None:
+        if self._region is not None:
+            self._region()  # releases the old region now, once
+            self._region = None
 
     def ensure(self, needed: int) -> None:
         cap = self.k.shape[2]
         if needed <= cap:
             return
         new_cap = max(needed, 2 * cap)
+        if self.pool is not None and self._take(self.pool, new_cap):
+            return
         for name in ("k", "v"):
             old = getattr(self, name)
             new = torch.empty(old.shape[0], old.shape[1], new_cap, old.shape[3], dtype=old.dtype, device=old.device)
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
+        # a pool without room: continue with tensors of our own (the region goes back after the copy)
+        self._give_back()
+        self.pool = None
 
     def get_seq_length(self) -> int:
         return self.length
@@ -228,6 +332,93 @@ class _FusedAttention:
                 raise MemoryError(f"the CPU attention kernel failed ({rc})")
 
 
+# A GPU's KV pool: at most this share of the device's free memory when the first cache is made,
+# and at most this many slots (SmolLM2-135M in float32: 46 KB a slot, 262,144 slots = 12 GB).
+KV_POOL_MEMORY_FRACTION = 0.10
+KV_POOL_MAX_SLOTS = 1 << 18
+# Blocks up to this many rows share one attention call a layer (`_PooledAttention`); a longer block
+# (a prefill piece) keeps its own: its attention is real work beside one launch, and padding every
+# row of the batch to its length would multiply the others' work.
+POOLED_MAX_ROWS = 64
+
+
+def default_kv_pool_slots(device, bytes_per_slot: int) -> int:
+    """Slots of the KV pool a model on `device` gets by default: on a GPU, KV_POOL_MEMORY_FRACTION
+    of its free memory (at most KV_POOL_MAX_SLOTS); elsewhere none (a CPU forward's own attention
+    kernel reads each sequence's cache in place, and per-call costs there are small)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    free = torch.cuda.mem_get_info(device)[0]
+    return int(min(KV_POOL_MAX_SLOTS, free * KV_POOL_MEMORY_FRACTION // bytes_per_slot))
+
+
+class _PooledAttention:
+    """One forward's KV writes and attention for the blocks whose caches live in the model's KV
+    pool, with the same number of calls a layer for any number of blocks: the new keys and values
+    of every row land with one `index_copy_` each, every block's context is gathered with one
+    `index_select` each into `# [B, KV, T, D]` (T the longest context, shorter ones padded and
+    masked), and one `scaled_dot_product_attention` runs over the padded batch. Index tensors and
+    the mask are built on the host once per forward and moved in two copies.
+
+    The arithmetic is each block's own attention over its own keys; padded keys are masked out and
+    padded query rows are dropped. Which kernel torch picks for the padded batch can differ from a
+    lone block's, so results may differ from the per-block path in the last bits, as the GEMMs'
+    do with the batch's row count on a GPU (docs/design-notes.md, "KV pool on a GPU")."""
+
+    def __init__(self, model: "NativeLlama", pool: KVPool, blocks, members: list[int], offsets: list[int],
+                 starts: list[int], lens: list[int], trees: list):
+        self.H, self.KV, self.D, self.scale = model.n_heads, model.n_kv, model.head_dim, model.scale
+        self.pool = pool
+        B = len(members)
+        Q = max(lens[b] for b in members)
+        T = max(starts[b] + lens[b] for b in members)
+        self.shape = (B, Q, T)
+        slots, rows, qidx, opos = [], [], [], []
+        mask = torch.zeros(B, Q, T, dtype=torch.bool)  # [B, Q, T]: query row r of block i sees key t
+        for i, b in enumerate(members):
+            cache, s, n, a = blocks[b][1], starts[b], lens[b], offsets[b]
+            slots.extend(range(cache.base + s, cache.base + s + n))
+            rows.extend(range(a, a + n))
+            qidx.extend(a + min(r, n - 1) for r in range(Q))  # padded rows repeat the last: dropped
+            opos.extend(range(i * Q, i * Q + n))
+            if trees[b] is None:
+                mask[i, :n, : s + n] = torch.ones(n, s + n, dtype=torch.bool).tril(diagonal=s)
+            else:
+                mask[i, :n, : s + n] = _tree_mask(trees[b], s, "cpu")
+            mask[i, n:, 0] = True  # a padded query row needs one key (no all-masked row, no NaN)
+        bases = torch.tensor([blocks[b][1].base for b in members], dtype=torch.long)  # [B]
+        last = torch.tensor([starts[b] + lens[b] - 1 for b in members], dtype=torch.long)  # [B]
+        # [B, T]: block i's key t at its slot; past its context, its last slot again (masked)
+        gidx = bases[:, None] + torch.minimum(torch.arange(T)[None, :], last[:, None])
+        in_order = rows == list(range(offsets[-1]))
+        flat = torch.tensor(slots + rows + qidx + opos, dtype=torch.long)
+        flat = torch.cat([flat, gidx.flatten()]).to(model.device)
+        parts = flat.split([len(slots), len(rows), len(qidx), len(opos), B * T])
+        self.slots, self.out_rows, self.qidx, self.opos, self.gidx = parts
+        # the members' rows of the forward; None: all of them, in order (no gather of the new keys)
+        self.rows = None if in_order else self.out_rows
+        self.mask = mask[:, None].to(model.device)  # [B, 1, Q, T], broadcast over heads
+
+    def __call__(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, att: torch.Tensor) -> None:
+        # q `# [N, H, D]`, k and v `# [KV, N, D]` (this layer's, rotated); writes att `# [N, H D]` at
+        # the member blocks' rows
+        H, KV, D = self.H, self.KV, self.D
+        B, Q, T = self.shape
+        pk, pv = self.pool.k[li], self.pool.v[li]  # [KV, slots, D] each
+        if self.rows is not None:
+            k, v = k.index_select(1, self.rows), v.index_select(1, self.rows)
+        pk.index_copy_(1, self.slots, k)
+        pv.index_copy_(1, self.slots, v)
+        kg = pk.index_select(1, self.gidx).view(KV, B, T, D).transpose(0, 1)  # [B, KV, T, D]
+        vg = pv.index_select(1, self.gidx).view(KV, B, T, D).transpose(0, 1)  # [B, KV, T, D]
+        qp = q.index_select(0, self.qidx).view(B, Q, H, D).transpose(1, 2)  # [B, H, Q, D]
+        o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=self.mask, scale=self.scale,
+                                           enable_gqa=H != KV)  # [B, H, Q, D]
+        o = o.transpose(1, 2).reshape(B * Q, H * D)  # [B Q, H D]
+        att.index_copy_(0, self.out_rows, o.index_select(0, self.opos))
+
+
 class NativeLlama:
     """Inference-only Llama-family forward over the weights of a `transformers` model."""
 
@@ -239,8 +430,10 @@ class NativeLlama:
     _LINEAR = ("wqkv", "wo", "wgu", "wdown")  # the weights of a layer that are matrix products
 
     def __init__(self, model: torch.nn.Module, *, int8: bool = False, plan: GemmPlan | None = None,
-                 quantized: QuantizedLinears | None = None):
-        """`int8`: weights in int8 (`_Int8Weight`), for a draft model on a CPU; ignored elsewhere
+                 quantized: QuantizedLinears | None = None, kv_pool_slots: int | None = None):
+        """`kv_pool_slots`: the size of the KV pool new caches take their regions from (`KVPool`;
+        made with the first cache); None: `default_kv_pool_slots` (a share of a GPU's free memory,
+        none on a CPU); 0: no pool. `int8`: weights in int8 (`_Int8Weight`), for a draft model on a CPU; ignored elsewhere
         or where the kernel is missing (`self.int8` says what was done). `quantized`: the GGUF
         file's quantized weights (`quant.load_gguf_linears`) for the weights it has in a kept kind,
         run by quant.c as they are stored (float32 on a CPU with that kernel only; `self.precision`
@@ -317,6 +510,9 @@ class NativeLlama:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device) / self.head_dim))
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.row_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and rowops.library() is not None
+        self.kv_pool: KVPool | None = None
+        self._kv_pool_slots = kv_pool_slots
+        self._kv_pool_lock = threading.Lock()
 
     @property
     def batch_invariant(self) -> bool:
@@ -345,7 +541,21 @@ class NativeLlama:
                 and self.row_kernel and attend.serves(1, self.head_dim, self.dtype, self.device))
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, capacity)
+        return KVCache(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, capacity,
+                       pool=self._pool())
+
+    def _pool(self) -> KVPool | None:
+        if self.kv_pool is None and self._kv_pool_slots != 0:
+            with self._kv_pool_lock:
+                if self.kv_pool is None and self._kv_pool_slots != 0:
+                    per_slot = 2 * self.n_layers * self.n_kv * self.head_dim * self.dtype.itemsize
+                    slots = self._kv_pool_slots
+                    if slots is None:
+                        slots = default_kv_pool_slots(self.device, per_slot)
+                    self._kv_pool_slots = slots
+                    if slots > 0:
+                        self.kv_pool = KVPool(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, slots)
+        return self.kv_pool
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # x: [n, hidden] -> [n, hidden]. In float32 as transformers does, then back to the weights'
@@ -432,19 +642,30 @@ class NativeLlama:
         flat = torch.tensor([t for ids, _ in blocks for t in ids], dtype=torch.long, device=self.device)  # [N]
         trees = trees or [None] * len(blocks)
         depths = [None if t is None else _depths(t, n) for t, n in zip(trees, lens)]
-        positions = torch.cat([torch.arange(s, s + n, device=self.device) if d is None
-                               else torch.tensor(d, device=self.device) + s
-                               for s, n, d in zip(starts, lens, depths)])  # [N]
+        # made on the host (one copy to a GPU, not a small tensor a block)
+        positions = torch.cat([torch.arange(s, s + n) if d is None else torch.tensor(d) + s
+                               for s, n, d in zip(starts, lens, depths)]).to(self.device)  # [N]
         cos, sin = self._rope(positions)  # [N, 1, D] each
         # decode and verification blocks go through our CPU attention kernel where it is built
         # (tandem.engine.attend: torch's reads a long cache at a third of the memory's speed); a
         # prefill, a GPU or another dtype through torch's, with the block's causal mask
         kernel = [attend.serves(n, D, self.dtype, self.device) for n in lens]
+        # blocks whose caches are in the KV pool share the layer's KV writes and attention calls
+        # (_PooledAttention; worth it from two blocks: one block's own calls are as few)
+        pool = self.kv_pool
+        members = [b for b, ((_, cache), n) in enumerate(zip(blocks, lens))
+                   if pool is not None and cache.pool is pool and n <= POOLED_MAX_ROWS]
+        if len(members) < 2:
+            members = []
+        for b, (_, cache) in enumerate(blocks):
+            if cache.pool is not None:  # a region of the pool is a strided view: not for our CPU kernels
+                kernel[b] = False
+        member = set(members)
         masks = [
-            None if n == 1 or use else
+            None if n == 1 or use or b in member else
             torch.ones(n, s + n, dtype=torch.bool, device=self.device).tril(diagonal=s) if t is None else
             _tree_mask(t, s, self.device)
-            for s, n, use, t in zip(starts, lens, kernel, trees)
+            for b, (s, n, use, t) in enumerate(zip(starts, lens, kernel, trees))
         ]
         bits = [attend.tree_bits(t) if t is not None and use else None for t, use in zip(trees, kernel)]
         offsets = [0]
@@ -460,6 +681,7 @@ class NativeLlama:
         # one buffer per forward, rewritten by every layer (its output projection reads it first)
         att = torch.empty(N, H * D, dtype=x.dtype, device=self.device)  # [N, H D]
         fused_calls = _FusedAttention(self, blocks, offsets, starts, bits, cos2, sin2, att) if fused else None
+        pooled = _PooledAttention(self, pool, blocks, members, offsets, starts, lens, trees) if members else None
         down = None  # the previous layer's MLP output, added to the residual stream with the next norm
         for li, w in enumerate(self.layers):
             x, h = self._add_rms(x, down, w["in_norm"])
@@ -473,7 +695,11 @@ class NativeLlama:
                 q = qk[:, :H]  # [N, H, D]
                 k = qk[:, H:].transpose(0, 1)  # [KV, N, D]
                 v = qkv[:, (H + KV) * D :].view(N, KV, D).transpose(0, 1)  # [KV, N, D]
+                if pooled is not None:
+                    pooled(li, q, k, v, att)
                 for b, (_, cache) in enumerate(blocks):
+                    if b in member:
+                        continue
                     a, e, s = offsets[b], offsets[b + 1], starts[b]
                     cache.k[li, :, s : s + (e - a)] = k[:, a:e]
                     cache.v[li, :, s : s + (e - a)] = v[:, a:e]
@@ -497,10 +723,10 @@ class NativeLlama:
         # rows of each block that get logits: all (True), none (False) or the last ("last")
         spans = [(offsets[b + 1] - 1 if need[b] == "last" else offsets[b], offsets[b + 1]) if need[b] else None
                  for b in range(len(blocks))]
-        rows = [torch.arange(a, e, device=self.device) for span in spans if span for a, e in [span]]
+        rows = [torch.arange(a, e) for span in spans if span for a, e in [span]]
         if not rows:
             return [None] * len(blocks)
-        logits = self.lm_head(self._rms(x[torch.cat(rows)], self.final_norm)).float()  # [rows, vocab]
+        logits = self.lm_head(self._rms(x[torch.cat(rows).to(self.device)], self.final_norm)).float()  # [rows, vocab]
         out, at = [], 0
         for span in spans:
             if span:

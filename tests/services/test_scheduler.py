@@ -89,7 +89,7 @@ def test_piece_budget_steers_steps_to_the_cost_factor():
     assert budget.next(True, True) == 256
 
 
-def test_a_long_prompt_does_not_stop_running_streams(tiny_loaded):
+def test_a_long_prompt_does_not_stop_running_streams(tiny_loaded, kv_pool):
     """The denial of service of one-piece prefill: a long prompt arriving while a session streams.
     The streaming session must keep getting steps while the prompt is prefilled in pieces, and both
     outputs are the target alone's."""
@@ -129,7 +129,7 @@ def test_a_long_prompt_does_not_stop_running_streams(tiny_loaded):
     assert b_items[-1].token_ids == expected_b
 
 
-def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded, monkeypatch):
+def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded, monkeypatch, kv_pool):
     """Prefill pieces, verify blocks and plain rows in the same steps, greedy and sampled together:
     greedy rows equal the target alone; a seeded sampled row replays itself in process. The step
     loop verifies a step's rows together: at most one call of each kernel per step, carrying rows
@@ -162,6 +162,8 @@ def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded, monkeypatch)
     # the seed, so it replays what it samples alone (batching moves logits by rounding only).
     alone = Engine(tiny_loaded).generate(prompts[2], samplings[2], NGRAM).token_ids
     assert len(alone) == 25 and results[2].token_ids == alone
+    if kv_pool[0]:
+        assert len(kv_pool) > 1, "steps of several sessions went through the pooled attention"
 
 
 def test_a_steps_rows_are_verified_in_one_kernel_call(tiny_loaded, monkeypatch):
