@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from tandem.engine.config import SamplingParams, SpecConfig
 from tandem.engine.ids import common_prefix_len
 from tandem.engine.models import LoadedModel
-from tandem.engine.sampling import adjust_logits
+from tandem.engine.sampling import adjust_logits, exp_noise
 
 
 @dataclass
@@ -457,7 +457,7 @@ class DraftModelProposer(Proposer):
                 probs = torch.softmax(logits / sampling.temperature, dim=-1)  # [head_rows]
                 top = torch.topk(probs, min(self.draft_top_k, probs.shape[0]))
                 q = top.values / top.values.sum()  # [s]
-                noise = torch.empty(q.shape[0]).exponential_(generator=gen)
+                noise = exp_noise(q.shape[0], gen)  # [s]
                 support = self._to_ids(top.indices)  # [s] token ids
                 tok = int(support[int((q / noise).argmax())])
                 supports.append(support)

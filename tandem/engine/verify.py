@@ -24,7 +24,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tandem import kernels
 from tandem.engine.config import SamplingParams
 from tandem.engine.proposers import Draft
-from tandem.engine.sampling import adjust_logits, logits_to_probs
+from tandem.engine.sampling import adjust_logits, exp_noise, logits_to_probs
 
 
 @dataclass
@@ -112,7 +112,7 @@ def _prepare(check: Check, logits: torch.Tensor) -> _Row:
     q = check.draft.dense_probs(vocab) if (k and not check.tree) else None  # [k, vocab] or None
     # 1 - U[0,1) lies in (0, 1]: a draft with p(x) = 0 can never be accepted.
     uniform = 1.0 - torch.rand(max(k, 1), generator=check.gen)  # [max(k,1)]
-    noise = torch.empty(vocab).exponential_(generator=check.gen)  # [vocab]
+    noise = exp_noise(vocab, check.gen)  # [vocab]
     return _Row(check, probs, q=q, uniform=uniform, noise=noise)
 
 
