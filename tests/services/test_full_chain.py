@@ -202,7 +202,9 @@ def test_loadtest_over_the_chain(chain, tmp_path):
     resumed = chain.drafter.stats()["sessions_resumed"]
     hybrid = run_loadtest(gw.url, records[:1], [1], turns=2, max_tokens=8, duration_s=60, strategy="hybrid")
     assert hybrid["config"]["strategy"] == "hybrid" and all(r["errors"] == 0 for r in hybrid["results"])
-    assert hybrid["results"][1]["acceptance_rate"] is not None
+    # (whether a step drafts is the block-length controller's call from measured costs, so this
+    # asserts no acceptance figure: under a loaded CPU it chose plain steps once. The drafter
+    # session opens at the start of every hybrid turn whatever the controller does.)
     assert chain.drafter.stats()["sessions_resumed"] == resumed + 1
 
 
