@@ -162,6 +162,16 @@ def kv_pool(request, monkeypatch) -> list:
     from tandem.engine import llama
 
     monkeypatch.setattr(llama, "default_kv_pool_slots", lambda device, per_slot: request.param)
+    calls = count_pooled_attention(monkeypatch)
+    calls.insert(0, request.param)  # first the pool's size; the counter appends after it
+    return calls
+
+
+def count_pooled_attention(monkeypatch) -> list:
+    """A list that gets the shape (B, Q, T) of every pooled attention a forward builds from now on
+    (tandem.engine.llama._PooledAttention)."""
+    from tandem.engine import llama
+
     calls: list = []
     real = llama._PooledAttention
 
@@ -171,5 +181,4 @@ def kv_pool(request, monkeypatch) -> list:
             calls.append(self.shape)
 
     monkeypatch.setattr(llama, "_PooledAttention", Counting)
-    calls.append(request.param)  # first entry: the pool's size
     return calls

@@ -433,7 +433,9 @@ class NativeLlama:
                  quantized: QuantizedLinears | None = None, kv_pool_slots: int | None = None):
         """`kv_pool_slots`: the size of the KV pool new caches take their regions from (`KVPool`;
         made with the first cache); None: `default_kv_pool_slots` (a share of a GPU's free memory,
-        none on a CPU); 0: no pool. `int8`: weights in int8 (`_Int8Weight`), for a draft model on a CPU; ignored elsewhere
+        none on a CPU); 0: no pool.
+
+        `int8`: weights in int8 (`_Int8Weight`), for a draft model on a CPU; ignored elsewhere
         or where the kernel is missing (`self.int8` says what was done). `quantized`: the GGUF
         file's quantized weights (`quant.load_gguf_linears`) for the weights it has in a kept kind,
         run by quant.c as they are stored (float32 on a CPU with that kernel only; `self.precision`

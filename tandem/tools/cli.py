@@ -359,7 +359,7 @@ def bench(
     from rich.console import Console
 
     from tandem.tools.bench import PEER_MODES, TOOL_MODES, format_category_table, format_table, run_bench
-    from tandem.tools.datasets import WORKLOADS, load_prompts, resolve_dataset, workload
+    from tandem.tools.datasets import records_for
     from tandem.engine.spec import Engine
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
@@ -368,13 +368,7 @@ def bench(
             raise ValueError(f"--tools is one of {', '.join(TOOL_MODES)}, not {tools!r}")
         if tools != "prompt" and endpoint:  # before connecting (run_bench refuses it too, after)
             raise ValueError("--tools auto/required runs in process; through --endpoint the records' tool lists go as text")
-        if dataset in WORKLOADS:
-            records = workload(dataset, limit)
-        else:
-            try:
-                records = load_prompts(resolve_dataset(dataset), limit)
-            except ValueError as exc:
-                raise ValueError(f"{exc}; workloads: {', '.join(WORKLOADS)}") from exc
+        records = records_for(dataset, limit)
         grammar = _grammar_option(response_format)
         if grammar is not None and tools == "required":
             raise ValueError("--tools required brings its own grammar (one call of the record's functions); leave out --response-format")
@@ -514,7 +508,7 @@ def loadtest(
     _setup(1, "warning")
     from rich.console import Console
 
-    from tandem.tools.datasets import WORKLOADS, load_prompts, resolve_dataset, workload
+    from tandem.tools.datasets import records_for
     from tandem.tools.loadtest import plot_loadtest, run_loadtest
 
     console = Console(stderr=True)
@@ -522,13 +516,7 @@ def loadtest(
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
         if not levels or min(levels) < 1:
             raise ValueError("--concurrency needs positive integers, e.g. 1,4,16")
-        if dataset in WORKLOADS:
-            records = workload(dataset, limit)
-        else:
-            try:
-                records = load_prompts(resolve_dataset(dataset), limit)
-            except ValueError as exc:
-                raise ValueError(f"{exc}; workloads: {', '.join(WORKLOADS)}") from exc
+        records = records_for(dataset, limit)
         if strategy not in ("ngram", "suffix", "model", "hybrid"):
             raise ValueError(f"--strategy must be ngram, suffix, model or hybrid, not {strategy!r}")
         if mixed and strategy != "ngram":

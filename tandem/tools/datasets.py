@@ -320,3 +320,14 @@ def workload(name: str, limit: int | None = None) -> list[PromptRecord]:
     else:
         raise KeyError(f"no workload {name!r}; known: {', '.join(WORKLOADS)}")
     return records[:limit] if limit else records
+
+
+def records_for(spec: str, limit: int | None = None) -> list[PromptRecord]:
+    """The records a command's `--dataset` names: a derived workload (WORKLOADS), a development set
+    by short name, or a prompt file; at most `limit`. Raises ValueError naming what exists."""
+    if spec in WORKLOADS:
+        return workload(spec, limit)
+    try:
+        return load_prompts(resolve_dataset(spec), limit)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; workloads: {', '.join(WORKLOADS)}") from exc

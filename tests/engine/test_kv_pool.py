@@ -15,8 +15,7 @@ import random
 import pytest
 import torch
 
-from conftest import make_tiny_llama
-from tandem.engine import llama
+from conftest import count_pooled_attention, make_tiny_llama
 from tandem.engine.llama import POOLED_MAX_ROWS, KVPool, NativeLlama
 
 
@@ -94,15 +93,7 @@ def test_a_pooled_batch_gives_every_block_its_own_logits_and_kv(pair, seed, monk
     logits and every cache's KV equal the per-sequence path's (within float rounding: another
     attention kernel sums in another order)."""
     alone, pooled = pair
-    calls = []
-    real = llama._PooledAttention
-
-    class Counting(real):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            calls.append(self.shape)
-
-    monkeypatch.setattr(llama, "_PooledAttention", Counting)
+    calls = count_pooled_attention(monkeypatch)
     rng = random.Random(seed)
     caches_a = [alone.new_cache(64) for _ in range(5)]
     caches_b = [pooled.new_cache(64) for _ in range(5)]
