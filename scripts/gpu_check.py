@@ -22,6 +22,7 @@ rest); the report is written after every part, and the exit status says whether 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import platform
@@ -44,6 +45,14 @@ from tandem.kernels import reference  # noqa: E402
 
 def _to(args: tuple, device) -> tuple:
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@functools.cache
+def _load(device, model):
+    """The target, loaded once for every part that runs it (a failed load is not cached)."""
+    from tandem.engine.models import load_model
+
+    return load_model(model, device=device, progress=False)
 
 
 def check_kernels(device) -> dict:
@@ -78,13 +87,12 @@ def _time(fn, device, repeats: int = 30) -> float:
 
 def step_shares(device, model, batches=(1, 8, 32), k: int = 8, context: int = 512) -> list[dict]:
     from tandem.engine.config import SamplingParams
-    from tandem.engine.models import load_model
     from tandem.engine.proposers import Draft
     from tandem.engine.runner import TargetRunner
     from tandem.engine.sampling import make_generator
     from tandem.engine.verify import Check, verify_rows
 
-    loaded = load_model(model, device=device, progress=False)
+    loaded = _load(device, model)
     runner = TargetRunner(loaded)
     vocab = loaded.vocab_size
     lo = min(100, vocab // 4)  # ordinary tokens: past the special ids at the start of a vocabulary
@@ -150,9 +158,8 @@ def pool_vs_own(device, model, batches=(1, 8, 32), k: int = 8, context: int = 51
     calls): B rows of 1 token (plain decoding of B sessions) and of K + 1 (B verification blocks),
     and the largest logit difference between the two."""
     from tandem.engine.llama import NativeLlama
-    from tandem.engine.models import load_model
 
-    loaded = load_model(model, device=device, progress=False)
+    loaded = _load(device, model)
     # on a GPU the default (a pool); on a CPU, where the default is none, one asked for
     pool_slots = None if device.type == "cuda" else 1 << 16
     variants = {"pool": NativeLlama(loaded.model, kv_pool_slots=pool_slots),
@@ -195,11 +202,11 @@ def pool_vs_own(device, model, batches=(1, 8, 32), k: int = 8, context: int = 51
 
 def short_bench(device, model, prompts: int = 4, max_new: int = 64) -> dict:
     from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-    from tandem.engine.models import apply_chat_template, load_model
+    from tandem.engine.models import apply_chat_template
     from tandem.engine.spec import Engine
     from tandem.tools.datasets import dev_set, load_prompts
 
-    loaded = load_model(model, device=device, progress=False)
+    loaded = _load(device, model)
     engine = Engine(loaded)
     records = load_prompts(dev_set("mt_bench"), prompts)
     sampling = SamplingParams(max_new_tokens=max_new)

@@ -87,7 +87,6 @@ class KVPool:
         with torch.inference_mode(False):  # written by forwards, read by anything, like a cache's own
             self.k = torch.empty(layers, kv_heads, slots, head_dim, dtype=dtype, device=device)
             self.v = torch.empty_like(self.k)
-        self.slots = slots
         self._free: list[tuple[int, int]] = [(0, slots)]  # (start, length), sorted by start, never adjacent
         self._released: collections.deque[tuple[int, int]] = collections.deque()
         self._lock = threading.Lock()

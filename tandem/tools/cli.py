@@ -580,7 +580,7 @@ def loadtest(
 
 
 def _fail_if_nothing_served(result: dict) -> None:
-    """A load test whose every request in a phase failed measured nothing: say so, exit 1."""
+    """A load test whose every request in a phase failed measured nothing: say so, exit 2 (`_fail`)."""
     rows = result.get("results") or result.get("mixed") or []  # run_loadtest's or run_mixed's phases
     dead = [r for r in rows if r["requests"] and r["errors"] == r["requests"]]
     if dead:
