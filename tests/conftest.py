@@ -160,8 +160,11 @@ def kv_pool(request, monkeypatch) -> list:
     GPU (tandem.engine.llama.KVPool), one big enough and one that runs out. Returns a list: the
     pool's size, then the shape of each pooled attention call made during the test."""
     from tandem.engine import llama
+    from tandem.services.verifier import core
 
     monkeypatch.setattr(llama, "default_kv_pool_slots", lambda device, per_slot: request.param)
+    # a verifier sizes its pool from its KV budget; here it gets the size under test
+    monkeypatch.setattr(core, "kv_pool_slots", lambda *args: request.param)
     calls = count_pooled_attention(monkeypatch)
     calls.insert(0, request.param)  # first the pool's size; the counter appends after it
     return calls

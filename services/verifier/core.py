@@ -106,6 +106,23 @@ def kv_budget_tokens(settings: VerifierSettings, target: LoadedModel) -> int:
     return chosen
 
 
+# A cache's capacity doubles as it grows (from 256 slots), so resident sessions holding B tokens in
+# all may hold up to 2 B slots, plus the first 256 of each; a growing cache holds its old and new
+# region for the moment of the move.
+KV_POOL_GROWTH = 2
+KV_POOL_FIRST_SLOTS = 256
+KV_POOL_MAX_MEMORY = 0.9  # at most this share of the device's free memory
+
+
+def kv_pool_slots(budget_tokens: int, max_sessions: int, free_bytes: int, bytes_per_slot: int) -> int:
+    """Slots of a GPU's KV pool for a verifier with a KV budget of `budget_tokens` over at most
+    `max_sessions` sessions: enough that caches of every admitted session fit in it as they grow
+    (a pool that runs out sends caches to tensors of their own: slower, never refused), and at most
+    KV_POOL_MAX_MEMORY of the free memory."""
+    wanted = KV_POOL_GROWTH * budget_tokens + KV_POOL_FIRST_SLOTS * max_sessions
+    return max(1, min(wanted, int(free_bytes * KV_POOL_MAX_MEMORY) // bytes_per_slot))
+
+
 @dataclass
 class _Session:
     seq: Sequence
@@ -142,6 +159,7 @@ class VerifierCore:
             PrefillPolicy(max_piece=settings.prefill_chunk_tokens, min_piece=settings.prefill_min_tokens,
                           cost_factor=settings.prefill_cost_factor))
         self.kv_capacity = kv_budget_tokens(settings, target)
+        self._size_kv_pool()
         self._lock = threading.Lock()  # guards the session table
         self._room = threading.Condition(self._lock)  # notified when a session stops generating
         self._waiting: list[object] = []  # admission queue: tickets of requests waiting for room, FIFO
@@ -167,6 +185,23 @@ class VerifierCore:
         if publisher is not None:
             self.metrics.read("tandem_redis_errors", "Failed Redis calls (residency publishing).",
                               lambda: publisher.errors, kind="counter")
+
+    def _size_kv_pool(self) -> None:
+        """Where the forward keeps caches in a KV pool (a GPU), size the pool from the KV budget
+        rather than the model's default share of memory, so what admission lets in fits in it."""
+        impl = getattr(self.engine.runner.backend, "impl", None)
+        if impl is None or not getattr(impl, "pools_by_default", False):
+            return
+        free = free_memory_bytes(impl.device)
+        slots = kv_pool_slots(self.kv_capacity, self.settings.max_sessions, free, impl.kv_bytes_per_slot)
+        try:
+            impl.size_kv_pool(slots)
+        except RuntimeError as exc:  # a cache was made before (the model is shared): keep its pool
+            log.warning("KV pool left at %d slots, not sized from the budget: %s",
+                        impl.kv_pool.k.shape[2] if impl.kv_pool is not None else 0, exc)
+            return
+        log.info("KV pool: %d slots (%.1f GiB) for a budget of %d tokens over up to %d sessions",
+                 slots, slots * impl.kv_bytes_per_slot / 2**30, self.kv_capacity, self.settings.max_sessions)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -504,8 +539,12 @@ class VerifierCore:
                     self.target.vocab_size, wait_s=self.settings.draft_wait_ms / 1000.0,
                     retry_s=self.settings.drafter_retry_s, headers=headers,
                     others_busy=lambda: self.executor.busy_sessions > 1,
+                    # hybrid: prompt lookup when the drafter's block is late; suffix: the session's
+                    # own index, drafted here first (drafting.py: the store's part needs the drafter)
                     local=(self.engine.factory.build(spec.model_copy(update={"strategy": DraftStrategy.ngram}))
-                           if spec.strategy == DraftStrategy.hybrid else None),
+                           if spec.strategy == DraftStrategy.hybrid else
+                           self.engine.factory.build(spec) if spec.strategy == DraftStrategy.suffix else None),
+                    local_first=spec.strategy == DraftStrategy.suffix,
                     target_model=self.target.model_id, cache_scope=scope_of(cache_salt),
                     token_trees=trees_allowed(self.engine.runner, sampling),
                 )

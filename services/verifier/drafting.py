@@ -13,6 +13,15 @@ well formed. Everything else is counted in `rejected_blocks` and ignored. A draf
 stalls does not stop speculation: a step without a usable block in time (counted in
 `fallback_steps`) drafts with the verifier's own prompt lookup when the session's strategy uses it
 (microseconds of work, no model), else decodes plainly; the link reopens on its own.
+
+Suffix decoding drafts from two indexes: the session's own tokens and the drafter's store of other
+sessions' answers. The verifier keeps the first itself (`local_first`): the same index over the
+same ids gives the drafter's own-index draft in microseconds, where waiting for the drafter costs
+a round trip (1-2 ms on a loaded 2-core host, the network's on separate hosts: docs/design-notes.md,
+"Suffix decoding through the stack"). So a step waits for the drafter only while its blocks come
+from the store (STORE_BUCKET and up), and at the first step; otherwise it drafts from the own index
+or decodes plainly at once. A fresh block that is already there is always used, being the
+drafter's best of both.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch
 
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.proposers import Draft, Offer, Proposer, check_tree
+from tandem.engine.suffix import STORE_BUCKET
 from tandem.serving.messages import DraftBlock, DraftSessionOpen
 
 log = logging.getLogger("tandem.verifier.drafting")
@@ -80,6 +90,7 @@ class _Block:
     proposer: str
     confidence: int
     parents: list[int] | None = None  # a token tree (regular blocks only); None: a chain
+    used: bool = False  # some step verified drafts from it (dropped later: spent, not rejected)
 
 
 class RemoteProposer(Proposer):
@@ -102,6 +113,7 @@ class RemoteProposer(Proposer):
         target_model: str = "",
         cache_scope: str = "",
         token_trees: bool = False,
+        local_first: bool = False,
     ):
         self.connector = connector
         self.address = address
@@ -117,6 +129,12 @@ class RemoteProposer(Proposer):
         self.others_busy = others_busy
         # Drafts a step whose remote block is late or missing (prompt lookup over the same ids).
         self.local = local
+        # `local` drafts what the drafter's own-index part would (suffix decoding over the session's
+        # ids): used at once, without waiting, unless the drafter's last block came from its store.
+        self.local_first = local_first and local is not None
+        self._store_recent = True  # the drafter's newest block drafted from its store (or none came yet)
+        self._found_overlap = 0  # committed tokens the last usable block had drafted (0: fresh)
+        self._found_block: _Block | None = None  # the last usable block
         self.target_model, self.cache_scope = target_model, cache_scope  # the drafter's suffix store
         self.token_trees = token_trees  # the drafter may send token trees (OpenSession.token_trees)
         self._asked_trees = False  # what the open stream asked for
@@ -131,7 +149,7 @@ class RemoteProposer(Proposer):
         self._generation = 0  # which link the callbacks belong to: a lost old link is no news
         self._dead_since: float | None = None
         self._misses = 0
-        self._offer: tuple[int, Draft] | None = None  # (committed len, trimmed draft) from peek
+        self._offer: tuple[int, Draft, _Block] | None = None  # (committed len, trimmed draft, its block) from peek
         self._closed = False
 
     # -- link lifecycle -----------------------------------------------------------------------
@@ -160,6 +178,7 @@ class RemoteProposer(Proposer):
             with self._cond:
                 if generation != self._generation:
                     return
+                self._store_recent = bool(valid.tokens) and valid.confidence >= STORE_BUCKET
                 self._blocks.append(valid)
                 del self._blocks[:-8]  # only the newest few can still be useful
                 self._cond.notify_all()
@@ -254,7 +273,8 @@ class RemoteProposer(Proposer):
             if (overlap >= len(block.tokens) or block.tokens[:overlap] != ids[block.base_len:n]
                     or (block.parents is not None and overlap and (overlap > 1 or -1 in block.parents[1:]))):
                 # a tree trims at most its head, and only where every other node descends from it
-                self.rejected_blocks += 1  # stale: never verified against the wrong position
+                if not block.used:
+                    self.rejected_blocks += 1  # stale: never verified against the wrong position
                 continue
             keep.append(block)
             found = block
@@ -264,6 +284,7 @@ class RemoteProposer(Proposer):
         if not found.tokens:
             return NOTHING
         overlap = n - found.base_len
+        self._found_overlap, self._found_block = overlap, found
         parents = found.parents
         if parents is not None and overlap:  # a speculative tree without its guess: node 0's children are roots
             parents = [p - 1 for p in parents[1:]]
@@ -304,6 +325,19 @@ class RemoteProposer(Proposer):
                 self.open(ids)  # the drafter may be back: reopen with the whole context
             else:
                 return self._fallback(ids)
+        if self.local_first:
+            with self._cond:
+                draft = self._usable(ids)
+            if draft is NOTHING:
+                return Offer(self.name, 0, 0)  # the drafter has nothing here, from either index
+            if draft is not None and (self._found_overlap == 0 or draft.bucket >= STORE_BUCKET):
+                return self._take(ids, draft)  # fresh (the drafter's best here), or the rest of a store draft
+            if not self._store_recent:
+                # The session's own index, as the drafter would draft it, a round trip sooner (the
+                # rest of an own-index block too: drafted afresh, the longer context may match
+                # longer). Where it has nothing the step decodes plainly: a block from the store,
+                # if one is coming, arrives during this step and turns waiting back on.
+                return self._local(ids)
         # A drafter that keeps missing its deadline gets no more waiting (a plain step costs less),
         # but every 8th step still waits, so a recovered drafter is noticed.
         wait = self.wait_s if (self._misses < 3 or self._misses % 8 == 0) else 0.0
@@ -323,8 +357,11 @@ class RemoteProposer(Proposer):
         if draft is None:
             self._misses += 1
             return self._fallback(ids)
+        return self._take(ids, draft)
+
+    def _take(self, ids: list[int], draft: Draft) -> Offer:
         self._misses = 0
-        self._offer = (len(ids), draft)
+        self._offer = (len(ids), draft, self._found_block)
         return Offer(draft.proposer, draft.bucket, len(draft), tree=draft.parents is not None)
 
     def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
@@ -332,11 +369,15 @@ class RemoteProposer(Proposer):
             return self.local.propose(ids, k, sampling, gen)
         if self._offer is None or self._offer[0] != len(ids):
             return Draft(tokens=[], proposer=self.name)
+        if k > 0:
+            self._offer[2].used = True
         return self._offer[1].truncated(k)
 
     def allow_trees(self, ok: bool) -> None:
         if not ok:
             self.token_trees = False
+        if self.local is not None:
+            self.local.allow_trees(ok and self.token_trees)
 
     def on_commit(self, ids: list[int], appended: list[int], next_k: int) -> None:
         self._offer = None

@@ -541,6 +541,26 @@ class NativeLlama:
         return ((self.quantized_only or (self.gemm_plan is not None and gemv.library() is not None))
                 and self.row_kernel and attend.serves(1, self.head_dim, self.dtype, self.device))
 
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        """Bytes one token's keys and values take over all layers."""
+        return 2 * self.n_layers * self.n_kv * self.head_dim * self.dtype.itemsize
+
+    @property
+    def pools_by_default(self) -> bool:
+        """Whether new caches come from a KV pool unless told otherwise (on a GPU)."""
+        return default_kv_pool_slots(self.device, self.kv_bytes_per_slot) > 0
+
+    def size_kv_pool(self, slots: int) -> None:
+        """Set the KV pool's size (0: none) before the first cache is made, e.g. from a server's KV
+        budget; afterwards the pool exists and its size is fixed (RuntimeError)."""
+        if slots < 0:
+            raise ValueError(f"a KV pool cannot have {slots} slots")
+        with self._kv_pool_lock:
+            if self.kv_pool is not None:
+                raise RuntimeError("the KV pool was made with the first cache; size it before any cache")
+            self._kv_pool_slots = slots
+
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, capacity,
                        pool=self._pool())
@@ -549,10 +569,9 @@ class NativeLlama:
         if self.kv_pool is None and self._kv_pool_slots != 0:
             with self._kv_pool_lock:
                 if self.kv_pool is None and self._kv_pool_slots != 0:
-                    per_slot = 2 * self.n_layers * self.n_kv * self.head_dim * self.dtype.itemsize
                     slots = self._kv_pool_slots
                     if slots is None:
-                        slots = default_kv_pool_slots(self.device, per_slot)
+                        slots = default_kv_pool_slots(self.device, self.kv_bytes_per_slot)
                     self._kv_pool_slots = slots
                     if slots > 0:
                         self.kv_pool = KVPool(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, slots)

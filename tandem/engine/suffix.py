@@ -46,6 +46,10 @@ CANDIDATES = 32  # most recent occurrences kept per gram
 MAX_MATCH = 32  # longest match length measured (longer ones count as this)
 PROMPT_TAIL = 32  # prompt tokens kept before a response in the global store
 STORE_GRAM_SIZES = (4, 8, 16)  # the global store matches 4 tokens or more: shorter is weak evidence across sessions
+# A draft's bucket from the store: STORE_BUCKET + match length; the session's own index: the length
+# (at most 15). So a bucket says where a draft came from, to the controller and to a remote
+# drafter's verifier (which drafts the session's own part itself: services/verifier/drafting.py).
+STORE_BUCKET = 16
 _SHIFT, _MASK = 32, (1 << 32) - 1  # an occurrence (sid, end) as one int
 
 
@@ -510,8 +514,8 @@ class SuffixProposer(Proposer):
 
     @staticmethod
     def _bucket(c: _Candidate) -> int:
-        """The match length (at most 15), plus 16 in the store (adaptive._bucket groups them)."""
-        return min(c.length, 15) + (16 if c.source == "global" else 0)
+        """The match length (at most 15), plus STORE_BUCKET in the store (adaptive._bucket groups them)."""
+        return min(c.length, 15) + (STORE_BUCKET if c.source == "global" else 0)
 
     def peek(self, ids: list[int]) -> Offer:
         c = self._candidate(ids)

@@ -109,6 +109,36 @@ def test_kv_budget_evicts_least_recently_used(tiny_loaded):
     assert core.kv_used_tokens() <= 80
 
 
+def test_kv_pool_slots_follow_the_budget_within_free_memory():
+    from tandem.services.verifier.core import kv_pool_slots
+
+    # room for every admitted session's caches as they double, and each one's first 256 slots
+    assert kv_pool_slots(10_000, 8, free_bytes=10**12, bytes_per_slot=1000) == 2 * 10_000 + 8 * 256
+    # memory-bound: at most 90% of what is free
+    assert kv_pool_slots(10**9, 64, free_bytes=10**9, bytes_per_slot=1000) == 900_000
+    assert kv_pool_slots(1, 1, free_bytes=10, bytes_per_slot=1000) == 1
+
+
+def test_a_verifier_sizes_its_kv_pool_from_its_budget(tiny_loaded, monkeypatch):
+    """Where caches live in a KV pool (a GPU; here the model is told it is on one), the verifier
+    sizes the pool from its KV budget, not the model's default share of memory, before the first
+    cache; generation through the pool is the target's."""
+    from tandem.engine import llama
+
+    want = _reference(tiny_loaded, CONTEXT, 8)  # caches of their own (a CPU's default)
+    monkeypatch.setattr(llama, "default_kv_pool_slots", lambda device, per_slot: 123)
+    core = VerifierCore(VerifierSettings(verifier_id="v-pool", port=0, kv_capacity_tokens=1000, max_sessions=4),
+                        tiny_loaded)
+    impl = core.engine.runner.backend.impl
+    sampling, spec = SamplingParams(max_new_tokens=8), SpecConfig(strategy=DraftStrategy.ngram)
+    tokens = [t for item in core.generate("a", CONTEXT, sampling, spec) if hasattr(item, "tokens")
+              for t in item.tokens]
+    assert impl.kv_pool is not None and impl.kv_pool.k.shape[2] == 2 * 1000 + 4 * 256
+    assert tokens == want
+    with pytest.raises(RuntimeError, match="size it before any cache"):
+        impl.size_kv_pool(10)
+
+
 def test_get_info(verifier, tiny_loaded):
     core, stub = verifier
     info = stub.GetInfo(verifier_pb2.InfoRequest())

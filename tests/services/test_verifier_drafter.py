@@ -67,6 +67,8 @@ def test_remote_drafting_is_lossless(tiny_loaded, tiny_draft_loaded, strategy):
         assert result.stats.drafted > 0 and result.stats.accepted > 0, "speculation must actually happen"
         if strategy == DraftStrategy.model:
             assert result.stats.accepted == result.stats.drafted
+            # every block was right: the ones the steps used up are spent, not counted as rejected
+            assert result.stats.rejected_blocks == 0
         if strategy == DraftStrategy.hybrid:  # the blocks say which proposer drafted them
             assert set(result.stats.by_proposer) <= {"ngram", "suffix", "model"} and result.stats.by_proposer
             assert result.stats.by_proposer.get("model", {}).get("accepted", 0) == \
@@ -223,6 +225,62 @@ def test_a_paused_drafter_is_not_waited_for_and_local_lookup_still_drafts(tiny_l
         assert offer.proposer == "ngram" and offer.available > 0  # 42 99 occurred before: local lookup
         assert remote.propose(ids, 2, SamplingParams(), None).tokens == NgramProposer(1, 4).propose(ids, 2, SamplingParams(), None).tokens
         assert remote.fallback_steps == 0
+        remote.close()
+    finally:
+        connector.close()
+        server.stop(None)
+
+
+def test_a_suffix_session_drafts_its_own_repeats_here_and_waits_only_for_the_store(tiny_loaded):
+    """Suffix decoding's own-index part runs on the verifier too (`local_first`): once the
+    drafter's blocks come from the session's own tokens, a step drafts them here, or decodes
+    plainly where they have nothing, without waiting; when the drafter's newest block came from its
+    store (other sessions' answers, which only it holds), the next step waits for the drafter."""
+    from tandem.engine.suffix import STORE_BUCKET, SuffixProposer
+    from tandem.services.verifier.drafting import RemoteProposer
+
+    dcore, server, address = _drafter()
+    connector = GrpcDrafterConnector()
+    try:
+        spec = SpecConfig(strategy=DraftStrategy.suffix, max_draft_tokens=4)
+        remote = RemoteProposer(connector, address, "own", SamplingParams(), spec, tiny_loaded.vocab_size,
+                                wait_s=5.0, local=SuffixProposer(), local_first=True,
+                                target_model=tiny_loaded.model_id, cache_scope=scope_of("t"))
+        remote.open(CONTEXT)
+        waits = _count_waits(remote)
+        first = remote.peek(CONTEXT)  # nothing is known of the drafter's blocks yet: waited for
+        assert first.proposer == "suffix" and first.bucket < STORE_BUCKET and waits
+        ids = CONTEXT + [99]
+        remote.on_commit(ids, [99], 4)
+        waits.clear()
+        offer = remote.peek(ids)
+        assert waits == [], "the session's own repeats are drafted here, not waited for"
+        assert offer.available > 0 and remote.fallback_steps == 0
+        mine = SuffixProposer().propose(ids, 4, SamplingParams(), None).tokens
+        assert remote.propose(ids, 4, SamplingParams(), None).tokens == mine  # what the drafter would draft
+        ids = ids + [499]  # never seen: the session's own index has nothing here
+        remote.on_commit(ids, [499], 4)
+        waits.clear()
+        assert remote.peek(ids).available == 0 and waits == [], "no wait for a drafter with nothing from its store"
+        assert remote.fallback_steps == 0
+        remote.close()
+
+        # The store holds an answer that continues this context: the drafter's block comes from it,
+        # and from then on the verifier waits for the drafter's blocks.
+        store = dcore.suffix_stores.get(tiny_loaded.model_id, scope_of("t"))
+        answer = [400, 401, 402, 403, 404, 405, 406, 407]
+        store.add(FRESH, answer)
+        remote = RemoteProposer(connector, address, "store", SamplingParams(), spec, tiny_loaded.vocab_size,
+                                wait_s=5.0, local=SuffixProposer(), local_first=True,
+                                target_model=tiny_loaded.model_id, cache_scope=scope_of("t"))
+        remote.open(FRESH)
+        offer = remote.peek(FRESH)
+        assert offer.bucket >= STORE_BUCKET and remote.propose(FRESH, 4, SamplingParams(), None).tokens == answer[:4]
+        ids = FRESH + answer[:2] + [7]  # two accepted, then the target went its own way
+        remote.on_commit(ids, ids[len(FRESH):], 4)
+        waits = _count_waits(remote)
+        remote.peek(ids)
+        assert waits, "after a block from the store the next step waits for the drafter"
         remote.close()
     finally:
         connector.close()
