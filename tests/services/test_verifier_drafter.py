@@ -186,6 +186,10 @@ def test_unreachable_drafter_falls_back_to_local_prompt_lookup(tiny_loaded):
     assert result.stats.fallback_steps > 0
     # the verifier's own prompt lookup kept drafting (CONTEXT repeats, so it finds matches)
     assert result.stats.by_proposer["ngram"]["drafted"] > 0
+    # suffix decoding: the session's own index runs here too, so it keeps drafting its repeats
+    result = _run(core, "127.0.0.1:1", DraftStrategy.suffix, session="x")
+    assert result.token_ids == _reference(tiny_loaded)
+    assert result.stats.fallback_steps > 0 and result.stats.by_proposer["suffix"]["drafted"] > 0
     # no local stand-in for a draft model: those steps decode plainly
     result = _run(core, "127.0.0.1:1", DraftStrategy.model, session="m")
     assert result.token_ids == _reference(tiny_loaded)
