@@ -267,6 +267,14 @@ class QuantizedWeight:
         self._q_ptr = self.q.data_ptr()  # fixed for the weight's life
         self._dm_ptr = self.dm.data_ptr() if self.dm is not None else None
 
+    def raw(self, x_ptr: int, y_ptr: int, n: int, threads: int) -> None:
+        """The product straight on memory the caller owns and has checked: x `# [n, in]` and y
+        `# [n, out]` float32 contiguous at these addresses (`__call__` checks, then does this)."""
+        if self.dm is None:
+            self._fn(x_ptr, self._q_ptr, y_ptr, n, self.out_features, self.in_features, threads)
+        else:
+            self._fn(x_ptr, self._q_ptr, self._dm_ptr, y_ptr, n, self.out_features, self.in_features, threads)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = x.shape
         if k != self.in_features or x.device.type != "cpu" or x.dtype != torch.float32:
@@ -274,11 +282,7 @@ class QuantizedWeight:
                              f"got {x.dtype} {tuple(x.shape)} on {x.device}")
         x = x.contiguous()
         y = torch.empty(n, self.out_features, dtype=torch.float32)
-        if self.dm is None:
-            self._fn(x.data_ptr(), self._q_ptr, y.data_ptr(), n, self.out_features, k, torch.get_num_threads())
-        else:
-            self._fn(x.data_ptr(), self._q_ptr, self._dm_ptr, y.data_ptr(), n, self.out_features, k,
-                     torch.get_num_threads())
+        self.raw(x.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
         return y
 
 

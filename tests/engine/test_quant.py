@@ -324,3 +324,39 @@ def test_without_the_int8_kernel_auto_keeps_the_weights_with_float_activations(m
     assert loaded.quantized is not None and loaded.quantized.describe == "GGUF Q4_1 + Q8_0, float32 activations"
     with pytest.raises(ModelError, match="AVX-512 VNNI or AVX2.*Use precision gguf-float or float32"):
         load_model("default", progress=False, precision="gguf")
+
+
+@pytest.mark.parametrize("activations", ARITHMETICS)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_raw_layer_calls_give_the_checked_paths_bits(kind, activations, tiny_loaded, monkeypatch) -> None:
+    """A quantized target's decode and verification forwards run their layers as raw calls on
+    buffers of their own (llama._RawLayers); the logits equal the checked path's bit for bit, for a
+    ragged batch (one token, a chain, a token tree) over caches of different lengths (short
+    prefills take the raw calls too, so the caches themselves are compared through the logits)."""
+    from tandem.engine import llama
+
+    target = quantize_model(tiny_loaded, kind, activations=activations)
+    native = NativeLlama(target.model, quantized=target.quantized)
+    assert native.raw_layers
+    ran = []
+    real_run = llama._RawLayers.run
+    monkeypatch.setattr(llama._RawLayers, "run", lambda self: ran.append(self.x.shape[0]) or real_run(self))
+    gen = torch.Generator().manual_seed(0)
+    ctx = [torch.randint(0, native.vocab, (n,), generator=gen).tolist() for n in (5, 23, 40)]
+    blocks = [[7], [3, 9, 11, 2, 5], [4, 6, 8, 1]]
+    trees = [None, None, [-1, 0, 0, 1]]
+
+    def run(raw: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(native, "raw_layers", raw)
+        caches = [native.new_cache() for _ in ctx]
+        for ids, cache in zip(ctx, caches):
+            native.forward(ids, cache, all_logits=False)  # prefill: the checked path either way
+        return native.forward_batch(list(zip(blocks, caches)), trees=trees)
+
+    raw = run(True)
+    assert ran[-1] == sum(map(len, blocks)), "the batch's forward went through the raw calls"
+    ran.clear()
+    checked = run(False)
+    assert ran == []
+    for a, b in zip(raw, checked):
+        assert torch.equal(a, b)
