@@ -133,8 +133,6 @@ class RemoteProposer(Proposer):
         # ids): used at once, without waiting, unless the drafter's last block came from its store.
         self.local_first = local_first and local is not None
         self._store_recent = True  # the drafter's newest block drafted from its store (or none came yet)
-        self._found_overlap = 0  # committed tokens the last usable block had drafted (0: fresh)
-        self._found_block: _Block | None = None  # the last usable block
         self.target_model, self.cache_scope = target_model, cache_scope  # the drafter's suffix store
         self.token_trees = token_trees  # the drafter may send token trees (OpenSession.token_trees)
         self._asked_trees = False  # what the open stream asked for
@@ -255,9 +253,10 @@ class RemoteProposer(Proposer):
 
     # -- Proposer interface -------------------------------------------------------------------
 
-    def _usable(self, ids: list[int]) -> Draft | None:
-        """The newest block that proposes tokens at len(ids) consistently with `ids`; stale blocks
-        are dropped and counted."""
+    def _usable(self, ids: list[int]) -> tuple[Draft | None, _Block | None]:
+        """The draft of the newest block that proposes tokens at len(ids) consistently with `ids`
+        (NOTHING for a block that says it has none), and that block; (None, None) when there is
+        none. Stale blocks are dropped and counted."""
         n = len(ids)
         keep, found = [], None
         for block in self._blocks:
@@ -280,11 +279,10 @@ class RemoteProposer(Proposer):
             found = block
         self._blocks = keep
         if found is None:
-            return None
+            return None, None
         if not found.tokens:
-            return NOTHING
+            return NOTHING, found
         overlap = n - found.base_len
-        self._found_overlap, self._found_block = overlap, found
         parents = found.parents
         if parents is not None and overlap:  # a speculative tree without its guess: node 0's children are roots
             parents = [p - 1 for p in parents[1:]]
@@ -298,7 +296,7 @@ class RemoteProposer(Proposer):
             # Pad supports to one width with zero-probability entries (token of the row itself).
             draft.support = torch.tensor([s + [s[0]] * (width - len(s)) for s, _ in rows], dtype=torch.long)
             draft.support_probs = torch.tensor([p + [0.0] * (width - len(p)) for _, p in rows], dtype=torch.float32)
-        return draft
+        return draft, found
 
     def _fallback(self, ids: list[int]) -> Offer:
         """No usable block in time: the local proposer's offer, if there is one."""
@@ -327,11 +325,11 @@ class RemoteProposer(Proposer):
                 return self._fallback(ids)
         if self.local_first:
             with self._cond:
-                draft = self._usable(ids)
+                draft, block = self._usable(ids)
             if draft is NOTHING:
                 return Offer(self.name, 0, 0)  # the drafter has nothing here, from either index
-            if draft is not None and (self._found_overlap == 0 or draft.bucket >= STORE_BUCKET):
-                return self._take(ids, draft)  # fresh (the drafter's best here), or the rest of a store draft
+            if draft is not None and (block.base_len == len(ids) or draft.bucket >= STORE_BUCKET):
+                return self._take(ids, draft, block)  # fresh (the drafter's best here), or the rest of a store draft
             if not self._store_recent:
                 # The session's own index, as the drafter would draft it, a round trip sooner (the
                 # rest of an own-index block too: drafted afresh, the longer context may match
@@ -346,7 +344,7 @@ class RemoteProposer(Proposer):
         deadline = time.monotonic() + wait
         with self._cond:
             while True:
-                draft = self._usable(ids)
+                draft, block = self._usable(ids)
                 remaining = deadline - time.monotonic()
                 if draft is not None or remaining <= 0 or self._dead_since is not None:
                     break
@@ -357,11 +355,11 @@ class RemoteProposer(Proposer):
         if draft is None:
             self._misses += 1
             return self._fallback(ids)
-        return self._take(ids, draft)
+        return self._take(ids, draft, block)
 
-    def _take(self, ids: list[int], draft: Draft) -> Offer:
+    def _take(self, ids: list[int], draft: Draft, block: _Block) -> Offer:
         self._misses = 0
-        self._offer = (len(ids), draft, self._found_block)
+        self._offer = (len(ids), draft, block)
         return Offer(draft.proposer, draft.bucket, len(draft), tree=draft.parents is not None)
 
     def propose(self, ids: list[int], k: int, sampling: SamplingParams, gen: torch.Generator | None) -> Draft:
