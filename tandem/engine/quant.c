@@ -280,6 +280,26 @@ void tandem_quant_rows_a_ref(const float *restrict x, const signed char *restric
 
 #define A_BLOCK_BYTES(Q4) ((Q4) ? 16 * 20 : 16 * 34) /* one panel's block: the file's bytes for 16 outputs */
 #define A_SCALES(Q4) ((Q4) ? 256 : 512)                /* where its scales start */
+/* Software prefetch of the weights this far ahead of the block being read, into L2 (_MM_HINT_T1).
+ * Why: the hardware prefetchers stop at every 4 KB page and ramp up again, and a one-token step
+ * reads each weight once, so without it every page's first lines wait for memory. Measured on the
+ * 2-core Intel Xeon host (Granite Rapids class) for the default target: a one-token step at 300
+ * tokens 5.90 -> 4.19 ms at 8 KB ahead (2 KB: 5.14, 4 KB: 4.40, 16 KB: 4.17; into L1 instead:
+ * 4.63 at 8 KB; non-temporal: 1.6x slower). Prefetching never changes a result's bits. */
+#define PF_AHEAD 8192
+
+/* Prefetch [p, p + bytes) ahead by PF_AHEAD, not past `end` (a thread's share of the weight: the
+ * lines after it are another thread's or another buffer's). */
+static inline __attribute__((always_inline)) void prefetch_ahead(const unsigned char *p, int bytes,
+                                                                 const unsigned char *end) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+    for (int l = 0; l < bytes; l += 64)
+        if (p + PF_AHEAD + l < end) _mm_prefetch((const char *)(p + PF_AHEAD + l), _MM_HINT_T1);
+#else
+    (void)p, (void)bytes, (void)end;
+#endif
+}
+
 #define MAX_RA 4 /* rows per tile: 4 float + 4-8 integer accumulators (8 rows spilled on AVX-512: a 9-row block 1.2-1.5x slower) */
 
 static inline __attribute__((always_inline)) int load4(const signed char *p) {
@@ -320,7 +340,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
                                                          const float *restrict sxd, const int *restrict sx, int k,
                                                          const unsigned char *restrict q, const unsigned char *restrict sc,
                                                          const int R, const int Q4, float *restrict y, size_t ldy,
-                                                         int col, int m) {
+                                                         int col, int m, const unsigned char *pf_end) {
     const int nb = k / BLOCK;
     __m512 acc[MAX_RA];
 #pragma GCC unroll 8
@@ -332,6 +352,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
         for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_si512();
         const unsigned char *qb = q + (size_t)b * A_BLOCK_BYTES(Q4);
         const signed char *xb = xq + (size_t)b * BLOCK;
+        if (pf_end) prefetch_ahead(qb, A_BLOCK_BYTES(Q4), pf_end);
 #pragma GCC unroll 4
         for (int h = 0; h < 4; h++) {
             __m512i w0, w1;
@@ -386,7 +407,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
                                                          const float *restrict sxd, const int *restrict sx, int k,
                                                          const unsigned char *restrict q, const unsigned char *restrict sc,
                                                          const int R, const int Q4, float *restrict y, size_t ldy,
-                                                         int col, int m) {
+                                                         int col, int m, const unsigned char *pf_end) {
     const int nb = k / BLOCK;
     __m256 acc[MAX_RA];
 #pragma GCC unroll 8
@@ -398,6 +419,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
         for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
         const unsigned char *qb = q + (size_t)b * A_BLOCK_BYTES(Q4);
         const signed char *xb = xq + (size_t)b * BLOCK;
+        if (pf_end) prefetch_ahead(qb, A_BLOCK_BYTES(Q4), pf_end);
 #pragma GCC unroll 4
         for (int h = 0; h < 4; h++) {
             __m256i w0, w1;
@@ -451,7 +473,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
 
 #ifdef VW
 #define TILE_A(R) tile_a(xq + (size_t)r0 * k, dx + (size_t)r0 * nb, sxd + (size_t)r0 * nb, sx + (size_t)r0 * nb, k, \
-                         qp, sp, R, Q4, y + (size_t)r0 * m, (size_t)m, col, m)
+                         qp, sp, R, Q4, y + (size_t)r0 * m, (size_t)m, col, m, pf)
 
 /* Panels [begin, end) for all n rows, the activations already quantized. Q4 must be a literal at
  * each call: the parallel region below is outlined by the compiler, which does not carry a
@@ -462,6 +484,7 @@ static inline __attribute__((always_inline)) void panels_a(const signed char *re
                                                            int m, int k, int begin, int end, const int Q4) {
     const int nb = k / BLOCK, tiles = (n + MAX_RA - 1) / MAX_RA;
     const size_t pstride = (size_t)nb * A_BLOCK_BYTES(Q4);
+    const unsigned char *end_q = q + (size_t)end * pstride; /* this thread's share ends here */
     for (int p = begin; p < end; p++)
         for (int part = 0; part < LANES / VW; part++) { /* AVX2: each half of the panel */
             const unsigned char *qp = q + (size_t)p * pstride + (size_t)part * VW * 4;
@@ -469,6 +492,9 @@ static inline __attribute__((always_inline)) void panels_a(const signed char *re
             const int col = p * LANES + part * VW;
             for (int j = 0, r0 = 0; j < tiles; j++) {
                 const int R = (n - r0) / (tiles - j);
+                /* the first pass over a panel prefetches; later row tiles and the AVX2 second half
+                 * read it from cache */
+                const unsigned char *pf = j == 0 && part == 0 ? end_q : NULL;
                 switch (R) {
                 case 1: TILE_A(1); break;
                 case 2: TILE_A(2); break;
