@@ -111,6 +111,12 @@ def measure(native, *, contexts=CONTEXTS, rows=ROWS, reps: int = 7, progress: bo
         for ctx in contexts:
             cache = native.new_cache(ctx + max(rows))
             native.forward(ids[:ctx], cache, all_logits=False)
+            # Steady state, as a decode loop runs: the first few one-token steps after a prefill
+            # measured up to 1.4x slower than the rest on the Intel host (7 timed steps with one
+            # untimed before them: median 6.0 ms against 4.2-4.4 later in the same process).
+            for _ in range(reps):
+                cache.length = ctx
+                native.forward(ids[ctx : ctx + 1], cache)
             row_ms = {}
             for n in rows:
                 def step(n=n):
