@@ -14,6 +14,11 @@
 
 #define LANES 16 /* accumulators per dot product: one AVX-512 register of floats */
 #define BLOCK 4  /* activation rows sharing each load of a weight vector */
+/* Software prefetch of the weights this many floats (8 KB) ahead, into L2: the hardware prefetchers
+ * restart at every 4 KB page, and each weight row is 1-6 KB (quant.c says more; measured there). A
+ * thread's rows are contiguous, so ahead is the next rows; past the weight's end it only fetches
+ * lines nobody reads (a prefetch never faults). It never changes a result. */
+#define PF_FLOATS 2048
 
 /* The dot products of `rows` (1..BLOCK) activation rows with one weight row. Every row is summed
  * in the same order (LANES strided partial sums, then a fixed pairwise reduction), whatever `rows`
@@ -27,6 +32,9 @@ static inline __attribute__((always_inline)) void dots(const float *restrict x, 
     float acc[BLOCK][LANES] = {{0}};
     int i = 0;
     for (; i + LANES <= k; i += LANES) {
+#if defined(__GNUC__)
+        __builtin_prefetch(w + i + PF_FLOATS, 0, 2); /* read, into L2 */
+#endif
         for (int r = 0; r < rows; r++) {
 #pragma omp simd
             for (int l = 0; l < LANES; l++) acc[r][l] += x[r * ldx + i + l] * w[i + l];

@@ -37,6 +37,11 @@
 #include <omp.h>
 
 #define MAX_R 12 /* rows in one tile with 2 panels */
+/* Software prefetch of each panel's stream this many bytes ahead, into L2: the hardware prefetchers
+ * restart at every 4 KB page (quant.c says more; measured there). Past a panel's end it fetches the
+ * next panel's start, which the next group reads; past the weight's end, lines nobody reads (a
+ * prefetch never faults). It never changes a result. */
+#define PF_BYTES 8192
 #define WIDE_R 6 /* rows in one tile with 4 panels */
 
 /* R rows x P panels, k steps; R and P are constants at every call (always inlined from the switch
@@ -63,6 +68,11 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
         for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();
     for (int kk = 0; kk < k; kk++) {
         __m512 w[4];
+        /* one 64-byte line per panel every kk (float32) or every 4th (int8) */
+        if (!Q8 || kk % 4 == 0)
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++)
+                _mm_prefetch((const char *)panels + (p * pstride + (size_t)kk * LANES) * (Q8 ? 1 : 4) + PF_BYTES, _MM_HINT_T1);
 #pragma GCC unroll 4
         for (int p = 0; p < P; p++) w[p] = weights16(panels, p * pstride + (size_t)kk * LANES, Q8);
 #pragma GCC unroll 12
