@@ -60,18 +60,25 @@ def greedy_accept(
     """
     check_greedy_args(draft_ids, num_drafts, target_argmax)
     B, K = draft_ids.shape
-    output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=draft_ids.device)
-    num_accepted = torch.zeros(B, dtype=torch.int64, device=draft_ids.device)
+    # On Python lists: indexing tensors element by element cost ~20 us a row per step on a CPU
+    # (0.3 ms of a 16-session step), and this is the verifier's CPU path, not only the tests' oracle.
+    drafts, targets, counts = draft_ids.tolist(), target_argmax.tolist(), num_drafts.tolist()
+    output_ids = [[-1] * (K + 1) for _ in range(B)]
+    num_accepted = [0] * B
     for b in range(B):
-        n = _num_drafts(num_drafts, b, K)
+        n = counts[b]
+        if not 0 <= n <= K:
+            raise ValueError(f"num_drafts[{b}] = {n} is outside [0, K = {K}]")
         accepted = 0
-        while accepted < n and draft_ids[b, accepted] == target_argmax[b, accepted]:
+        while accepted < n and drafts[b][accepted] == targets[b][accepted]:
             accepted += 1
-        output_ids[b, :accepted] = draft_ids[b, :accepted]
+        output_ids[b][:accepted] = drafts[b][:accepted]
         # Recovered token at the first mismatch, or bonus token after the last draft.
-        output_ids[b, accepted] = target_argmax[b, accepted]
+        output_ids[b][accepted] = targets[b][accepted]
         num_accepted[b] = accepted
-    return output_ids, num_accepted
+    device = draft_ids.device
+    return (torch.tensor(output_ids, dtype=torch.int64, device=device),
+            torch.tensor(num_accepted, dtype=torch.int64, device=device))
 
 
 def rejection_sample(

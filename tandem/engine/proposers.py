@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from tandem.engine.config import SamplingParams, SpecConfig
 from tandem.engine.ids import common_prefix_len
 from tandem.engine.models import LoadedModel
-from tandem.engine.sampling import adjust_logits, exp_noise
+from tandem.engine.sampling import adjust_logits, argmax_rows, exp_noise
 
 
 @dataclass
@@ -452,7 +452,7 @@ class DraftModelProposer(Proposer):
             elif p_top < self.stop_below:
                 break
             if sampling.greedy:
-                tok = int(self._to_ids(logits.argmax()))
+                tok = int(self._to_ids(argmax_rows(logits)))
             else:
                 probs = torch.softmax(logits / sampling.temperature, dim=-1)  # [head_rows]
                 top = torch.topk(probs, min(self.draft_top_k, probs.shape[0]))

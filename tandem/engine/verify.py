@@ -24,7 +24,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tandem import kernels
 from tandem.engine.config import SamplingParams
 from tandem.engine.proposers import Draft
-from tandem.engine.sampling import adjust_logits, exp_noise, logits_to_probs
+from tandem.engine.sampling import adjust_logits, argmax_rows, exp_noise, logits_to_probs
 
 
 @dataclass
@@ -106,7 +106,7 @@ def _prepare(check: Check, logits: torch.Tensor) -> _Row:
     if not check.tree:
         logits = adjust_logits(logits, check.sampling, check.prompt_ids, check.generated_ids, tokens)
     if check.sampling.greedy:
-        return _Row(check, logits.argmax(-1))
+        return _Row(check, argmax_rows(logits))
     probs = logits_to_probs(logits, check.sampling)  # [k+1, vocab]
     vocab = probs.shape[-1]
     q = check.draft.dense_probs(vocab) if (k and not check.tree) else None  # [k, vocab] or None

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tandem.engine.config import SamplingParams, SpecConfig
-from tandem.engine.sampling import adjust_logits, logits_to_probs
+from tandem.engine.sampling import adjust_logits, argmax_rows, logits_to_probs
 from tandem.engine.spec import Engine
 
 from test_engine import DRAWS, P_MIN, chi_square_p_values, full_logits, run_draws  # noqa: F401 (fixtures below)
@@ -240,3 +240,23 @@ def test_a_draft_model_drafts_under_the_requests_bias_and_penalties(reduced_head
     untold = engine.generate(ctx, params, spec)
     assert untold.token_ids == target_only
     assert untold.stats.accepted < untold.stats.drafted and banned in proposed
+
+
+def test_the_greedy_token_is_torchs_argmax_on_ties_nans_and_infinities() -> None:
+    """argmax_rows (numpy on the CPU, for speed) picks the index torch.argmax picks: the first maximal
+    value, a NaN counting as the maximum; rows and single vectors; many ties (small integers)."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n, vocab = 1 + trial % 5, (7, 100, 49152)[trial % 3]
+        x = torch.randint(-3, 3, (n, vocab), generator=gen).float()  # [n, vocab]: ties everywhere
+        if trial % 4 == 0:
+            x[0, trial % vocab] = float("nan")
+        if trial % 7 == 0:
+            x[-1, (3 * trial) % vocab] = float("nan")
+            x[-1, (5 * trial + 1) % vocab] = float("nan")
+        if trial % 11 == 0:
+            x[0] = float("-inf")
+        got, want = argmax_rows(x), x.argmax(-1)
+        assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want), trial
+        assert torch.equal(argmax_rows(x[-1]), x[-1].argmax(-1)), trial
+        assert torch.equal(argmax_rows(x[:, : vocab // 2 + 1]), x[:, : vocab // 2 + 1].argmax(-1)), trial  # a view
