@@ -131,4 +131,4 @@ def sample_from(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One token from `probs # [vocab]` by the exponential race (argmax p / E, E ~ Exp(1)), the same
     rule the verification kernels use for recovered and bonus tokens."""
     noise = exp_noise(probs.shape[-1], gen)  # [vocab]
-    return int((probs.cpu() / noise).argmax())
+    return int(argmax_rows(probs.cpu() / noise))
