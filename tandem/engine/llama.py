@@ -295,12 +295,19 @@ class _FusedAttention:
     layers inside the same cache tensor (`ensure` ran before the forward, so no cache reallocates
     during it), and `qkv` is each layer's fresh GEMM output of the same shape, checked per call."""
 
-    def __init__(self, model: NativeLlama, blocks, offsets, starts, bits, cos2, sin2, att):
-        # cos2, sin2 `# [N, D]`, att `# [N, H D]`: the forward's; q `# [N, H, D]` written per layer
+    def __init__(self, model: NativeLlama, blocks, offsets, starts, bits, cos2, sin2, att, kernel, masks):
+        # cos2, sin2 `# [N, D]`, att `# [N, H D]`: the forward's; q `# [N, H, D]` written per layer.
+        # kernel[b]: block b's attention on attend.c; otherwise (a prompt piece longer than it
+        # serves) torch's scaled_dot_product_attention with masks[b] `# [n, s + n]` (None: all keys),
+        # as the unfused path computes it, so a step that carries a prompt piece beside decoding rows
+        # keeps those rows on the fused path (its per-block torch calls cost ~20 ms at 64 sessions).
         self.H, self.KV, self.D = model.n_heads, model.n_kv, model.head_dim
         self.scale, self.att, self.cos2, self.sin2 = model.scale, att, cos2, sin2
         self.q = torch.empty(att.shape[0], self.H, self.D, dtype=att.dtype)
         self.blocks = [(offsets[b], offsets[b + 1], starts[b], cache, bits[b]) for b, (_, cache) in enumerate(blocks)]
+        self.torch_blocks = [(offsets[b], offsets[b + 1], starts[b], cache, masks[b])
+                             for b, (_, cache) in enumerate(blocks) if not kernel[b]]
+        self.kernel = kernel
         self.width = (self.H + 2 * self.KV) * self.D  # qkv's row length
         self.rope, self.attn = rowops.library(), attend.library()
         self.threads = torch.get_num_threads()
@@ -309,26 +316,41 @@ class _FusedAttention:
         # qkv `# [N, (H + 2 KV) D]` contiguous, this layer's
         H, KV, D = self.H, self.KV, self.D
         if li == 0:
-            for a, e, s, cache, tree in self.blocks:
+            for (a, e, s, cache, tree), use in zip(self.blocks, self.kernel):
                 rowops.rope_store(qkv[a:e], self.cos2[a:e], self.sin2[a:e], self.q[a:e], cache.k[0], cache.v[0], s)
-                attend.attend(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, self.scale, tree)
+                if use:
+                    attend.attend(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, self.scale, tree)
+            self._torch_attention(0)
             return
         if qkv.shape != (self.q.shape[0], self.width) or not qkv.is_contiguous() or qkv.dtype != torch.float32:
             raise ValueError(f"layer {li}'s qkv {tuple(qkv.shape)} is not the layout layer 0 was checked with")
         f = 4  # bytes per float32
         qkv_p, q_p, att_p = qkv.data_ptr(), self.q.data_ptr(), self.att.data_ptr()
         cos_p, sin_p = self.cos2.data_ptr(), self.sin2.data_ptr()
-        for a, e, s, cache, tree in self.blocks:
+        for (a, e, s, cache, tree), use in zip(self.blocks, self.kernel):
             cap = cache.k.shape[2]
             k_p = cache.k.data_ptr() + li * cache.k.stride(0) * f
             v_p = cache.v.data_ptr() + li * cache.v.stride(0) * f
             self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
                                         sin_p + a * D * f, q_p + a * H * D * f, k_p, v_p, cap, s)
+            if not use:
+                continue
             rc = self.attn.tandem_attend(q_p + a * H * D * f, H * D, k_p, v_p, att_p + a * H * D * f, H * D, H, KV,
                                          e - a, D, s, cap, self.scale, self.threads,
                                          None if tree is None else ctypes.addressof(tree))
             if rc != 0:
                 raise MemoryError(f"the CPU attention kernel failed ({rc})")
+        self._torch_attention(li)
+
+    def _torch_attention(self, li: int) -> None:
+        """Layer li's attention of the blocks attend.c does not serve (their queries and the cache
+        already rotated and written), as the unfused path computes it."""
+        H, KV, D = self.H, self.KV, self.D
+        for a, e, s, cache, mask in self.torch_blocks:
+            self.att[a:e] = F.scaled_dot_product_attention(
+                self.q[a:e].transpose(0, 1).unsqueeze(0), cache.k[li, :, : s + e - a].unsqueeze(0),
+                cache.v[li, :, : s + e - a].unsqueeze(0), attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
+            )[0].transpose(0, 1).reshape(e - a, H * D)  # [n_b, H D]
 
 
 class _RawLayers:
@@ -769,12 +791,14 @@ class NativeLlama:
         # Decode and verification blocks on our kernels: the rotary embedding and the cache write in
         # one call per block and layer (rowops.rope_store, the same arithmetic as the torch ops
         # below), which on a one-token step cost more than the attention itself.
-        fused = self.row_kernel and all(kernel)
+        # fused: every block's rotary embedding and cache write on rowops.c and the layers' glue on
+        # our kernels; the blocks attend.c does not serve (prompt pieces) attend through torch inside
+        fused = self.row_kernel and not members and all(cache.pool is None for _, cache in blocks)
         cos2, sin2 = cos.view(N, D), sin.view(N, D)  # [N, D] each
         x = self.embed[flat]  # [N, hidden]
         # one buffer per forward, rewritten by every layer (its output projection reads it first)
         att = torch.empty(N, H * D, dtype=x.dtype, device=self.device)  # [N, H D]
-        fused_calls = _FusedAttention(self, blocks, offsets, starts, bits, cos2, sin2, att) if fused else None
+        fused_calls = _FusedAttention(self, blocks, offsets, starts, bits, cos2, sin2, att, kernel, masks) if fused else None
         pooled = _PooledAttention(self, pool, blocks, members, offsets, starts, lens, trees) if members else None
         down = None  # the previous layer's MLP output, added to the residual stream with the next norm
         layers = self.layers
