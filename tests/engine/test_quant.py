@@ -350,7 +350,7 @@ def test_raw_layer_calls_give_the_checked_paths_bits(kind, activations, tiny_loa
         monkeypatch.setattr(native, "raw_layers", raw)
         caches = [native.new_cache() for _ in ctx]
         for ids, cache in zip(ctx, caches):
-            native.forward(ids, cache, all_logits=False)  # prefill: the checked path either way
+            native.forward(ids, cache, all_logits=False)  # prefill: the path under test too
         return native.forward_batch(list(zip(blocks, caches)), trees=trees)
 
     raw = run(True)
@@ -360,3 +360,42 @@ def test_raw_layer_calls_give_the_checked_paths_bits(kind, activations, tiny_loa
     assert ran == []
     for a, b in zip(raw, checked):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("activations", ARITHMETICS)
+def test_a_prompt_piece_beside_decoding_rows_leaves_their_bits(activations, tiny_loaded, monkeypatch) -> None:
+    """A step that carries a prompt piece longer than the attention kernel serves (its attention on
+    torch's kernel) beside decoding rows still runs the raw calls, the decoding rows' logits equal
+    the same rows' in a step without the piece bit for bit, and the piece's cache continues exactly
+    as the same tokens prefilled alone."""
+    from tandem.engine import attend, llama
+
+    target = quantize_model(tiny_loaded, "Q4_1", activations=activations)
+    native = NativeLlama(target.model, quantized=target.quantized)
+    ran = []
+    real_run = llama._RawLayers.run
+    monkeypatch.setattr(llama._RawLayers, "run", lambda self: ran.append(self.x.shape[0]) or real_run(self))
+    gen = torch.Generator().manual_seed(1)
+    ctx = [torch.randint(0, native.vocab, (n,), generator=gen).tolist() for n in (5, 23)]
+    before_piece = torch.randint(0, native.vocab, (10,), generator=gen).tolist()
+    piece = torch.randint(0, native.vocab, (attend.MAX_ROWS + 8,), generator=gen).tolist()
+    blocks = [[7], [3, 9, 11]]
+
+    def fresh():
+        caches = [native.new_cache() for _ in ctx]
+        for ids, cache in zip(ctx, caches):
+            native.forward(ids, cache, all_logits=False)
+        held = native.new_cache()
+        native.forward(before_piece, held, all_logits=False)
+        return caches, held
+
+    caches, held = fresh()
+    mixed = native.forward_batch(list(zip(blocks, caches)) + [(piece, held)], [True, True, False])
+    assert ran[-1] == sum(map(len, blocks)) + len(piece), "the mixed step went through the raw calls"
+    assert mixed[2] is None
+    caches_alone, held_alone = fresh()
+    alone = native.forward_batch(list(zip(blocks, caches_alone)))
+    for a, b in zip(mixed[:2], alone):
+        assert torch.equal(a, b)
+    native.forward(piece, held_alone, all_logits=False)
+    assert torch.equal(native.forward([5, 6], held), native.forward([5, 6], held_alone))
