@@ -66,9 +66,7 @@ def greedy_accept(
     output_ids = [[-1] * (K + 1) for _ in range(B)]
     num_accepted = [0] * B
     for b in range(B):
-        n = counts[b]
-        if not 0 <= n <= K:
-            raise ValueError(f"num_drafts[{b}] = {n} is outside [0, K = {K}]")
+        n = _count_in_range(counts[b], b, K)
         accepted = 0
         while accepted < n and drafts[b][accepted] == targets[b][accepted]:
             accepted += 1
@@ -291,7 +289,10 @@ def _exponential_race(
 
 
 def _num_drafts(num_drafts: torch.Tensor, b: int, K: int) -> int:
-    n = int(num_drafts[b])
+    return _count_in_range(int(num_drafts[b]), b, K)
+
+
+def _count_in_range(n: int, b: int, K: int) -> int:
     if not 0 <= n <= K:
         raise ValueError(f"num_drafts[{b}] = {n} is outside [0, K = {K}]")
     return n

@@ -345,12 +345,22 @@ class _FusedAttention:
     def _torch_attention(self, li: int) -> None:
         """Layer li's attention of the blocks attend.c does not serve (their queries and the cache
         already rotated and written), as the unfused path computes it."""
-        H, KV, D = self.H, self.KV, self.D
         for a, e, s, cache, mask in self.torch_blocks:
-            self.att[a:e] = F.scaled_dot_product_attention(
-                self.q[a:e].transpose(0, 1).unsqueeze(0), cache.k[li, :, : s + e - a].unsqueeze(0),
-                cache.v[li, :, : s + e - a].unsqueeze(0), attn_mask=mask, scale=self.scale, enable_gqa=H != KV,
-            )[0].transpose(0, 1).reshape(e - a, H * D)  # [n_b, H D]
+            self.att[a:e] = _torch_block_attention(self.q[a:e], cache, li, s, mask, self.scale)
+
+
+def _torch_block_attention(q: torch.Tensor, cache: KVCache, li: int, start: int, mask: torch.Tensor | None,
+                           scale: float) -> torch.Tensor:
+    """One block's attention on torch's kernel: q `# [n, H, D]` at positions start .. start+n-1 over
+    layer li's cache (already holding them), mask `# [n, start + n]` bool or None (every key) ->
+    `# [n, H D]`. The fused and the unfused forward both call it, so a block gets the same bits
+    on either."""
+    n, H, D = q.shape
+    L = start + n
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), cache.k[li, :, :L].unsqueeze(0), cache.v[li, :, :L].unsqueeze(0),
+        attn_mask=mask, scale=scale, enable_gqa=H != cache.k.shape[1],
+    )[0].transpose(0, 1).reshape(n, H * D)
 
 
 class _RawLayers:
@@ -828,11 +838,7 @@ class NativeLlama:
                     if kernel[b]:
                         attend.attend(q[a:e], cache.k[li], cache.v[li], att[a:e], s, self.scale, bits[b])
                         continue
-                    att[a:e] = F.scaled_dot_product_attention(
-                        q[a:e].transpose(0, 1).unsqueeze(0), cache.k[li, :, : s + e - a].unsqueeze(0),
-                        cache.v[li, :, : s + e - a].unsqueeze(0), attn_mask=masks[b], scale=self.scale,
-                        enable_gqa=H != KV,
-                    )[0].transpose(0, 1).reshape(e - a, H * D)  # [n_b, H D]
+                    att[a:e] = _torch_block_attention(q[a:e], cache, li, s, masks[b], self.scale)  # [n_b, H D]
             o = w["wo"](att)  # [N, hidden]
             if w["bo"] is not None:
                 o = o + w["bo"]

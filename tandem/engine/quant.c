@@ -43,6 +43,13 @@
 
 #define LANES 16
 #define BLOCK 32 /* inputs per scale: GGUF's Q4_0, Q4_1 and Q8_0 */
+/* Software prefetch of the weights this far ahead of the block being read, into L2 (_MM_HINT_T1).
+ * Why: the hardware prefetchers stop at every 4 KB page and ramp up again, and a one-token step
+ * reads each weight once, so without it every page's first lines wait for memory. Measured on the
+ * 2-core Intel Xeon host (Granite Rapids class) for the default target: a one-token step at 300
+ * tokens 5.90 -> 4.19 ms at 8 KB ahead (2 KB: 5.14, 4 KB: 4.40, 16 KB: 4.17; into L1 instead:
+ * 4.63 at 8 KB; non-temporal: 1.6x slower). Prefetching never changes a result's bits. */
+#define PF_AHEAD 8192
 
 #ifdef __AVX512F__
 
@@ -76,13 +83,13 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
         for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();
     for (int b = 0; b < k / BLOCK; b++) {
         __m512 d[2], mm[2];
-        /* software prefetch, 8 KB ahead in each stream (the int8 part below says why) */
+        /* software prefetch, PF_AHEAD in each stream (weights, scales, offsets) */
 #pragma GCC unroll 2
         for (int p = 0; p < P; p++) {
             const char *qa = (const char *)q + p * qstride + (size_t)(Q4 ? b * BLOCK / 2 : b * BLOCK) * LANES;
-            for (int l = 0; l < BLOCK * LANES / (1 + Q4); l += 64) _mm_prefetch(qa + 8192 + l, _MM_HINT_T1);
-            _mm_prefetch((const char *)(dm + p * dstride + (size_t)b * LANES) + 8192, _MM_HINT_T1);
-            _mm_prefetch((const char *)(dm + mstride + p * dstride + (size_t)b * LANES) + 8192, _MM_HINT_T1);
+            for (int l = 0; l < BLOCK * LANES / (1 + Q4); l += 64) _mm_prefetch(qa + PF_AHEAD + l, _MM_HINT_T1);
+            _mm_prefetch((const char *)(dm + p * dstride + (size_t)b * LANES) + PF_AHEAD, _MM_HINT_T1);
+            _mm_prefetch((const char *)(dm + mstride + p * dstride + (size_t)b * LANES) + PF_AHEAD, _MM_HINT_T1);
         }
 #pragma GCC unroll 2
         for (int p = 0; p < P; p++) {
@@ -288,14 +295,6 @@ void tandem_quant_rows_a_ref(const float *restrict x, const signed char *restric
 
 #define A_BLOCK_BYTES(Q4) ((Q4) ? 16 * 20 : 16 * 34) /* one panel's block: the file's bytes for 16 outputs */
 #define A_SCALES(Q4) ((Q4) ? 256 : 512)                /* where its scales start */
-/* Software prefetch of the weights this far ahead of the block being read, into L2 (_MM_HINT_T1).
- * Why: the hardware prefetchers stop at every 4 KB page and ramp up again, and a one-token step
- * reads each weight once, so without it every page's first lines wait for memory. Measured on the
- * 2-core Intel Xeon host (Granite Rapids class) for the default target: a one-token step at 300
- * tokens 5.90 -> 4.19 ms at 8 KB ahead (2 KB: 5.14, 4 KB: 4.40, 16 KB: 4.17; into L1 instead:
- * 4.63 at 8 KB; non-temporal: 1.6x slower). Prefetching never changes a result's bits. */
-#define PF_AHEAD 8192
-
 /* Prefetch [p, p + bytes) ahead by PF_AHEAD, not past `end` (a thread's share of the weight: the
  * lines after it are another thread's or another buffer's). */
 static inline __attribute__((always_inline)) void prefetch_ahead(const unsigned char *p, int bytes,
