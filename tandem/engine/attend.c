@@ -37,7 +37,8 @@
 #define SPAN 256      /* keys per run (a unit of a thread's work): shorter runs cost more to merge than they save */
 #define PF_BYTES 8192 /* software prefetch this far ahead in each of the key and value streams (below) */
 
-/* Prefetch into L2 the keys and values of positions [a, b) of one KV head (each D floats).
+/* Prefetch into L2 the keys and values of positions [a, b) of one KV head (each D floats): a
+ * run's first keys; the rest are prefetched as the run goes (run_v).
  * Why: the hardware prefetchers stop at every 4 KB page (16 keys at head_dim 64) and ramp up again,
  * so without it each page's first lines wait for memory. Measured on the 2-core Intel Xeon host:
  * one token's attention over 30 layers' caches of 4,000 tokens 9.7 -> 7.9 ms (19 -> 23 GB/s; 4 KB
@@ -180,11 +181,23 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
         /* scores, 16 keys at a time; keys past a row's position (or past the run) get -inf */
         for (int j = t0; j < t1; j += 16) {
             const int cnt = (t1 - j < 16) ? t1 - j : 16;
-            if (j + ahead < j1) prefetch_keys(kg, vg, D, j + ahead, j + ahead + 16 < j1 ? j + ahead + 16 : j1);
+            /* the group `ahead` keys on is prefetched a few lines per query row below, spread over
+             * the group's work: issued at once (128 lines at head_dim 64), the prefetches filled
+             * the core's miss buffers and stalled it (28% of a 9-row block's samples sat on them);
+             * spread, a 9-row block over 30 layers' caches of 4,000 tokens took 18.7 -> 15.0 ms
+             * on the 2-core Intel Xeon host, one row 7.8 -> 7.3 ms (docs/design-notes.md,
+             * "Attention: spread prefetch") */
+            const int pa = j + ahead, pb = pa + 16 < j1 ? pa + 16 : j1;
+            const int lines = pa < j1 ? (int)(((size_t)(pb - pa) * D * 4 + 63) / 64) : 0;
+            const char *pk = (const char *)(kg + (size_t)pa * D), *pv = (const char *)(vg + (size_t)pa * D);
             const float *kp[16]; /* the group's keys; past the run's end key j again (masked below) */
             for (int i = 0; i < 16; i++) kp[i] = kg + (size_t)(i < cnt ? j + i : j) * D;
             for (int r = 0; r < R; r++) {
                 const int t = r % n;
+                for (int x = r * lines / R; x < (r + 1) * lines / R; x++) {
+                    _mm_prefetch(pk + 64 * (size_t)x, _MM_HINT_T1);
+                    _mm_prefetch(pv + 64 * (size_t)x, _MM_HINT_T1);
+                }
                 const float *qr = q + (size_t)t * q_stride + (size_t)(g * G + r / n) * D;
                 __m512 qv[MAX_VEC];
                 for (int e = 0; e < V; e++) qv[e] = _mm512_loadu_ps(qr + 16 * e);
@@ -208,14 +221,21 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
             float *row = sc + r * TILE;
             __m512 vm = ninf;
             for (int x = 0; x < wp; x += 16) vm = _mm512_max_ps(vm, _mm512_load_ps(row + x));
-            float mx = _mm512_reduce_max_ps(vm);
-            mx = mx > m[r] ? mx : m[r];
+            /* Past the first tiles a row's running maximum rarely grows: then mx is m[r] and the
+             * correction e^0 = 1 exactly, so the horizontal maximum and the expf call are skipped
+             * (the same bits either way; ~27 rows x 63 tiles x 90 heads and layers of a 9-token step
+             * at 4,000 tokens) */
+            float mx = m[r];
+            if (_mm512_cmp_ps_mask(vm, _mm512_set1_ps(m[r]), _CMP_GT_OQ)) {
+                const float tmx = _mm512_reduce_max_ps(vm);
+                mx = tmx > m[r] ? tmx : m[r];
+            }
             if (mx == -INFINITY) { /* every key so far is after this row's position */
                 for (int x = 0; x < wp; x += 16) _mm512_store_ps(row + x, _mm512_setzero_ps());
                 corr[r] = 1.0f;
                 continue;
             }
-            corr[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+            corr[r] = m[r] == -INFINITY ? 0.0f : (mx == m[r] ? 1.0f : expf(m[r] - mx));
             const __m512 vmx = _mm512_set1_ps(mx);
             __m512 sum = _mm512_setzero_ps();
             for (int x = 0; x < wp; x += 16) {
@@ -269,7 +289,11 @@ int tandem_attend(const float *restrict q, int q_stride, const float *restrict k
     const size_t per = (size_t)R * (D + 2); /* m, l, acc of one run */
     float *part = aligned_alloc(64, sizeof(float) * (((size_t)KV * runs * per + 15) / 16 * 16));
     if (!part) return -2;
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    /* Contiguous shares (a static schedule): a thread's runs then mostly follow each other in
+     * memory. Measured against a dynamic schedule of single runs on the 2-core Intel Xeon host:
+     * 9 rows at 4,000 tokens 20.2 -> 18.7 ms, one row 8.0 -> 7.5 ms (before the spread prefetch).
+     * The runs' bits do not depend on which thread computes them. */
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int item = 0; item < KV * runs; item++) {
         const int g = item / runs, c = item % runs;
         const int j0 = c * span, j1 = (j0 + span < L) ? j0 + span : L;
