@@ -276,54 +276,126 @@ static void run(const float *restrict q, int q_stride, const float *restrict kg,
     }
 }
 
-int tandem_attend(const float *restrict q, int q_stride, const float *restrict k, const float *restrict v,
-                  float *restrict out, int o_stride, int H, int KV, int n, int D, int s, int cap,
-                  float scale, int threads, const unsigned *restrict tree) {
-    if (D % 16 || D > 16 * MAX_VEC || H % KV) return -1;
-    const int G = H / KV, R = G * n, L = s + n;
-    /* Runs of SPAN keys at fixed positions (0, SPAN, 2 SPAN, ...), whatever the block's length and
-     * the thread count: a row's result then has the same bits whether it is computed alone (a plain
-     * step) or in a block (verification). Keys past a row's position only add exact zeros to its
-     * sums, and a run wholly past it is skipped in the merge. */
-    const int span = SPAN, runs = (L + SPAN - 1) / SPAN;
-    const size_t per = (size_t)R * (D + 2); /* m, l, acc of one run */
-    float *part = aligned_alloc(64, sizeof(float) * (((size_t)KV * runs * per + 15) / 16 * 16));
-    if (!part) return -2;
+/* One block's attention: its queries, its layer of the cache, where its output goes. */
+typedef struct {
+    const float *q;
+    const float *k, *v;
+    float *out;
+    const unsigned *tree;
+    int q_stride, o_stride, n, s, cap;
+    int runs;     /* runs of SPAN keys over its s + n positions */
+    size_t first; /* its first item among all blocks' (head, run) items, and its partials' offset / per */
+} block_t;
+
+/* Item `item` of block b: KV head item / runs, keys of run item % runs. Runs of SPAN keys at fixed
+ * positions (0, SPAN, 2 SPAN, ...), whatever the block's length, the other blocks and the thread
+ * count: a row's result then has the same bits whether it is computed alone (a plain step) or in
+ * a block (verification). Keys past a row's position only add exact zeros to its sums, and a run
+ * wholly past it is skipped in the merge. */
+static void block_item(const block_t *b, int H, int KV, int D, float scale, int item, float *restrict m) {
+    const int G = H / KV, R = G * b->n, L = b->s + b->n;
+    const int g = item / b->runs, c = item % b->runs;
+    const int j0 = c * SPAN, j1 = (j0 + SPAN < L) ? j0 + SPAN : L;
+    run(b->q, b->q_stride, b->k + (size_t)g * b->cap * D, b->v + (size_t)g * b->cap * D, G, b->n, D, b->s, g, j0,
+        j1, scale, b->tree, m, m + R, m + 2 * R);
+}
+
+/* Merge the runs of KV head g's rows of block b: out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M).
+ * part: the block's partials, run after run (m, l, acc of R rows each). */
+static void block_merge(const block_t *b, int H, int KV, int D, int g, const float *restrict part) {
+    const int G = H / KV, R = G * b->n, n = b->n, runs = b->runs;
+    const size_t per = (size_t)R * (D + 2);
+    for (int r = 0; r < R; r++) {
+        float M = -INFINITY;
+        for (int c = 0; c < runs; c++) {
+            const float mc = part[(size_t)(g * runs + c) * per + r];
+            M = mc > M ? mc : M;
+        }
+        float *o = b->out + (size_t)(r % n) * b->o_stride + (size_t)(g * G + r / n) * D;
+        float lsum = 0.0f;
+        for (int e = 0; e < D; e++) o[e] = 0.0f;
+        for (int c = 0; c < runs; c++) {
+            const float *base = part + (size_t)(g * runs + c) * per;
+            if (base[r] == -INFINITY) continue; /* a run entirely after this row's position */
+            const float f = expf(base[r] - M);
+            lsum += base[R + r] * f;
+            const float *a = base + 2 * R + (size_t)r * D;
+            for (int e = 0; e < D; e++) o[e] += a[e] * f;
+        }
+        const float inv = 1.0f / lsum;
+        for (int e = 0; e < D; e++) o[e] *= inv;
+    }
+}
+
+/* The attention of nb blocks, each as tandem_attend computes it (the same runs, the same merge:
+ * the same bits), in one parallel region over every block's (head, run) items and one over their
+ * merges. Why: a batched decode step of 16 sessions made 16 calls a layer, each a parallel region
+ * of 6 items at 300 tokens, with the merge and the Python between them on one thread while the
+ * other waited (libgomp's waiting was 26% of such a step's samples on the 2-core Intel host). */
+static int attend_blocks(block_t *bl, int nb, int H, int KV, int D, float scale, int threads) {
+    if (D % 16 || D > 16 * MAX_VEC || H % KV || KV <= 0) return -1;
+    const int G = H / KV;
+    size_t items = 0, floats = 0;
+    for (int i = 0; i < nb; i++) {
+        if (bl[i].n <= 0 || bl[i].s < 0) return -1;
+        bl[i].runs = (bl[i].s + bl[i].n + SPAN - 1) / SPAN;
+        bl[i].first = items;
+        items += (size_t)KV * bl[i].runs;
+    }
+    size_t *at = malloc(sizeof(size_t) * (nb + 1)); /* block i's partials start at part + at[i] */
+    int *owner = malloc(sizeof(int) * (items ? items : 1));
+    if (!at || !owner) { free(at), free(owner); return -2; }
+    for (int i = 0; i < nb; i++) {
+        at[i] = floats;
+        floats += (size_t)KV * bl[i].runs * G * bl[i].n * (D + 2);
+        for (size_t x = bl[i].first; x < bl[i].first + (size_t)KV * bl[i].runs; x++) owner[x] = i;
+    }
+    at[nb] = floats;
+    float *part = aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
+    if (!part) { free(at), free(owner); return -2; }
     /* Contiguous shares (a static schedule): a thread's runs then mostly follow each other in
      * memory. Measured against a dynamic schedule of single runs on the 2-core Intel Xeon host:
      * 9 rows at 4,000 tokens 20.2 -> 18.7 ms, one row 8.0 -> 7.5 ms (before the spread prefetch).
      * The runs' bits do not depend on which thread computes them. */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int item = 0; item < KV * runs; item++) {
-        const int g = item / runs, c = item % runs;
-        const int j0 = c * span, j1 = (j0 + span < L) ? j0 + span : L;
-        float *m = part + (size_t)item * per;
-        run(q, q_stride, k + (size_t)g * cap * D, v + (size_t)g * cap * D, G, n, D, s, g, j0, j1, scale,
-            tree, m, m + R, m + 2 * R);
-    }
-    /* merge the runs of each row: out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M) */
-    for (int g = 0; g < KV; g++) {
-        for (int r = 0; r < R; r++) {
-            float M = -INFINITY;
-            for (int c = 0; c < runs; c++) {
-                const float mc = part[(size_t)(g * runs + c) * per + r];
-                M = mc > M ? mc : M;
-            }
-            float *o = out + (size_t)(r % n) * o_stride + (size_t)(g * G + r / n) * D;
-            float lsum = 0.0f;
-            for (int e = 0; e < D; e++) o[e] = 0.0f;
-            for (int c = 0; c < runs; c++) {
-                const float *base = part + (size_t)(g * runs + c) * per;
-                if (base[r] == -INFINITY) continue; /* a run entirely after this row's position */
-                const float f = expf(base[r] - M);
-                lsum += base[R + r] * f;
-                const float *a = base + 2 * R + (size_t)r * D;
-                for (int e = 0; e < D; e++) o[e] += a[e] * f;
-            }
-            const float inv = 1.0f / lsum;
-            for (int e = 0; e < D; e++) o[e] *= inv;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long x = 0; x < (long)items; x++) {
+            const block_t *b = bl + owner[x];
+            const int item = (int)(x - (long)b->first);
+            block_item(b, H, KV, D, scale, item, part + at[owner[x]] + (size_t)item * G * b->n * (D + 2));
         }
+#pragma omp for schedule(static)
+        for (long x = 0; x < (long)nb * KV; x++)
+            block_merge(bl + x / KV, H, KV, D, (int)(x % KV), part + at[x / KV]);
     }
-    free(part);
+    free(part), free(at), free(owner);
     return 0;
+}
+
+int tandem_attend(const float *restrict q, int q_stride, const float *restrict k, const float *restrict v,
+                  float *restrict out, int o_stride, int H, int KV, int n, int D, int s, int cap,
+                  float scale, int threads, const unsigned *restrict tree) {
+    block_t b = {q, k, v, out, tree, q_stride, o_stride, n, s, cap, 0, 0};
+    return attend_blocks(&b, 1, H, KV, D, scale, threads);
+}
+
+/* nb blocks of one layer, block i described by desc[10 i .. 10 i + 9]: the addresses of its q, k,
+ * v, out and tree (0: causal), q's and out's row strides (floats), its rows n, its start s, its
+ * cache's capacity cap. Each block as tandem_attend takes it; the caller checks every address
+ * (tandem/engine/llama.py checks them through tandem_attend at layer 0 and moves them by whole
+ * layers after). */
+int tandem_attend_many(int nb, const long long *desc, int H, int KV, int D, float scale, int threads) {
+    if (nb <= 0) return 0;
+    block_t *bl = malloc(sizeof(block_t) * nb);
+    if (!bl) return -2;
+    for (int i = 0; i < nb; i++) {
+        const long long *d = desc + 10 * (size_t)i;
+        bl[i] = (block_t){(const float *)(size_t)d[0], (const float *)(size_t)d[1], (const float *)(size_t)d[2],
+                          (float *)(size_t)d[3], (const unsigned *)(size_t)d[4], (int)d[5], (int)d[6], (int)d[7],
+                          (int)d[8], (int)d[9], 0, 0};
+    }
+    const int rc = attend_blocks(bl, nb, H, KV, D, scale, threads);
+    free(bl);
+    return rc;
 }

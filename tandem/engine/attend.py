@@ -12,6 +12,7 @@ import ctypes
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tandem.engine import gemv
@@ -26,6 +27,17 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                    + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
     fn.restype = ctypes.c_int
+    if hasattr(lib, "tandem_attend_many"):  # absent from older builds (scripts/prefetch_ab.py loads those)
+        many = lib.tandem_attend_many
+        many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                         ctypes.c_int]
+        many.restype = ctypes.c_int
+
+
+# One block's entry in `tandem_attend_many`'s descriptor array (int64 each): the addresses of q, k,
+# v, out and the tree masks (0: causal), q's and out's row strides in floats, rows, start, the
+# cache's capacity.
+DESC_FIELDS = ("q", "k", "v", "out", "tree", "q_stride", "o_stride", "n", "start", "cap")
 
 
 _kernel = gemv.Kernel(SOURCE, "CPU attention kernel", _bind,
@@ -71,6 +83,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lib = library()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available on this host")
+    _check(q, k, v, out, start, tree)
+    n, H, D = q.shape
+    KV, cap = k.shape[0], k.shape[1]
+    rc = lib.tandem_attend(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), out.stride(0),
+                           H, KV, n, D, start, cap, scale, torch.get_num_threads(),
+                           None if tree is None else ctypes.addressof(tree))
+    if rc != 0:
+        raise MemoryError(f"the CPU attention kernel failed ({rc})")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, start: int,
+           tree: ctypes.Array | None) -> None:
+    """What the kernel needs of one block (it reads raw pointers: anything else would read the
+    wrong memory); raises ValueError naming what is wrong."""
     n, H, D = q.shape
     KV, cap = k.shape[0], k.shape[1]
     ok = (q.dtype == k.dtype == v.dtype == out.dtype == torch.float32 and q.stride()[1:] == (D, 1)
@@ -80,12 +106,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
           and all(t.device.type == "cpu" for t in (q, k, v, out)))
     if tree is not None and len(tree) != n:
         raise ValueError(f"tree has {len(tree)} rows' masks for a block of {n} rows")
-    if not ok:  # the kernel reads raw pointers: anything else would read the wrong memory
+    if not ok:
         raise ValueError(f"attend takes float32 CPU q [n <= {MAX_ROWS}, H, D (a multiple of 16)], k/v contiguous "
                          f"[KV, cap, D] with start + n <= cap, out [n, H*D]; got q {tuple(q.shape)} {q.stride()}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}, start {start}")
-    rc = lib.tandem_attend(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), out.stride(0),
-                           H, KV, n, D, start, cap, scale, torch.get_num_threads(),
-                           None if tree is None else ctypes.addressof(tree))
+
+
+def attend_many(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, ctypes.Array | None]],
+                scale: float) -> None:
+    """`attend` for several blocks (q, k, v, out, start, tree) of the same head layout in one call of
+    the kernel (one parallel region for all): each block's output has the bits `attend` gives it
+    alone (tested). The batched forward makes this call for its sessions' blocks."""
+    lib = library()
+    if lib is None or not hasattr(lib, "tandem_attend_many"):
+        raise RuntimeError("the CPU attention kernel is not available on this host")
+    if not blocks:
+        return
+    H, D, KV = blocks[0][0].shape[1], blocks[0][0].shape[2], blocks[0][1].shape[0]
+    rows = []
+    for q, k, v, out, start, tree in blocks:
+        _check(q, k, v, out, start, tree)
+        if (q.shape[1], q.shape[2], k.shape[0]) != (H, D, KV):
+            raise ValueError(f"every block needs the first's heads ({H}, {KV} KV) and head size {D}; got "
+                             f"{q.shape[1]}, {k.shape[0]} KV, {q.shape[2]}")
+        rows.append([q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                     0 if tree is None else ctypes.addressof(tree), q.stride(0), out.stride(0), q.shape[0], start,
+                     k.shape[1]])
+    desc = np.array(rows, dtype=np.int64)  # [blocks, 10]: DESC_FIELDS
+    rc = lib.tandem_attend_many(len(rows), desc.ctypes.data, H, KV, D, scale, torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"the CPU attention kernel failed ({rc})")

@@ -27,6 +27,7 @@ import math
 import threading
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -311,6 +312,11 @@ class _FusedAttention:
         self.width = (self.H + 2 * self.KV) * self.D  # qkv's row length
         self.rope, self.attn = rowops.library(), attend.library()
         self.threads = torch.get_num_threads()
+        # Several blocks on attend.c (a batched step's sessions): layers after the first make one
+        # call for all of them (`tandem_attend_many`, one parallel region; same bits as a call a
+        # block). Their descriptors are set at layer 0, once its checked calls passed.
+        self.many = [b for b, use in enumerate(kernel) if use] if hasattr(self.attn, "tandem_attend_many") else []
+        self.desc: np.ndarray | None = None  # `# [blocks, 10]` int64, attend.DESC_FIELDS
 
     def __call__(self, li: int, qkv: torch.Tensor) -> None:
         # qkv `# [N, (H + 2 KV) D]` contiguous, this layer's
@@ -321,26 +327,52 @@ class _FusedAttention:
                 if use:
                     attend.attend(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, self.scale, tree)
             self._torch_attention(0)
+            if len(self.many) > 1:
+                self._describe()
             return
         if qkv.shape != (self.q.shape[0], self.width) or not qkv.is_contiguous() or qkv.dtype != torch.float32:
             raise ValueError(f"layer {li}'s qkv {tuple(qkv.shape)} is not the layout layer 0 was checked with")
         f = 4  # bytes per float32
         qkv_p, q_p, att_p = qkv.data_ptr(), self.q.data_ptr(), self.att.data_ptr()
         cos_p, sin_p = self.cos2.data_ptr(), self.sin2.data_ptr()
+        many = self.desc is not None
         for (a, e, s, cache, tree), use in zip(self.blocks, self.kernel):
             cap = cache.k.shape[2]
             k_p = cache.k.data_ptr() + li * cache.k.stride(0) * f
             v_p = cache.v.data_ptr() + li * cache.v.stride(0) * f
             self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
                                         sin_p + a * D * f, q_p + a * H * D * f, k_p, v_p, cap, s)
-            if not use:
+            if not use or many:
                 continue
             rc = self.attn.tandem_attend(q_p + a * H * D * f, H * D, k_p, v_p, att_p + a * H * D * f, H * D, H, KV,
                                          e - a, D, s, cap, self.scale, self.threads,
                                          None if tree is None else ctypes.addressof(tree))
             if rc != 0:
                 raise MemoryError(f"the CPU attention kernel failed ({rc})")
+        if many:
+            desc = self.desc
+            desc[:, 1] = self.k0 + li * self.k_step  # the layer's slice of each cache
+            desc[:, 2] = self.v0 + li * self.v_step
+            rc = self.attn.tandem_attend_many(len(desc), desc.ctypes.data, H, KV, D, self.scale, self.threads)
+            if rc != 0:
+                raise MemoryError(f"the CPU attention kernel failed ({rc})")
         self._torch_attention(li)
+
+    def _describe(self) -> None:
+        """The descriptors of the blocks on attend.c for `tandem_attend_many`, at layer 0's
+        addresses (the same the checked calls of layer 0 used; later layers move k and v by whole
+        layers of their caches)."""
+        H, D, f = self.H, self.D, 4
+        rows = []
+        for b in self.many:
+            a, e, s, cache, tree = self.blocks[b]
+            rows.append([self.q.data_ptr() + a * H * D * f, cache.k.data_ptr(), cache.v.data_ptr(),
+                         self.att.data_ptr() + a * H * D * f, 0 if tree is None else ctypes.addressof(tree),
+                         H * D, H * D, e - a, s, cache.k.shape[2]])
+        self.desc = np.array(rows, dtype=np.int64)
+        self.k0, self.v0 = self.desc[:, 1].copy(), self.desc[:, 2].copy()
+        self.k_step = np.array([self.blocks[b][3].k.stride(0) * f for b in self.many], dtype=np.int64)
+        self.v_step = np.array([self.blocks[b][3].v.stride(0) * f for b in self.many], dtype=np.int64)
 
     def _torch_attention(self, li: int) -> None:
         """Layer li's attention of the blocks attend.c does not serve (their queries and the cache

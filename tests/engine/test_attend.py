@@ -182,3 +182,42 @@ def test_tree_blocks_see_their_ancestors_only(start) -> None:
         attend.tree_bits([-1, 1])
     with pytest.raises(ValueError, match="rows' masks"):
         attend.attend(q, k, v, out, start, D**-0.5, tree=attend.tree_bits([-1]))
+
+
+@needs_kernel
+def test_many_blocks_in_one_call_give_each_block_its_bits_alone() -> None:
+    """A batched step's sessions go through one call (`attend_many`, one parallel region for all
+    blocks): each block's output equals the block attended alone bit for bit, whatever its
+    neighbours: a one-token step, a chain, a token tree, contexts in one run or several, caches of
+    different capacities, strided rows."""
+    gen = torch.Generator().manual_seed(11)
+    H, KV, D = 9, 3, 64
+    shapes = [(1, 0, 40), (1, 300, 310), (9, 1000, 1020), (4, 255, 300), (17, 2049, 2100), (1, 4000, 4001)]
+    trees = {3: attend.tree_bits([-1, 0, 0, 1])}
+    blocks, alone = [], []
+    for i, (n, start, cap) in enumerate(shapes):
+        k = torch.randn(KV, cap, D, generator=gen)  # [KV, cap, D]
+        v = torch.randn(KV, cap, D, generator=gen)
+        qk = torch.randn(n, H + KV, D, generator=gen) * 2  # [n, H + KV, D]: q as the forward's strided view
+        out = torch.full((n, H * D), float("nan"))
+        blocks.append((qk[:, :H], k, v, out, start, trees.get(i)))
+        ref = torch.empty(n, H * D)
+        attend.attend(qk[:, :H], k, v, ref, start, 0.125, trees.get(i))
+        alone.append(ref)
+    attend.attend_many(blocks, 0.125)
+    for (_, _, _, out, _, _), ref in zip(blocks, alone):
+        assert torch.equal(out, ref)
+
+
+@needs_kernel
+def test_many_blocks_are_checked_like_one() -> None:
+    """attend_many refuses what attend refuses, and blocks whose head layout differs from the first's."""
+    gen = torch.Generator().manual_seed(12)
+    k = torch.randn(3, 50, 64, generator=gen)
+    good = (torch.randn(1, 9, 64, generator=gen), k, k.clone(), torch.empty(1, 9 * 64), 10, None)
+    past_end = (torch.randn(2, 9, 64, generator=gen), k, k.clone(), torch.empty(2, 9 * 64), 49, None)
+    with pytest.raises(ValueError, match="start \\+ n <= cap"):
+        attend.attend_many([good, past_end], 0.125)
+    other = torch.randn(1, 4, 64, generator=gen), torch.randn(4, 50, 64, generator=gen)
+    with pytest.raises(ValueError, match="first's heads"):
+        attend.attend_many([good, (other[0], other[1], other[1].clone(), torch.empty(1, 4 * 64), 10, None)], 0.125)

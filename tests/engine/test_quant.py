@@ -399,3 +399,36 @@ def test_a_prompt_piece_beside_decoding_rows_leaves_their_bits(activations, tiny
         assert torch.equal(a, b)
     native.forward(piece, held_alone, all_logits=False)
     assert torch.equal(native.forward([5, 6], held), native.forward([5, 6], held_alone))
+
+
+@pytest.mark.parametrize("activations", ARITHMETICS)
+def test_a_batched_steps_sessions_attend_in_one_call_and_keep_their_bits(activations, tiny_loaded, monkeypatch) -> None:
+    """A batched step of several sessions on the raw path attends for all of them in one kernel call
+    a layer (`tandem_attend_many`), and each session's logits equal its block run alone bit for bit
+    (one token, a chain and a token tree over caches of different lengths)."""
+    from tandem.engine import attend, llama
+
+    if attend.library() is None:
+        pytest.skip("no AVX-512 or no C compiler here: torch's attention serves")
+    target = quantize_model(tiny_loaded, "Q4_1", activations=activations)
+    native = NativeLlama(target.model, quantized=target.quantized)
+    described = []
+    real = llama._FusedAttention._describe
+    monkeypatch.setattr(llama._FusedAttention, "_describe", lambda self: described.append(len(self.many)) or real(self))
+    gen = torch.Generator().manual_seed(2)
+    ctx = [torch.randint(0, native.vocab, (n,), generator=gen).tolist() for n in (5, 300, 40)]
+    blocks = [[7], [3, 9, 11, 2, 5], [4, 6, 8, 1]]
+    trees = [None, None, [-1, 0, 0, 1]]
+
+    def fresh():
+        caches = [native.new_cache() for _ in ctx]
+        for ids, cache in zip(ctx, caches):
+            native.forward(ids, cache, all_logits=False)
+        return caches
+
+    together = native.forward_batch(list(zip(blocks, fresh())), trees=trees)
+    assert described == [3], "the batch's attention went through one call for its three blocks"
+    for i, (block, cache) in enumerate(zip(blocks, fresh())):
+        alone = native.forward_batch([(block, cache)], trees=[trees[i]])
+        assert torch.equal(together[i], alone[0]), i
+    assert described == [3], "a lone block keeps the one-block call"
