@@ -317,6 +317,9 @@ class _FusedAttention:
         # block). Their descriptors are set at layer 0, once its checked calls passed.
         self.many = [b for b, use in enumerate(kernel) if use] if hasattr(self.attn, "tandem_attend_many") else []
         self.desc: np.ndarray | None = None  # `# [blocks, 10]` int64, attend.DESC_FIELDS
+        # and the rotary's and cache writes' of every block (`tandem_rope_store_many`): `# [blocks, 6]`
+        # int64 (first row, rows, k, v, capacity, start)
+        self.rope_desc: np.ndarray | None = None
 
     def __call__(self, li: int, qkv: torch.Tensor) -> None:
         # qkv `# [N, (H + 2 KV) D]` contiguous, this layer's
@@ -335,27 +338,34 @@ class _FusedAttention:
         f = 4  # bytes per float32
         qkv_p, q_p, att_p = qkv.data_ptr(), self.q.data_ptr(), self.att.data_ptr()
         cos_p, sin_p = self.cos2.data_ptr(), self.sin2.data_ptr()
-        many = self.desc is not None
-        for (a, e, s, cache, tree), use in zip(self.blocks, self.kernel):
-            cap = cache.k.shape[2]
-            k_p = cache.k.data_ptr() + li * cache.k.stride(0) * f
-            v_p = cache.v.data_ptr() + li * cache.v.stride(0) * f
-            self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
-                                        sin_p + a * D * f, q_p + a * H * D * f, k_p, v_p, cap, s)
-            if not use or many:
-                continue
-            rc = self.attn.tandem_attend(q_p + a * H * D * f, H * D, k_p, v_p, att_p + a * H * D * f, H * D, H, KV,
-                                         e - a, D, s, cap, self.scale, self.threads,
-                                         None if tree is None else ctypes.addressof(tree))
-            if rc != 0:
-                raise MemoryError(f"the CPU attention kernel failed ({rc})")
-        if many:
+        if self.rope_desc is not None:  # every block's rotary and cache writes in one call
+            rd = self.rope_desc
+            rd[:, 2] = self.rope_k0 + li * self.rope_k_step  # the layer's slice of each cache
+            rd[:, 3] = self.rope_v0 + li * self.rope_v_step
+            self.rope.tandem_rope_store_many(len(rd), rd.ctypes.data, qkv_p, self.width, H, KV, D, cos_p, sin_p, q_p)
+        else:
+            for a, e, s, cache, _ in self.blocks:
+                self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
+                                            sin_p + a * D * f, q_p + a * H * D * f,
+                                            cache.k.data_ptr() + li * cache.k.stride(0) * f,
+                                            cache.v.data_ptr() + li * cache.v.stride(0) * f, cache.k.shape[2], s)
+        if self.desc is not None:  # every block on attend.c in one call
             desc = self.desc
-            desc[:, 1] = self.k0 + li * self.k_step  # the layer's slice of each cache
+            desc[:, 1] = self.k0 + li * self.k_step
             desc[:, 2] = self.v0 + li * self.v_step
             rc = self.attn.tandem_attend_many(len(desc), desc.ctypes.data, H, KV, D, self.scale, self.threads)
             if rc != 0:
                 raise MemoryError(f"the CPU attention kernel failed ({rc})")
+        else:
+            for (a, e, s, cache, tree), use in zip(self.blocks, self.kernel):
+                if not use:
+                    continue
+                rc = self.attn.tandem_attend(q_p + a * H * D * f, H * D, cache.k.data_ptr() + li * cache.k.stride(0) * f,
+                                             cache.v.data_ptr() + li * cache.v.stride(0) * f, att_p + a * H * D * f,
+                                             H * D, H, KV, e - a, D, s, cache.k.shape[2], self.scale, self.threads,
+                                             None if tree is None else ctypes.addressof(tree))
+                if rc != 0:
+                    raise MemoryError(f"the CPU attention kernel failed ({rc})")
         self._torch_attention(li)
 
     def _describe(self) -> None:
@@ -371,6 +381,12 @@ class _FusedAttention:
                          H * D, H * D, e - a, s, cache.k.shape[2]])
         self.desc = np.array(rows, dtype=np.int64)
         self.k0, self.v0 = self.desc[:, 1].copy(), self.desc[:, 2].copy()
+        if hasattr(self.rope, "tandem_rope_store_many"):
+            self.rope_desc = np.array([[a, e - a, cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[2], s]
+                                       for a, e, s, cache, _ in self.blocks], dtype=np.int64)
+            self.rope_k0, self.rope_v0 = self.rope_desc[:, 2].copy(), self.rope_desc[:, 3].copy()
+            self.rope_k_step = np.array([c.k.stride(0) * f for _, _, _, c, _ in self.blocks], dtype=np.int64)
+            self.rope_v_step = np.array([c.v.stride(0) * f for _, _, _, c, _ in self.blocks], dtype=np.int64)
         self.k_step = np.array([self.blocks[b][3].k.stride(0) * f for b in self.many], dtype=np.int64)
         self.v_step = np.array([self.blocks[b][3].v.stride(0) * f for b in self.many], dtype=np.int64)
 
