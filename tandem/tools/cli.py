@@ -946,6 +946,7 @@ def up(
     api_keys: Annotated[Optional[Path], typer.Option("--api-keys", exists=True, dir_okay=False, help="The gateway's API key file (docs/security.md): clients must then send 'Authorization: Bearer KEY'.")] = None,
     speculation: SpeculationOpt = DraftStrategy.ngram,
     liveness_timeout_s: Annotated[float, typer.Option("--liveness-timeout-s", min=0, help="A service that has not answered a health check for this long (hung) is killed and started again; 0: only exits are watched.")] = 30.0,
+    verifier_max_sessions: Annotated[Optional[int], typer.Option("--verifier-max-sessions", min=1, help="Sessions each verifier keeps resident (its --max-sessions; default: the verifier's). Size it above the conversations that run at once: a full verifier evicts an idle session, which may be one between its turns.")] = None,
 ) -> None:
     """Start the whole stack on this machine: embedded Valkey (unless --redis-url; it gets a
     generated password), a drafter, verifier(s) and the gateway, as separate processes, and keep it
@@ -961,7 +962,8 @@ def up(
     _run_stack(StackConfig(model=model, draft_model=draft_model, redis_url=redis_url, host=host, http_port=http_port,
                            grpc_port=grpc_port, verifiers=verifiers, verifier_threads=verifier_threads,
                            log_level=log_level, tls_dir=tls_dir, api_keys_file=api_keys, speculation=speculation.value,
-                           liveness_timeout_s=liveness_timeout_s),
+                           liveness_timeout_s=liveness_timeout_s,
+                           verifier_args=() if verifier_max_sessions is None else ("--max-sessions", str(verifier_max_sessions))),
                demo_request=False)
 
 
