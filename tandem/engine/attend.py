@@ -112,6 +112,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}, start {start}")
 
 
+def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, start: int,
+             tree: ctypes.Array | None) -> list[int]:
+    """One block's row of `tandem_attend_many`'s descriptor array (DESC_FIELDS), for tensors that
+    passed `_check`."""
+    return [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if tree is None else ctypes.addressof(tree),
+            q.stride(0), out.stride(0), q.shape[0], start, k.shape[1]]
+
+
 def attend_many(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, ctypes.Array | None]],
                 scale: float) -> None:
     """`attend` for several blocks (q, k, v, out, start, tree) of the same head layout in one call of
@@ -129,9 +137,7 @@ def attend_many(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
         if (q.shape[1], q.shape[2], k.shape[0]) != (H, D, KV):
             raise ValueError(f"every block needs the first's heads ({H}, {KV} KV) and head size {D}; got "
                              f"{q.shape[1]}, {k.shape[0]} KV, {q.shape[2]}")
-        rows.append([q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                     0 if tree is None else ctypes.addressof(tree), q.stride(0), out.stride(0), q.shape[0], start,
-                     k.shape[1]])
+        rows.append(describe(q, k, v, out, start, tree))
     desc = np.array(rows, dtype=np.int64)  # [blocks, 10]: DESC_FIELDS
     rc = lib.tandem_attend_many(len(rows), desc.ctypes.data, H, KV, D, scale, torch.get_num_threads())
     if rc != 0:

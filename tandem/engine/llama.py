@@ -316,7 +316,7 @@ class _FusedAttention:
         # call for all of them (`tandem_attend_many`, one parallel region; same bits as a call a
         # block). Their descriptors are set at layer 0, once its checked calls passed.
         self.many = [b for b, use in enumerate(kernel) if use] if hasattr(self.attn, "tandem_attend_many") else []
-        self.desc: np.ndarray | None = None  # `# [blocks, 10]` int64, attend.DESC_FIELDS
+        self.desc: np.ndarray | None = None  # `# [len(many), 10]` int64, attend.DESC_FIELDS
         # and the rotary's and cache writes' of every block (`tandem_rope_store_many`): `# [blocks, 6]`
         # int64 (first row, rows, k, v, capacity, start)
         self.rope_desc: np.ndarray | None = None
@@ -338,57 +338,43 @@ class _FusedAttention:
         f = 4  # bytes per float32
         qkv_p, q_p, att_p = qkv.data_ptr(), self.q.data_ptr(), self.att.data_ptr()
         cos_p, sin_p = self.cos2.data_ptr(), self.sin2.data_ptr()
-        if self.rope_desc is not None:  # every block's rotary and cache writes in one call
-            rd = self.rope_desc
-            rd[:, 2] = self.rope_k0 + li * self.rope_k_step  # the layer's slice of each cache
-            rd[:, 3] = self.rope_v0 + li * self.rope_v_step
+        if self.desc is not None:  # every block's rotary and cache writes, then every attend.c block, in one call each
+            k_p = self.k0 + li * self.k_step  # `# [blocks]`: each block's layer li of its cache
+            v_p = self.v0 + li * self.v_step
+            rd, desc = self.rope_desc, self.desc
+            rd[:, 2], rd[:, 3] = k_p, v_p
             self.rope.tandem_rope_store_many(len(rd), rd.ctypes.data, qkv_p, self.width, H, KV, D, cos_p, sin_p, q_p)
-        else:
-            for a, e, s, cache, _ in self.blocks:
-                self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
-                                            sin_p + a * D * f, q_p + a * H * D * f,
-                                            cache.k.data_ptr() + li * cache.k.stride(0) * f,
-                                            cache.v.data_ptr() + li * cache.v.stride(0) * f, cache.k.shape[2], s)
-        if self.desc is not None:  # every block on attend.c in one call
-            desc = self.desc
-            desc[:, 1] = self.k0 + li * self.k_step
-            desc[:, 2] = self.v0 + li * self.v_step
+            desc[:, 1], desc[:, 2] = k_p[self.many], v_p[self.many]
             rc = self.attn.tandem_attend_many(len(desc), desc.ctypes.data, H, KV, D, self.scale, self.threads)
             if rc != 0:
                 raise MemoryError(f"the CPU attention kernel failed ({rc})")
         else:
             for (a, e, s, cache, tree), use in zip(self.blocks, self.kernel):
+                k_p = cache.k.data_ptr() + li * cache.k.stride(0) * f
+                v_p = cache.v.data_ptr() + li * cache.v.stride(0) * f
+                self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
+                                            sin_p + a * D * f, q_p + a * H * D * f, k_p, v_p, cache.k.shape[2], s)
                 if not use:
                     continue
-                rc = self.attn.tandem_attend(q_p + a * H * D * f, H * D, cache.k.data_ptr() + li * cache.k.stride(0) * f,
-                                             cache.v.data_ptr() + li * cache.v.stride(0) * f, att_p + a * H * D * f,
-                                             H * D, H, KV, e - a, D, s, cache.k.shape[2], self.scale, self.threads,
+                rc = self.attn.tandem_attend(q_p + a * H * D * f, H * D, k_p, v_p, att_p + a * H * D * f, H * D, H, KV,
+                                             e - a, D, s, cache.k.shape[2], self.scale, self.threads,
                                              None if tree is None else ctypes.addressof(tree))
                 if rc != 0:
                     raise MemoryError(f"the CPU attention kernel failed ({rc})")
         self._torch_attention(li)
 
     def _describe(self) -> None:
-        """The descriptors of the blocks on attend.c for `tandem_attend_many`, at layer 0's
-        addresses (the same the checked calls of layer 0 used; later layers move k and v by whole
-        layers of their caches)."""
-        H, D, f = self.H, self.D, 4
-        rows = []
-        for b in self.many:
-            a, e, s, cache, tree = self.blocks[b]
-            rows.append([self.q.data_ptr() + a * H * D * f, cache.k.data_ptr(), cache.v.data_ptr(),
-                         self.att.data_ptr() + a * H * D * f, 0 if tree is None else ctypes.addressof(tree),
-                         H * D, H * D, e - a, s, cache.k.shape[2]])
-        self.desc = np.array(rows, dtype=np.int64)
-        self.k0, self.v0 = self.desc[:, 1].copy(), self.desc[:, 2].copy()
-        if hasattr(self.rope, "tandem_rope_store_many"):
-            self.rope_desc = np.array([[a, e - a, cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[2], s]
-                                       for a, e, s, cache, _ in self.blocks], dtype=np.int64)
-            self.rope_k0, self.rope_v0 = self.rope_desc[:, 2].copy(), self.rope_desc[:, 3].copy()
-            self.rope_k_step = np.array([c.k.stride(0) * f for _, _, _, c, _ in self.blocks], dtype=np.int64)
-            self.rope_v_step = np.array([c.v.stride(0) * f for _, _, _, c, _ in self.blocks], dtype=np.int64)
-        self.k_step = np.array([self.blocks[b][3].k.stride(0) * f for b in self.many], dtype=np.int64)
-        self.v_step = np.array([self.blocks[b][3].v.stride(0) * f for b in self.many], dtype=np.int64)
+        """The descriptors of every block's rotary and cache writes (`tandem_rope_store_many`) and
+        of the blocks on attend.c (`tandem_attend_many`, `attend.describe`), at layer 0's addresses:
+        the tensors its checked calls used. Later layers move k and v by whole layers of their
+        caches (k0 + li * k_step)."""
+        self.rope_desc = np.array([[a, e - a, cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[2], s]
+                                   for a, e, s, cache, _ in self.blocks], dtype=np.int64)
+        self.desc = np.array([attend.describe(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, tree)
+                              for a, e, s, cache, tree in (self.blocks[b] for b in self.many)], dtype=np.int64)
+        self.k0, self.v0 = self.rope_desc[:, 2].copy(), self.rope_desc[:, 3].copy()
+        self.k_step = np.array([c.k.stride(0) * 4 for _, _, _, c, _ in self.blocks], dtype=np.int64)  # bytes a layer
+        self.v_step = np.array([c.v.stride(0) * 4 for _, _, _, c, _ in self.blocks], dtype=np.int64)
 
     def _torch_attention(self, li: int) -> None:
         """Layer li's attention of the blocks attend.c does not serve (their queries and the cache

@@ -32,11 +32,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.tandem_rope_store
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     fn.restype = None
-    if hasattr(lib, "tandem_rope_store_many"):  # absent from older builds
-        fn = lib.tandem_rope_store_many
-        fn.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
-                       + [ctypes.c_void_p] * 3)
-        fn.restype = None
+    fn = lib.tandem_rope_store_many
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3
+    fn.restype = None
 
 
 _kernel = gemv.Kernel(SOURCE, "row-wise CPU kernels", _bind)
