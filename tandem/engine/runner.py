@@ -16,7 +16,9 @@ the cache is cropped to 3 entries [5, 9, 7]. The pending token is 4.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 import statistics
 import threading
 import time
@@ -44,46 +46,93 @@ class PrefillStats:
 
 
 class ForwardCosts:
-    """The target's forward time by number of new tokens: the median of the last few measurements.
+    """The target's forward time by number of new tokens: a curve through the medians of recent
+    measurements, binned by token count.
 
     Shared by every sequence of a runner: the cost of a forward is a property of the model and the
-    machine, so a new session starts with measured costs instead of guesses. A median, not a mean:
+    machine, so a new session starts with measured costs instead of guesses. Medians, not means:
     on a shared machine one preempted forward can take ten times the usual, and must not make the
     controller give up speculating.
+
+    Why bins, and a curve rather than a table: the controller compares C(T + k + 1) for k = 0..8 at
+    the batch's T, and in a batch of many sessions a token costs a fraction of a percent of the step
+    (64 sessions at 300 tokens of context: ~0.8 ms a token of a ~150 ms step, AMD EPYC). There the
+    step's token count seldom repeats, so a median per count was one sample, and the noise between
+    neighbouring counts (measured: 143 tokens 129 ms, 144 tokens 101 ms, 164 tokens 252 ms) read as
+    slopes, often negative: a block looked free wherever a low sample lay next to it, every session
+    drafted into it, and speculation ran 0.85x plain decoding at 64 two-turn sessions. So counts up
+    to EXACT keep a bin each (a lone session's blocks, which recur, and whose first extra tokens are
+    nearly free on a CPU: a shape no line has), and above that a bin spans a factor of BIN_RATIO.
+    A bin's point is (median count, median seconds) of its last WINDOW samples (for a cost that
+    grows with the count, the median time is the time at the median count); the points are pooled
+    where noise made the curve fall (pool-adjacent-violators: a pooled pair becomes one point at
+    their weighted mean, so no flat stretch appears where extra tokens would look free), and
+    `estimate` interpolates between them. A slope then spans a bin's width, not one token.
+
+    >>> c = ForwardCosts()
+    >>> for n in (60, 61, 62, 90, 91, 92):  # noisy: 61 and 91 tokens measured low
+    ...     c.observe(n, 0.032 + 0.0008 * n - (0.004 if n % 10 == 1 else 0.0))
+    >>> round(c.estimate(80) * 1e3)  # the truth: 32 ms + 0.8 ms a token = 96 ms
+    95
+    >>> c.estimate(92) > c.estimate(91) > c.estimate(90)  # a step more never looks cheaper
+    True
     """
 
-    WINDOW = 15
+    WINDOW = 31  # samples a bin keeps: a wide bin's come from many counts, and its median must be steady
+    EXACT = 16  # token counts up to this keep a bin of their own
+    BIN_RATIO = 2 ** 0.5
 
     def __init__(self) -> None:
-        self._samples: dict[int, deque[float]] = {}
-        self.median: dict[int, float] = {}  # current median seconds per token count
+        self._samples: dict[int, deque[tuple[int, float]]] = {}  # bin -> recent (tokens, seconds)
+        # The curve: token count (a bin's median, may be fractional) -> seconds, rising with the count.
+        self.points: dict[float, float] = {}
+        self._xs: list[float] = []
+        self._ys: list[float] = []
+
+    @classmethod
+    def _bin(cls, num_tokens: int) -> int:
+        if num_tokens <= cls.EXACT:
+            return num_tokens
+        return cls.EXACT + 1 + int(math.log(num_tokens / cls.EXACT) / math.log(cls.BIN_RATIO))
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        window = self._samples.setdefault(num_tokens, deque(maxlen=self.WINDOW))
-        window.append(seconds)
-        self.median[num_tokens] = statistics.median(window)
+        window = self._samples.setdefault(self._bin(num_tokens), deque(maxlen=self.WINDOW))
+        window.append((num_tokens, seconds))
+        self._refit()
+
+    def _refit(self) -> None:
+        # [x, y, weight] per bin in count order, then pooled until y rises with x
+        pooled: list[list[float]] = []
+        for b in sorted(self._samples):
+            window = self._samples[b]
+            point = [statistics.median(n for n, _ in window), statistics.median(s for _, s in window),
+                     float(len(window))]
+            pooled.append(point)
+            while len(pooled) > 1 and pooled[-1][1] <= pooled[-2][1]:
+                (x1, y1, w1), (x2, y2, w2) = pooled.pop(-2), pooled.pop()
+                w = w1 + w2
+                pooled.append([(x1 * w1 + x2 * w2) / w, (y1 * w1 + y2 * w2) / w, w])
+        self.points = {x: y for x, y, _ in pooled}
+        self._xs, self._ys = [p[0] for p in pooled], [p[1] for p in pooled]
 
     def estimate(self, num_tokens: int) -> float | None:
-        """Seconds for a forward over `num_tokens` new tokens, interpolated from what was measured."""
-        if num_tokens in self.median:
-            return self.median[num_tokens]
-        known = sorted(self.median)
-        if not known:
+        """Seconds for a forward over `num_tokens` new tokens, interpolated from the curve."""
+        if self.points and list(self.points) != self._xs:  # points set from outside (tests)
+            self._xs, self._ys = sorted(self.points), [self.points[x] for x in sorted(self.points)]
+        xs, ys = self._xs, self._ys
+        if not xs:
             return None
-        lo = max((n for n in known if n < num_tokens), default=None)
-        hi = min((n for n in known if n > num_tokens), default=None)
-        if lo is not None and hi is not None:
-            w = (num_tokens - lo) / (hi - lo)
-            return self.median[lo] * (1 - w) + self.median[hi] * w
-        if len(known) >= 2:  # extrapolate linearly from the two nearest measurements
-            a, b = (known[-2], known[-1]) if hi is None else (known[0], known[1])
-            slope = max(0.0, (self.median[b] - self.median[a]) / (b - a))
-            ref = b if hi is None else a
-            return max(1e-6, self.median[ref] + slope * (num_tokens - ref))
-        # One point only: assume the measured shape of a small dense model on a CPU, where each extra
-        # token of a block costs ~5% of a single-token step (DESIGN.md: 8 drafts ~ 1.4 steps).
-        ref = known[0]
-        return self.median[ref] * (1 + 0.05 * (num_tokens - 1)) / (1 + 0.05 * (ref - 1))
+        if len(xs) == 1:
+            # One point only: assume the measured shape of a small dense model on a CPU, where each
+            # extra token of a block costs ~5% of a single-token step (DESIGN.md: 8 drafts ~ 1.4 steps).
+            return ys[0] * (1 + 0.05 * (num_tokens - 1)) / (1 + 0.05 * (xs[0] - 1))
+        i = bisect.bisect_left(xs, num_tokens)
+        if i < len(xs) and xs[i] == num_tokens:
+            return ys[i]
+        # between two points, or beyond the ends along the nearest two points' slope
+        i = min(max(i, 1), len(xs) - 1)
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return max(1e-6, ys[i - 1] + slope * (num_tokens - xs[i - 1]))
 
 
 class NominalCosts:
