@@ -84,10 +84,20 @@ class ForwardCosts:
 
     def __init__(self) -> None:
         self._samples: dict[int, deque[tuple[int, float]]] = {}  # bin -> recent (tokens, seconds)
-        # The curve: token count (a bin's median, may be fractional) -> seconds, rising with the count.
-        self.points: dict[float, float] = {}
+        self._bin_points: dict[int, tuple[float, float, int]] = {}  # bin -> (median count, median s, samples)
+        # The curve, rising with the count: token counts (a bin's median, may be fractional), seconds.
         self._xs: list[float] = []
         self._ys: list[float] = []
+
+    @property
+    def points(self) -> dict[float, float]:
+        """The curve: token count -> seconds."""
+        return dict(zip(self._xs, self._ys))
+
+    @points.setter
+    def points(self, curve: dict[float, float]) -> None:  # a fixed curve (tests)
+        self._xs = sorted(curve)
+        self._ys = [curve[x] for x in self._xs]
 
     @classmethod
     def _bin(cls, num_tokens: int) -> int:
@@ -96,29 +106,27 @@ class ForwardCosts:
         return cls.EXACT + 1 + int(math.log(num_tokens / cls.EXACT) / math.log(cls.BIN_RATIO))
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        window = self._samples.setdefault(self._bin(num_tokens), deque(maxlen=self.WINDOW))
+        b = self._bin(num_tokens)
+        window = self._samples.setdefault(b, deque(maxlen=self.WINDOW))
         window.append((num_tokens, seconds))
+        # Only this bin's point changed (a step observes once: the medians of one window, not all).
+        self._bin_points[b] = (statistics.median(n for n, _ in window), statistics.median(s for _, s in window),
+                               len(window))
         self._refit()
 
     def _refit(self) -> None:
-        # [x, y, weight] per bin in count order, then pooled until y rises with x
-        pooled: list[list[float]] = []
-        for b in sorted(self._samples):
-            window = self._samples[b]
-            point = [statistics.median(n for n, _ in window), statistics.median(s for _, s in window),
-                     float(len(window))]
-            pooled.append(point)
+        # The bins' points in count order, pooled until the seconds rise with the count.
+        pooled: list[tuple[float, float, float]] = []
+        for b in sorted(self._bin_points):
+            pooled.append(self._bin_points[b])
             while len(pooled) > 1 and pooled[-1][1] <= pooled[-2][1]:
                 (x1, y1, w1), (x2, y2, w2) = pooled.pop(-2), pooled.pop()
                 w = w1 + w2
-                pooled.append([(x1 * w1 + x2 * w2) / w, (y1 * w1 + y2 * w2) / w, w])
-        self.points = {x: y for x, y, _ in pooled}
+                pooled.append(((x1 * w1 + x2 * w2) / w, (y1 * w1 + y2 * w2) / w, w))
         self._xs, self._ys = [p[0] for p in pooled], [p[1] for p in pooled]
 
     def estimate(self, num_tokens: int) -> float | None:
         """Seconds for a forward over `num_tokens` new tokens, interpolated from the curve."""
-        if self.points and list(self.points) != self._xs:  # points set from outside (tests)
-            self._xs, self._ys = sorted(self.points), [self.points[x] for x in sorted(self.points)]
         xs, ys = self._xs, self._ys
         if not xs:
             return None
