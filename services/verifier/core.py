@@ -159,6 +159,12 @@ class VerifierCore:
             PrefillPolicy(max_piece=settings.prefill_chunk_tokens, min_piece=settings.prefill_min_tokens,
                           cost_factor=settings.prefill_cost_factor))
         self.kv_capacity = kv_budget_tokens(settings, target)
+        # Sessions generating at once (a step's rows) and sessions kept resident are two bounds: an
+        # idle session costs only its KV, which kv_capacity bounds, so keeping more of them than can
+        # run means a conversation between its turns is not evicted for another's new one (64
+        # two-turn sessions on 64 slots: 6-7% of second turns prefilled again, speculation's more
+        # often than plain decoding's; docs/benchmarks.md).
+        self.max_generating = min(settings.max_generating, settings.max_sessions)
         self._size_kv_pool()
         self._lock = threading.Lock()  # guards the session table
         self._room = threading.Condition(self._lock)  # notified when a session stops generating
@@ -344,18 +350,22 @@ class VerifierCore:
                     try:
                         if not self._waiting or self._waiting[0] is ticket:  # first come, first served
                             return self._admit(session_id, context_len, salt)
+                        ahead = self._waiting.index(ticket) if ticket in self._waiting else len(self._waiting)
+                        why = f"verifier {self.settings.verifier_id}: {ahead} requests ahead"
                     except Overloaded as full:
                         why = str(full)
-                        if ticket in self._waiting and time.monotonic() >= deadline:
-                            raise Overloaded(f"{why}; waited {self.settings.admission_wait_s:g} s for room "
-                                             f"(admission_wait_s)") from None
+                    # Every waiter's own deadline, not only the front one's: behind a long wait at the
+                    # front, a later request would otherwise wait as long as that one does.
+                    if ticket in self._waiting and time.monotonic() >= deadline:
+                        raise Overloaded(f"{why}; waited {wait_s:g} s for room (admission_wait_s)") from None
                     if ticket not in self._waiting:
                         if len(self._waiting) >= self.settings.admission_queue:
                             raise Overloaded(f"{why}; {len(self._waiting)} requests already wait for room "
                                              f"(admission_queue={self.settings.admission_queue})",
                                              retry_after_s=max(1.0, self.settings.admission_wait_s / 2)) from None
                         self._waiting.append(ticket)
-                        deadline = time.monotonic() + self.settings.admission_wait_s
+                        wait_s = self.settings.admission_wait_s
+                        deadline = time.monotonic() + wait_s
                         log.info("request for session %s waits for KV room (%d waiting)", session_id,
                                  len(self._waiting))
                     if self.draining:
@@ -379,6 +389,11 @@ class VerifierCore:
             del self._sessions[session_id]
             self._evicted(session_id, sess.seq.ids, sess.salt)
             sess = None
+        generating = sum(1 for s in self._sessions.values() if s.busy) + len(self._anonymous)
+        if generating >= self.max_generating:
+            # Checked before any eviction: a request that must wait anyway takes nobody's KV.
+            raise Overloaded(f"verifier {self.settings.verifier_id} is full: {generating} sessions generating "
+                             f"(max_generating={self.max_generating})")
         if sess is None:
             self._make_room(context_len, exclude=None)
             sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt)

@@ -85,11 +85,11 @@ HEADROOM_WORKERS = 16  # threads beyond the generations in flight: health checks
 
 
 def server_workers(settings) -> int:
-    """gRPC worker threads: one per generation that can be in flight (running sessions and those
-    waiting for admission) plus headroom. Each Generate stream holds a thread while it runs; with
+    """gRPC worker threads: one per generation that can be in flight (the sessions that may generate
+    at once and the requests waiting for admission) plus headroom. Each Generate stream holds a thread while it runs; with
     fewer threads, streams past the count would queue inside gRPC and so would health checks,
     which is what made a supervisor kill a verifier serving 64 sessions on the old fixed 32."""
-    return settings.max_sessions + settings.admission_queue + HEADROOM_WORKERS
+    return min(settings.max_generating, settings.max_sessions) + settings.admission_queue + HEADROOM_WORKERS
 
 
 def build_server(core: VerifierCore, address: str = "127.0.0.1:0", max_workers: int | None = None, *,

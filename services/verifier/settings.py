@@ -55,7 +55,11 @@ class VerifierSettings(BaseModel):
     heartbeat_s: float = Field(2.0, gt=0)  # registration refresh period; its TTL is 5x this
     session_ttl_s: float = Field(600.0, gt=0)  # residency TTL of an idle session
     kv_capacity_tokens: int = Field(65536, ge=1)  # KV budget over all resident sessions
-    max_sessions: int = Field(64, ge=1)
+    # Sessions kept resident (idle or generating; their KV within kv_capacity_tokens): beyond, the
+    # least recently used idle one is evicted. Of them, at most max_generating generate at once (a
+    # step's rows); more requests wait in the admission queue.
+    max_sessions: int = Field(256, ge=1)
+    max_generating: int = Field(64, ge=1)
     draft_wait_ms: float = Field(10.0, ge=0)  # longest wait for a draft block before a plain step
     drafter_retry_s: float = Field(1.0, gt=0)  # after a drafter stream fails, reconnect this often
     # The only drafters this verifier connects to (canonical host:port). A request naming any other
@@ -69,8 +73,8 @@ class VerifierSettings(BaseModel):
     prefill_chunk_tokens: int = Field(256, ge=1)
     prefill_min_tokens: int = Field(4, ge=1)
     prefill_cost_factor: float = Field(2.0, ge=1.0)
-    # Admission: a request that finds the KV budget or the session slots held by running sessions
-    # waits (first come, first served) up to admission_wait_s for room, behind at most
+    # Admission: a request that finds the KV budget held by running sessions, or max_generating
+    # sessions generating, waits (first come, first served) up to admission_wait_s for room, behind at most
     # admission_queue others; beyond either it is refused (RESOURCE_EXHAUSTED with a retry hint).
     admission_queue: int = Field(32, ge=0)
     admission_wait_s: float = Field(10.0, ge=0)

@@ -747,9 +747,15 @@ def verifier(
     kv_memory_fraction: Annotated[Optional[float], typer.Option(
         "--kv-memory-fraction", help="Size the KV budget from memory instead: this fraction of the memory free after "
         "the model loaded (RAM, or the GPU's), capped by --kv-capacity-tokens.", min=0.01, max=0.95)] = None,
-    max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most sessions kept resident.", min=1)] = 64,
+    max_sessions: Annotated[int, typer.Option(
+        "--max-sessions", help="Most sessions kept resident, idle or generating (their KV within --kv-capacity-tokens); "
+        "beyond, the least recently used idle session is evicted.", min=1)] = 256,
+    max_generating: Annotated[int, typer.Option(
+        "--max-generating", help="Most sessions generating at once (a step's rows); more requests wait in the "
+        "admission queue. Idle sessions beyond it stay resident, so a conversation between its turns keeps its KV.",
+        min=1)] = 64,
     admission_queue: Annotated[int, typer.Option(
-        "--admission-queue", help="Requests that may wait for KV room when running sessions hold the budget "
+        "--admission-queue", help="Requests that may wait for room when running sessions hold the KV budget or --max-generating slots "
         "(first come, first served); beyond it, RESOURCE_EXHAUSTED with a retry hint.", min=0)] = 32,
     admission_wait_s: Annotated[float, typer.Option(
         "--admission-wait-s", help="Longest wait in the admission queue before RESOURCE_EXHAUSTED.", min=0)] = 10.0,
@@ -788,7 +794,8 @@ def verifier(
     from tandem.services.verifier.settings import VerifierSettings
 
     fields = dict(host=host, port=port, model=model, device=device, precision=precision, redis_url=redis_url, advertise_address=advertise_address,
-                  kv_capacity_tokens=kv_capacity_tokens, max_sessions=max_sessions, draft_wait_ms=draft_wait_ms,
+                  kv_capacity_tokens=kv_capacity_tokens, max_sessions=max_sessions, max_generating=max_generating,
+                  draft_wait_ms=draft_wait_ms,
                   kv_memory_fraction=kv_memory_fraction, admission_queue=admission_queue,
                   admission_wait_s=admission_wait_s, prefill_chunk_tokens=prefill_chunk_tokens,
                   prefill_min_tokens=min(prefill_min_tokens, prefill_chunk_tokens), prefill_cost_factor=prefill_cost_factor,
@@ -946,7 +953,7 @@ def up(
     api_keys: Annotated[Optional[Path], typer.Option("--api-keys", exists=True, dir_okay=False, help="The gateway's API key file (docs/security.md): clients must then send 'Authorization: Bearer KEY'.")] = None,
     speculation: SpeculationOpt = DraftStrategy.ngram,
     liveness_timeout_s: Annotated[float, typer.Option("--liveness-timeout-s", min=0, help="A service that has not answered a health check for this long (hung) is killed and started again; 0: only exits are watched.")] = 30.0,
-    verifier_max_sessions: Annotated[Optional[int], typer.Option("--verifier-max-sessions", min=1, help="Sessions each verifier keeps resident (its --max-sessions; default: the verifier's). Size it above the conversations that run at once: a full verifier evicts an idle session, which may be one between its turns.")] = None,
+    verifier_max_sessions: Annotated[Optional[int], typer.Option("--verifier-max-sessions", min=1, help="Sessions each verifier keeps resident (its --max-sessions; default: the verifier's, 256). Size it above the conversations that run at once: a full verifier evicts an idle session, which may be one between its turns.")] = None,
 ) -> None:
     """Start the whole stack on this machine: embedded Valkey (unless --redis-url; it gets a
     generated password), a drafter, verifier(s) and the gateway, as separate processes, and keep it

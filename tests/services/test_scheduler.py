@@ -341,6 +341,70 @@ def test_a_request_waits_for_room_and_gets_in_first_come_first_served(tiny_loade
     assert core.metrics.value("tandem_admission_waiting") == 0
 
 
+def test_sessions_generating_at_once_are_capped_apart_from_resident_ones(tiny_loaded):
+    """max_generating bounds a step's rows; idle sessions beyond it stay resident (their KV is
+    bounded by the KV budget). The load test's case: every worker holds a conversation, one starts
+    a new one while another is between its turns; with one bound for both, the LRU idle session
+    evicted was often the one between turns, whose second turn then prefilled everything again."""
+    core = _core(tiny_loaded, max_sessions=4, max_generating=2, admission_queue=4, admission_wait_s=60)
+    done = [list(core.generate(sid, _ids(20, 40 + i), SamplingParams(max_new_tokens=2), NONE))[-1]
+            for i, sid in enumerate(["idle-1", "idle-2"])]
+    assert all(isinstance(r, GenerationResult) for r in done)
+    a, b = _hold(core, "a", _ids(20, 42)), _hold(core, "b", _ids(20, 43))
+    assert sorted(core.session_ids()) == ["a", "b", "idle-1", "idle-2"], "4 resident, 2 of them generating"
+    finished: list[str] = []
+
+    def request(sid: str) -> None:
+        list(core.generate(sid, _ids(20, 44), SamplingParams(max_new_tokens=2), NONE))
+        finished.append(sid)
+
+    waiter = threading.Thread(target=request, args=("c",))
+    waiter.start()
+    _wait_until(lambda: core.metrics.value("tandem_admission_waiting") == 1, "c to queue")
+    # Waiting for a generating slot takes nobody's KV: the idle sessions are all still resident.
+    assert sorted(core.session_ids()) == ["a", "b", "idle-1", "idle-2"] and finished == []
+    list(a)  # a generating slot frees: c gets in, evicting the least recently used idle session
+    waiter.join(60)
+    assert finished == ["c"]
+    assert sorted(core.session_ids()) == ["a", "b", "c", "idle-2"]
+    list(b)
+    assert core.info()["active_sessions"] == 0
+
+
+def test_a_request_behind_others_in_the_queue_keeps_its_own_deadline(tiny_loaded):
+    """Only the front waiter tries admission, but every waiter's deadline runs: a request behind a
+    long wait is refused when its own admission_wait_s is up, not when the front one gets in."""
+    core = _core(tiny_loaded, max_sessions=1, admission_queue=4, admission_wait_s=60)
+    held = _hold(core, "a", _ids(20, 50))
+    outcome: dict[str, object] = {}
+
+    def request(sid: str) -> None:
+        try:
+            list(core.generate(sid, _ids(20, 51), SamplingParams(max_new_tokens=2), NONE))
+            outcome[sid] = "done"
+        except Overloaded as refused:
+            outcome[sid] = refused
+
+    front = threading.Thread(target=request, args=("front",))
+    front.start()
+    _wait_until(lambda: core.metrics.value("tandem_admission_waiting") == 1, "the front request to queue")
+    core.settings = core.settings.model_copy(update={"admission_wait_s": 0.3})  # the next one waits 0.3 s
+    with pytest.raises(Overloaded, match=r"1 requests ahead; waited 0.3 s"):
+        list(core.generate("behind", _ids(20, 52), SamplingParams(max_new_tokens=2), NONE))
+    assert front.is_alive() and "front" not in outcome, "the front request still waits on its own 60 s"
+    list(held)
+    front.join(60)
+    assert outcome == {"front": "done"}
+
+
+def test_the_generating_cap_never_exceeds_the_resident_one(tiny_loaded):
+    from tandem.services.verifier.server import server_workers
+
+    settings = VerifierSettings(verifier_id="v-caps", port=0, max_sessions=3, max_generating=64, admission_queue=5)
+    assert VerifierCore(settings, tiny_loaded).max_generating == 3
+    assert server_workers(settings) == 3 + 5 + 16, "a server thread per generation in flight, not per resident session"
+
+
 def test_anonymous_requests_count_against_the_budget_while_they_run(tiny_loaded):
     """A request without a session id is never resident, but while it runs it holds KV and a slot:
     a flood of anonymous requests cannot run past admission (the way around it they once were)."""
