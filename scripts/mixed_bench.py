@@ -8,6 +8,7 @@ Stacks in turn on the embedded SmolLM2, the same build, the same machine:
               the step without them);
   chunked-1.5 (--configs) the same with --prefill-cost-factor 1.5;
   chunked-min4 (--configs) the same with --prefill-min-tokens 4.
+  chunked-min1 (--configs) the same with --prefill-min-tokens 1.
 For each: `tandem loadtest --mixed` at the given concurrencies (short MT-bench chats, alone, then
 while 4k-7.5k-token prompts arrive one after another). Nothing else may run meanwhile.
 
@@ -40,6 +41,9 @@ CONFIGS = {
     # pieces down to 4 tokens (the default since the EPYC run; it was 16): at long context 16 tokens of attention
     # can cost more than the decoding step, so the floor, not the cost factor, sets the step
     "chunked-min4": ("--prefill-min-tokens", "4"),
+    # pieces down to one token: at 7k context a step that reads the prompt's KV costs ~2.5x a lone
+    # decoding step whatever its piece (EPYC), so the floor adds compute to a memory-bound step
+    "chunked-min1": ("--prefill-min-tokens", "1"),
 }
 
 
