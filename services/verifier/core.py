@@ -159,12 +159,6 @@ class VerifierCore:
             PrefillPolicy(max_piece=settings.prefill_chunk_tokens, min_piece=settings.prefill_min_tokens,
                           cost_factor=settings.prefill_cost_factor))
         self.kv_capacity = kv_budget_tokens(settings, target)
-        # Sessions generating at once (a step's rows) and sessions kept resident are two bounds: an
-        # idle session costs only its KV, which kv_capacity bounds, so keeping more of them than can
-        # run means a conversation between its turns is not evicted for another's new one (64
-        # two-turn sessions on 64 slots: 6-7% of second turns prefilled again, speculation's more
-        # often than plain decoding's; docs/benchmarks.md).
-        self.max_generating = min(settings.max_generating, settings.max_sessions)
         self._size_kv_pool()
         self._lock = threading.Lock()  # guards the session table
         self._room = threading.Condition(self._lock)  # notified when a session stops generating
@@ -263,13 +257,18 @@ class VerifierCore:
         holds self._lock."""
         return [*self._sessions.values(), *self._anonymous.values()]
 
+    def _generating(self) -> int:
+        """Sessions generating now (resident ones marked busy, and running anonymous requests).
+        Caller holds self._lock."""
+        return sum(1 for s in self._sessions.values() if s.busy) + len(self._anonymous)
+
     def kv_used_tokens(self) -> int:
         with self._lock:
             return sum(len(s.seq) for s in self._live())
 
     def info(self) -> dict:
         with self._lock:
-            active = sum(1 for s in self._sessions.values() if s.busy) + len(self._anonymous)
+            active = self._generating()
             used = sum(len(s.seq) for s in self._live())
             resident = len(self._sessions)
         return {
@@ -389,11 +388,16 @@ class VerifierCore:
             del self._sessions[session_id]
             self._evicted(session_id, sess.seq.ids, sess.salt)
             sess = None
-        generating = sum(1 for s in self._sessions.values() if s.busy) + len(self._anonymous)
-        if generating >= self.max_generating:
-            # Checked before any eviction: a request that must wait anyway takes nobody's KV.
+        # Sessions generating at once (a step's rows) and sessions kept resident are two bounds: an
+        # idle session costs only its KV, which kv_capacity bounds, so keeping more of them than can
+        # run means a conversation between its turns is not evicted for another's new one (64
+        # two-turn sessions on 64 slots: 6-7% of second turns prefilled again, speculation's more
+        # often than plain decoding's; docs/benchmarks.md). Checked before any eviction: a request
+        # that must wait anyway takes nobody's KV.
+        generating, cap = self._generating(), self.settings.generating_slots
+        if generating >= cap:
             raise Overloaded(f"verifier {self.settings.verifier_id} is full: {generating} sessions generating "
-                             f"(max_generating={self.max_generating})")
+                             f"(max_generating={cap})")
         if sess is None:
             self._make_room(context_len, exclude=None)
             sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt)

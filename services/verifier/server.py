@@ -89,7 +89,7 @@ def server_workers(settings) -> int:
     at once and the requests waiting for admission) plus headroom. Each Generate stream holds a thread while it runs; with
     fewer threads, streams past the count would queue inside gRPC and so would health checks,
     which is what made a supervisor kill a verifier serving 64 sessions on the old fixed 32."""
-    return min(settings.max_generating, settings.max_sessions) + settings.admission_queue + HEADROOM_WORKERS
+    return settings.generating_slots + settings.admission_queue + HEADROOM_WORKERS
 
 
 def build_server(core: VerifierCore, address: str = "127.0.0.1:0", max_workers: int | None = None, *,

@@ -116,6 +116,11 @@ class VerifierSettings(BaseModel):
                              f"({self.prefill_chunk_tokens})")
         return self
 
+    @property
+    def generating_slots(self) -> int:
+        """Sessions that may generate at once: max_generating, never more than may be resident."""
+        return min(self.max_generating, self.max_sessions)
+
     def residency_config(self) -> ResidencyConfig | None:
         """The ResidencyConfig of this verifier's publisher (None without Redis): its URL, TLS files
         and TTLs (registration: 5 heartbeats)."""

@@ -397,11 +397,11 @@ def test_a_request_behind_others_in_the_queue_keeps_its_own_deadline(tiny_loaded
     assert outcome == {"front": "done"}
 
 
-def test_the_generating_cap_never_exceeds_the_resident_one(tiny_loaded):
+def test_the_generating_cap_never_exceeds_the_resident_one():
     from tandem.services.verifier.server import server_workers
 
     settings = VerifierSettings(verifier_id="v-caps", port=0, max_sessions=3, max_generating=64, admission_queue=5)
-    assert VerifierCore(settings, tiny_loaded).max_generating == 3
+    assert settings.generating_slots == 3
     assert server_workers(settings) == 3 + 5 + 16, "a server thread per generation in flight, not per resident session"
 
 
