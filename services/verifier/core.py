@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
 from tandem.serving.logs import session_context
 from tandem.serving.metrics import VerifierMetrics, status_of
-from tandem.engine.ids import common_prefix_len
 from tandem.engine.models import LoadedModel
 from tandem.engine.runner import PrefillPolicy, Sequence
 from tandem.engine.spec import Engine, FinishReason, GenerationResult, StepOutput, trees_allowed
@@ -413,32 +412,18 @@ class VerifierCore:
         sess.last_used = time.monotonic()
         return sess
 
-    SHARE_MIN_TOKENS = 32  # shorter common prefixes are cheaper to recompute than to look up
-
     def _share_prefix(self, sess: _Session, context_ids: list[int]) -> int:
-        """Copy the KV of the longest prefix of `context_ids` that another resident session holds
-        (a common system prompt, a tool schema) into `sess`, when that beats what `sess` already
-        holds. Returns the tokens copied (0: nothing worth sharing, or a backend without it)."""
-        seq = sess.seq
-        if not self.engine.runner.backend.shares_prefix:
-            return 0
-        own = common_prefix_len(seq.ids[: seq.cached_len], context_ids)
+        """Copy the KV of the longest prefix of `context_ids` that another resident session of the
+        same tenant holds into `sess` (`Sequence.share_longest`). Returns the tokens copied."""
         # Only idle donors, and the copy under the table lock: a donor cannot be checked out (and
         # roll its cache back) while we read it.
         with self._lock:
-            best, donor = own, None
-            for other in self._sessions.values():
-                if other is sess or other.busy or other.salt != sess.salt:
-                    continue
-                n = common_prefix_len(other.seq.ids[: other.seq.cached_len], context_ids)
-                if n > best:
-                    best, donor = n, other
-            best = min(best, len(context_ids) - 1)  # the last context token stays pending
-            if donor is None or best - own < self.SHARE_MIN_TOKENS:
-                return 0
-            seq.share_from(donor.seq, best)
-        self.metrics.shared(best)
-        return best
+            donors = (other.seq for other in self._sessions.values()
+                      if other is not sess and not other.busy and other.salt == sess.salt)
+            shared = sess.seq.share_longest(donors, context_ids)
+        if shared:
+            self.metrics.shared(shared)
+        return shared
 
     def _make_room(self, new_tokens: int, exclude: str | None) -> list[tuple[str, list[int], str]]:
         """Evict idle sessions, least recently used first, until the budget holds `new_tokens`

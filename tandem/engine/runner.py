@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import logging
@@ -902,6 +902,33 @@ class Sequence:
         independent) instead of computing them; then `set_context` computes only the rest."""
         self.runner.backend.copy_prefix(other.cache, self.cache, length)
         self.ids = list(other.ids[:length])
+
+    # A common prefix shorter than this is cheaper to recompute than to find and copy
+    SHARE_MIN_TOKENS = 32
+
+    def share_longest(self, donors: Iterable["Sequence"], context_ids: list[int]) -> int:
+        """Copy the KV of the longest prefix of `context_ids` that one of `donors` holds (a common
+        system prompt, a tool schema) into this sequence, when that beats what it holds itself by at
+        least SHARE_MIN_TOKENS. The last context token stays pending, so at most len - 1 positions
+        are taken. Returns the length copied (0: nothing worth sharing, or a backend without it).
+
+        Example: donors hold [sys..., toolsA..., q1...]; context [sys..., toolsA..., q2...] takes
+        len(sys + toolsA) positions, then `set_context` computes only q2."""
+        if not self.runner.backend.shares_prefix:
+            return 0
+        own = common_prefix_len(self.ids[: self.cached_len], context_ids)
+        best, donor = own, None
+        for other in donors:
+            if other is self:
+                continue
+            n = common_prefix_len(other.ids[: other.cached_len], context_ids)
+            if n > best:
+                best, donor = n, other
+        best = min(best, len(context_ids) - 1)
+        if donor is None or best - own < self.SHARE_MIN_TOKENS:
+            return 0
+        self.share_from(donor, best)
+        return best
 
     def rollback(self, length: int) -> None:
         """Crop the KV cache to its first `length` entries (a no-op when it is not longer)."""

@@ -31,10 +31,19 @@ conversation: turn t+1's context is the chat of the earlier turns with the mode'
 modes keep one engine sequence per conversation, so a later turn reuses the KV of the earlier ones;
 the peers call `generate` afresh each turn, as `transformers` is used (its prompt lookup does not
 accept a pre-filled cache correctly in 5.x: its outputs then differ from plain decoding).
+
+Prefix sharing (`share_prefix`, on unless a peer mode runs): a conversation of ours starts from a
+copy of the KV that the conversations of the last PREFIX_DONORS earlier prompts hold of its first
+prompt's longest common prefix, as a verifier copies a resident session's (a shared system prompt
+or tool list is prefilled once, not once per session). Every mode of ours gets the same donors, the
+earlier prompts' and never a sibling mode's run of the same prompt, and pays for the copy in its
+time; the peers prefill every prompt whole, so with them in the run it is off by default and the
+comparison stays like for like.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -73,6 +82,10 @@ HF_LOOKUP_TOKENS = 10  # transformers' documented prompt_lookup_num_tokens
 # "auto" / "required", as the API's tools with that tool_choice (rendered as the gateway renders them)
 TOOL_MODES = ("prompt", "auto", "required")
 WARMUP_TOKENS = 16  # enough steps to touch every code path (prefill, draft, verify, rollback) once
+# Earlier prompts' conversations whose KV a new conversation may share (each holds ~46 KB a token in
+# float32 for SmolLM2-135M: 4 of 1,500 tokens are ~280 MB). A multi-session workload's sessions share
+# one prefix (agent_tools: the tool list), so the last few prompts always hold it.
+PREFIX_DONORS = 4
 LOSSLESS_NOTE = (
     "sampling with temperature > 0: outputs are equal to ar's in distribution, not token for token, "
     "so greedy equality does not apply"
@@ -182,7 +195,7 @@ class EngineTarget:
     modes = ALL_MODES
 
     def __init__(self, engine: Engine, tokenizer, *, hf_lookup_tokens: int = HF_LOOKUP_TOKENS, tools: str = "prompt",
-                 suffix_store=None):
+                 suffix_store=None, share_prefix: bool = False):
         if hf_lookup_tokens < 1:
             raise ValueError(f"hf_lookup_tokens must be >= 1, got {hf_lookup_tokens}")
         if tools not in TOOL_MODES:
@@ -197,6 +210,10 @@ class EngineTarget:
         # Suffix decoding's cross-session store (warm runs): run_bench holds what a prompt's runs
         # add until the prompt is done, so no prompt drafts from its own output. None: cold.
         self.suffix_store = suffix_store
+        # Sequences of earlier prompts' conversations whose KV prefixes a first turn may copy
+        # (run_bench donates one per prompt once all its modes ran); off: every first turn prefills whole
+        self.share_prefix = share_prefix
+        self.donors: collections.deque = collections.deque(maxlen=PREFIX_DONORS)
         self._factories = {
             "suffix": dataclasses.replace(engine.factory, suffix_store=suffix_store),
             "hybrid": dataclasses.replace(engine.factory, suffix_store=suffix_store),
@@ -230,6 +247,11 @@ class EngineTarget:
 
     def conversation(self, rec: PromptRecord, mode: str) -> "Conversation":
         return Conversation(self, rec, mode)
+
+    def donate(self, conversation: "Conversation | None") -> None:
+        """Offer a finished prompt's conversation KV to the first turns of later prompts."""
+        if self.share_prefix and conversation is not None and conversation.sequence is not None:
+            self.donors.append(conversation.sequence)
 
     def record_sampling(self, rec: PromptRecord, sampling: SamplingParams) -> SamplingParams:
         """With `tools="required"`, a record with functions is generated under the call grammar (one
@@ -336,8 +358,16 @@ class Conversation:
 
     def turn(self, t: int, sampling: SamplingParams) -> GenerationResult:
         messages = to_chat(self.rec, t, self.history if t > 0 else None)
-        res = self.target.run(self.target.context_ids(self.rec, messages), self.target.record_sampling(self.rec, sampling),
-                              self.mode, self.sequence, self.proposer)
+        ids = self.target.context_ids(self.rec, messages)
+        copy_s = 0.0
+        if t == 0 and self.sequence is not None and self.target.share_prefix:
+            start = time.perf_counter()
+            self.sequence.share_longest(self.target.donors, ids)  # its length shows as prefill_reused_tokens
+            copy_s = time.perf_counter() - start
+        res = self.target.run(ids, self.target.record_sampling(self.rec, sampling), self.mode, self.sequence, self.proposer)
+        if copy_s:  # the copy is part of this turn's prefill
+            res = dataclasses.replace(res, seconds=res.seconds + copy_s,
+                                      first_token_seconds=res.first_token_seconds + copy_s)
         reply = self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         head = 1 if self.rec.system else 0
         self.history = messages[head:] + [{"role": "assistant", "content": reply}]
@@ -397,6 +427,7 @@ def run_bench(
     hf_lookup_tokens: int = HF_LOOKUP_TOKENS,
     tools: str = "prompt",
     suffix_warm: bool = False,
+    share_prefix: bool | None = None,
 ) -> dict:
     """Run the first `turns` turns of every record in every mode, interleaved; return the JSON-able
     report.
@@ -414,6 +445,9 @@ def run_bench(
     finished responses of the earlier prompts of this run; each prompt's own responses join it only
     after all its modes, repeats and turns ran. Off (cold): the store is empty, so those modes draft
     from the session's own tokens only.
+    `share_prefix` (in process): our modes' first turns copy the KV of their longest common prefix
+    with the last PREFIX_DONORS prompts' conversations (see the module docstring); None: on unless
+    a peer mode runs.
     """
     store = None
     if suffix_warm:
@@ -427,6 +461,10 @@ def run_bench(
         if isinstance(engine, Engine) else engine
     )
     modes = _check_modes(target, modes)
+    if isinstance(target, EngineTarget):
+        target.share_prefix = (not any(m in PEER_MODES for m in modes)) if share_prefix is None else share_prefix
+    elif share_prefix:
+        raise ValueError("share_prefix runs in process: through a stack the verifiers share resident sessions' KV themselves")
     if any(m in LLAMACPP_MODES for m in modes):
         target.llamacpp_peer()  # loads the file now: a missing binding or a non-GGUF model fails before the run
     if tools != "prompt":
@@ -486,6 +524,9 @@ def run_bench(
                     runs[i][m].append(outs[m])
             if store is not None:
                 store.release(keep=True)  # prompt i's answers serve the prompts after it
+            if isinstance(target, EngineTarget):
+                # one mode's conversation (they hold the same prompt KV): its prefix serves the prompts after it
+                target.donate(next((convs[m] for m in modes if m in MODES), None))
 
     # chosen[i][m][t]: the median-time repeat of turn t
     chosen = [
@@ -567,6 +608,11 @@ def run_bench(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sampling": sampling.model_dump(mode="json"),
         "tools": tools,
+        "prefix_sharing": (
+            f"on: first turns copy the KV of their longest common prefix with the last {PREFIX_DONORS} earlier "
+            "prompts' conversations (ours; the peers prefill whole)"
+            if target.share_prefix else "off: every first turn prefills its whole prompt"
+        ) if isinstance(target, EngineTarget) else "the stack's verifiers': resident sessions of the same tenant",
         "suffix_store": None if not any(m in SUFFIX_MODES for m in modes) else (
             "warm: fed by the finished responses of earlier prompts of this run, never the measured prompt's own"
             if store is not None else "cold: empty, drafts from the session's own tokens only"

@@ -346,6 +346,7 @@ def bench(
     curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Measure the machine's cost curve (`tandem calibrate`, 100 and 1,000 tokens of context) before the run and record it in the report (in process only).")] = True,
     threads: ThreadsOpt = None,
     suffix_warm: Annotated[bool, typer.Option("--suffix-warm/--suffix-cold", help="Suffix decoding's cross-session store (modes suffix, hybrid): warm = fed by the finished answers of the earlier prompts of this run (a prompt's own answers join only after all its modes ran); cold = empty. In process only.")] = False,
+    share_prefix: Annotated[Optional[bool], typer.Option("--share-prefix/--no-share-prefix", help="In process: a conversation's first turn copies the KV of its longest common prefix (a shared system prompt or tool list) from the last 4 prompts' conversations, as a verifier shares its resident sessions' KV, in every mode of ours alike and never from the same prompt. Default: on, unless a peer mode (hf-*, llamacpp*) runs, since the peers prefill every prompt whole.")] = None,
     precision: PrecisionOpt = "auto",
 ) -> None:
     """Benchmark modes side by side in one process, interleaved per prompt, against plain decoding.
@@ -384,7 +385,7 @@ def bench(
 
             bench_target = GatewayTarget(endpoint, ca=ca, api_key=api_key)
             result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats,
-                               turns=turns)
+                               turns=turns, share_prefix=share_prefix)
         else:
             needs = any(m in ("model", "hybrid", "hybrid-nosuffix", "hybrid-chain", "hf-assisted") for m in mode_list)
             target, draft_lm = _load(model, draft_model, needs_draft=needs, precision=precision)
@@ -398,7 +399,7 @@ def bench(
                 machine_curve = measure(impl, contexts=(100, 1000))
             result = run_bench(engine, records, mode_list, max_new_tokens, tokenizer=target.tokenizer,
                                sampling=sampling, repeats=repeats, turns=turns, hf_lookup_tokens=hf_lookup_tokens,
-                               tools=tools, suffix_warm=suffix_warm)
+                               tools=tools, suffix_warm=suffix_warm, share_prefix=share_prefix)
             # what "lossless" was judged against (the hf-* modes run transformers' float32 model)
             result["config"]["precision"] = engine.runner.precision
             if machine_curve is not None:

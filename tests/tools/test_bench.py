@@ -27,6 +27,7 @@ from tandem.tools.bench import (
 from tandem.engine.config import SamplingParams, SpecConfig
 from tandem.tools.datasets import PromptRecord, load_prompts, to_chat
 from tandem.engine.models import apply_chat_template
+from tandem.engine.ids import common_prefix_len
 from tandem.engine.spec import Engine, FinishReason, GenerationResult, SpecStats
 
 MODE_KEYS = {
@@ -591,3 +592,55 @@ def test_suffix_warm_feeds_later_prompts_never_the_measured_prompts_own_answer(t
     assert again_w["steps"] < first_w["steps"] / 2 and again_w["accepted"] >= 0.7 * again_w["tokens"]
     with pytest.raises(ValueError, match="suffix_warm runs in process"):
         run_bench(EngineTarget(engine, tiny_loaded.tokenizer), records, ["ar"], 4, progress=False, suffix_warm=True)
+
+
+def test_first_turns_share_earlier_prompts_prefixes_never_a_sibling_modes(tiny_loaded, monkeypatch) -> None:
+    """Three two-turn sessions behind one long system prompt (an agent's tool list): the first
+    prompt prefills it whole in every mode, although its sibling modes ran the same prompt first;
+    the later prompts' first turns copy it from an earlier prompt's conversation, the same length
+    in every mode; every output equals the run without sharing, token for token."""
+    system = " ".join(f"tool{i} takes a b and c" for i in range(12))
+    recs = [PromptRecord(id=f"s{i}", dataset="agents", category=None, system=system,
+                         turns=[f"call tool{i} with {i} {i + 1}", f"now tool{i + 3} please"]) for i in range(3)]
+    engine = Engine(tiny_loaded, spec=SpecConfig(adaptive=False, max_draft_tokens=4))
+    assert engine.runner.backend.shares_prefix
+    modes = ["ar", "ngram", "suffix"]
+    outputs: list[tuple[str, tuple[int, ...], list[int]]] = []  # (mode, context, output) of every generation
+    real = EngineTarget.run
+
+    def spy(self, ids, sampling, mode, sequence, proposer=None):
+        res = real(self, ids, sampling, mode, sequence, proposer)
+        outputs.append((mode, tuple(ids), res.token_ids))
+        return res
+
+    monkeypatch.setattr(EngineTarget, "run", spy)
+
+    def run(share):
+        outputs.clear()
+        report = run_bench(engine, recs, modes, 12, tokenizer=tiny_loaded.tokenizer, progress=False, turns=2,
+                           share_prefix=share)
+        return report, sorted(outputs[len(modes):])  # after one warm-up per mode
+
+    (shared, out_shared), (alone, out_alone) = run(None), run(False)  # None: on, since no peer mode runs
+    assert len(out_shared) == 3 * 2 * len(modes) and out_shared == out_alone  # the same text, token for token
+    assert shared["config"]["prefix_sharing"].startswith("on") and alone["config"]["prefix_sharing"].startswith("off")
+    firsts = [apply_chat_template(tiny_loaded.tokenizer, to_chat(r, 0)) for r in recs]
+    for i, (with_, without) in enumerate(zip(shared["prompts"], alone["prompts"])):
+        common = max((common_prefix_len(firsts[i], firsts[j]) for j in range(i)), default=0)
+        assert i == 0 or common >= 40, "the records share a long system prompt"
+        for m in modes:
+            t1 = with_["turns"][0]["modes"][m]
+            assert t1["prefill_reused_tokens"] == (0 if i == 0 else common), (i, m)
+            assert without["turns"][0]["modes"][m]["prefill_reused_tokens"] == 0
+            assert with_["turns"][1]["modes"][m]["prefill_reused_tokens"] > t1["prompt_tokens"] / 2  # its own turn 1
+            assert t1["equal_to_ar"] is True
+    for report in (shared, alone):
+        assert all(s["lossless"] == 1.0 for s in report["modes"].values())
+
+
+def test_prefix_sharing_is_off_beside_the_peers_unless_asked(tiny_loaded, records) -> None:
+    engine = Engine(tiny_loaded, spec=SpecConfig(adaptive=False))
+    run = lambda share: run_bench(engine, records[:2], ["ar", "hf-ar"], 4, tokenizer=tiny_loaded.tokenizer,
+                                  progress=False, share_prefix=share)
+    assert run(None)["config"]["prefix_sharing"].startswith("off")  # the peers prefill every prompt whole
+    assert run(True)["config"]["prefix_sharing"].startswith("on")
