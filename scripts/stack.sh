@@ -4,11 +4,31 @@
 # The stack is stopped on exit too. TANDEM is the executable whose build serves (another checkout's
 # for a before/after pair); the clients run from this checkout.
 
+# A stack started right after another on the same ports could fail to bind them while the earlier
+# stack's services were still draining (seen once on back-to-back runs): wait until both are free.
+ports_free() {  # ports_free PORT...: nothing listens on any of them
+  python3 - "$@" <<'PY'
+import socket, sys
+for port in sys.argv[1:]:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not count
+        try:
+            s.bind(("0.0.0.0", int(port)))
+        except OSError:
+            sys.exit(1)
+PY
+}
+
 stack_up() {
   local tandem port=$2 log
   tandem=$(realpath "$1")
   log=$(realpath -m "$3")
   shift 3
+  for i in $(seq 61); do
+    ports_free "$port" $((port + 1)) && break
+    [ "$i" = 61 ] && { echo "ports $port and $((port + 1)) are still taken after 60 s" >&2; return 1; }
+    sleep 1
+  done
   # From the checkout that holds TANDEM (.../.venv/bin/tandem): `python -m` puts the working
   # directory first on the path, so another checkout's modules would be mixed in.
   (cd "$(dirname "$tandem")/../.." && exec "$tandem" up --grpc-port "$port" --http-port $((port + 1)) "$@") > "$log" 2>&1 &
