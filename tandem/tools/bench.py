@@ -478,8 +478,11 @@ def run_bench(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if turns < 1:
         raise ValueError(f"turns must be >= 1, got {turns}")
-    if turns > 1 and not hasattr(target, "conversation"):
-        raise ValueError("turns > 1 needs an in-process engine: a remote target runs first turns only")
+    # in process every conversation is a session; through a stack only with a tenant per mode
+    sessions = hasattr(target, "conversation") and getattr(target, "sessions", True)
+    if turns > 1 and not sessions:
+        raise ValueError("turns > 1 needs sessions: an in-process engine, or a stack with a tenant per mode "
+                         "(mode_keys; `tandem bench --mode-tenants`); one-off remote requests run first turns only")
     sampling = (sampling or SamplingParams()).model_copy(update={"max_new_tokens": max_new_tokens})
     greedy = sampling.greedy
     if not greedy and sampling.seed is None:
@@ -489,7 +492,7 @@ def run_bench(
     n_turns = [min(turns, len(rec.turns)) for rec in records]
 
     def conversation(i: int, mode: str):
-        if hasattr(target, "conversation"):
+        if sessions:
             return target.conversation(records[i], mode)
         return _FirstTurnOnly(target, prepared[i][0], mode)
 
@@ -502,7 +505,9 @@ def run_bench(
     if store is not None:
         store.hold()
     for m in modes:
-        conversation(0, m).turn(0, warmup)
+        # through a stack, a one-off request: a warm-up session would stay resident and hand prompt 0
+        # its whole prefill (in process the warm-up's sequence is no donor)
+        (conversation(0, m) if isinstance(target, EngineTarget) else _FirstTurnOnly(target, prepared[0][0], m)).turn(0, warmup)
     if store is not None:
         store.release(keep=False)  # the warm-up's partial answer of prompt 0 is not an earlier response
 
@@ -612,7 +617,9 @@ def run_bench(
             f"on: first turns copy the KV of their longest common prefix with the last {PREFIX_DONORS} earlier "
             "prompts' conversations (ours; the peers prefill whole)"
             if target.share_prefix else "off: every first turn prefills its whole prompt"
-        ) if isinstance(target, EngineTarget) else "the stack's verifiers': resident sessions of the same tenant",
+        ) if isinstance(target, EngineTarget) else (
+            "the stack's verifiers': sessions, a tenant per mode, share KV with resident sessions of their tenant"
+            if sessions else "off: one-off requests, never resident"),
         "suffix_store": None if not any(m in SUFFIX_MODES for m in modes) else (
             "warm: fed by the finished responses of earlier prompts of this run, never the measured prompt's own"
             if store is not None else "cold: empty, drafts from the session's own tokens only"

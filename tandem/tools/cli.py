@@ -343,6 +343,7 @@ def bench(
     tools: Annotated[str, typer.Option("--tools", help="How a record's functions (BFCL sets) reach the model: 'prompt' (a tool list in the system message), or as the API's tools with tool_choice 'auto' or 'required' (rendered as the gateway renders them; 'required' runs under the call grammar, as the gateway does). In process only.")] = "prompt",
     ca: Annotated[Optional[Path], typer.Option("--ca", exists=True, dir_okay=False, help="With --endpoint: the gateway speaks TLS with a certificate from this CA (`tandem up --tls` prints it).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TANDEM_API_KEY", help="With --endpoint: the gateway's API key.")] = None,
+    mode_tenants: Annotated[Optional[Path], typer.Option("--mode-tenants", exists=True, dir_okay=False, help="With --endpoint: the gateway's API key file (docs/security.md) with a tenant named after each mode (ar, ngram, suffix, ...), each with a key given in full. Every conversation is then a session of its mode's tenant: later turns (--turns) reuse its KV, first turns the KV of a prefix an earlier session of the same mode left (a tool list), never another mode's. Without it: one-off requests, first turns only.")] = None,
     curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Measure the machine's cost curve (`tandem calibrate`, 100 and 1,000 tokens of context) before the run and record it in the report (in process only).")] = True,
     threads: ThreadsOpt = None,
     suffix_warm: Annotated[bool, typer.Option("--suffix-warm/--suffix-cold", help="Suffix decoding's cross-session store (modes suffix, hybrid): warm = fed by the finished answers of the earlier prompts of this run (a prompt's own answers join only after all its modes ran); cold = empty. In process only.")] = False,
@@ -369,6 +370,8 @@ def bench(
             raise ValueError(f"--tools is one of {', '.join(TOOL_MODES)}, not {tools!r}")
         if tools != "prompt" and endpoint:  # before connecting (run_bench refuses it too, after)
             raise ValueError("--tools auto/required runs in process; through --endpoint the records' tool lists go as text")
+        if mode_tenants is not None and not endpoint:
+            raise ValueError("--mode-tenants is for a stack (--endpoint); in process every conversation is a session already")
         records = records_for(dataset, limit)
         grammar = _grammar_option(response_format)
         if grammar is not None and tools == "required":
@@ -381,9 +384,14 @@ def bench(
         _fail(str(exc))
     try:
         if endpoint:
-            from tandem.tools.bench_remote import GatewayTarget
+            from tandem.tools.bench_remote import GatewayTarget, mode_keys_from_file
 
-            bench_target = GatewayTarget(endpoint, ca=ca, api_key=api_key)
+            mode_keys = None
+            if mode_tenants is not None:
+                if api_key:
+                    raise ValueError("--mode-tenants gives every mode its own key: leave out --api-key")
+                mode_keys = mode_keys_from_file(mode_tenants, list(dict.fromkeys(["ar", *mode_list])))
+            bench_target = GatewayTarget(endpoint, ca=ca, api_key=api_key, mode_keys=mode_keys)
             result = run_bench(bench_target, records, mode_list, max_new_tokens, sampling=sampling, repeats=repeats,
                                turns=turns, share_prefix=share_prefix)
         else:

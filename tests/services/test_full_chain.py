@@ -181,6 +181,60 @@ def test_bench_through_the_gateway_matches_in_process(chain, tiny_loaded):
         assert p_remote["modes"]["ar"]["tokens"] == p_local["modes"]["ar"]["tokens"]
 
 
+def test_bench_sessions_through_the_gateway_a_tenant_per_mode(tiny_loaded, tiny_draft_loaded, redis_url, tmp_path):
+    """`tandem bench --endpoint --mode-tenants`: each mode is a tenant of the gateway's key file and
+    every conversation a session of it. Two turns run as one session (turn 2 reuses its KV); later
+    sessions' first turns reuse a shared system prompt from their own mode's earlier session, and
+    the first prompt's first turn reuses nothing in any mode, although every mode ran it: the
+    verifier never hands one tenant (mode) another's prefill. Greedy through the chain: each mode
+    equals plain decoding, and plain decoding the in-process engine's, turn by turn."""
+    import json as json_mod
+
+    from tandem.tools.bench_remote import mode_keys_from_file
+
+    modes = ["ar", "ngram", "suffix"]
+    keyfile = tmp_path / "keys.json"
+    keyfile.write_text(json_mod.dumps({"tenants": {m: {"keys": [f"sk-bench-{m}-0123456789abcdef"]} for m in modes}}))
+    redis.Redis.from_url(redis_url).flushdb()
+    dcore = DrafterCore(DrafterSettings(drafter_id="d0", draft_model=tiny_draft_loaded))
+    dserver, dport = build_drafter(dcore)
+    dserver.start()
+    verifier = RealVerifier("v0", tiny_loaded, redis_url, drafters=(f"127.0.0.1:{dport}",))
+    gw = Gateway(tiny_loaded.tokenizer, model="tiny", redis_url=redis_url, drafters=(f"127.0.0.1:{dport}",),
+                 verifiers=(verifier.address,), poll_interval_s=0.5, api_keys_file=keyfile)
+    try:
+        time.sleep(0.6)  # one poll of the drafter's and verifier's GetInfo
+        system = " ".join(f"tool{i} takes a b and c" for i in range(12))
+        recs = [PromptRecord(id=f"s{i}", dataset="agents", category=None, system=system,
+                             turns=[f"call tool{i} with {i} {i + 1}", f"now tool{i + 3} please"]) for i in range(3)]
+        address = f"127.0.0.1:{gw.grpc_port}"
+        with pytest.raises(ValueError, match="tenant per mode"):
+            run_bench(GatewayTarget(address, api_key="sk-bench-ar-0123456789abcdef"), recs, ["ar"], 4,
+                      progress=False, turns=2)
+        remote = run_bench(GatewayTarget(address, mode_keys=mode_keys_from_file(keyfile, modes)), recs, modes, 12,
+                           progress=False, turns=2)
+        local = run_bench(Engine(tiny_loaded), recs, ["ar"], 12, tokenizer=tiny_loaded.tokenizer, progress=False,
+                          turns=2)
+    finally:
+        gw.close()
+        verifier.stop()
+        dserver.stop(None)
+    assert "tenant per mode" in remote["config"]["prefix_sharing"]
+    assert all(remote["modes"][m]["lossless"] == 1.0 for m in modes)
+    for i, (p_remote, p_local) in enumerate(zip(remote["prompts"], local["prompts"])):
+        for t in range(2):
+            assert (p_remote["turns"][t]["modes"]["ar"]["tokens"] == p_local["turns"][t]["modes"]["ar"]["tokens"]), (i, t)
+        for m in modes:
+            first, second = (p_remote["turns"][t]["modes"][m] for t in range(2))
+            if i == 0:
+                assert first["prefill_reused_tokens"] == 0, f"{m} was handed another mode's prefill"
+            else:
+                assert first["prefill_reused_tokens"] >= 40, f"{m}: the system prompt of its own earlier session"
+            assert second["prefill_reused_tokens"] > first["prompt_tokens"] / 2, f"{m}: its own first turn"
+    with pytest.raises(ValueError, match="no tenant 'model'"):
+        mode_keys_from_file(keyfile, ["ar", "model"])
+
+
 def test_loadtest_over_the_chain(chain, tmp_path):
     from tandem.tools.loadtest import plot_loadtest, run_loadtest
 

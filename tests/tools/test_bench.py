@@ -385,7 +385,7 @@ def test_peers_need_an_in_process_engine(records) -> None:
 
     with pytest.raises(ValueError, match="run in process only"):
         run_bench(RemoteLike(), records, ["ar", "hf-ar"], 4, progress=False)
-    with pytest.raises(ValueError, match="turns > 1 needs an in-process engine"):
+    with pytest.raises(ValueError, match="turns > 1 needs sessions"):
         run_bench(RemoteLike(), records, ["ar"], 4, progress=False, turns=2)
 
 

@@ -238,6 +238,24 @@ def test_bench_refuses_bad_tools_options(tiny_dir, tmp_path) -> None:
     assert res.exit_code == 2 and "runs in process" in res.stderr
 
 
+def test_bench_mode_tenants_are_checked_before_any_request(tiny_dir, tmp_path) -> None:
+    """--mode-tenants: only with --endpoint, not beside --api-key, and every mode needs a tenant of
+    its own with a key in full; each refusal names the reason before a request is sent."""
+    dataset = tmp_path / "p.jsonl"
+    dataset.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"tenants": {"ar": {"keys": ["sk-bench-ar-0123456789abcdef"]},
+                                            "ngram": {"keys": ["sha256:" + "0" * 64]}}}))
+    base = ("bench", "-d", str(dataset), "--modes", "ar,ngram", "--no-curve", "--mode-tenants", str(keys))
+    res = invoke(*base, "-m", str(tiny_dir), *THREADS)
+    assert res.exit_code == 2 and "is for a stack (--endpoint)" in res.stderr
+    closed = f"127.0.0.1:{_closed_port()}"
+    res = invoke(*base, "--endpoint", closed, "--api-key", "sk-bench-ar-0123456789abcdef")
+    assert res.exit_code == 2 and "leave out --api-key" in res.stderr
+    res = invoke(*base, "--endpoint", closed)
+    assert res.exit_code == 2 and "no tenant 'ngram' with a key given in full" in res.stderr
+
+
 def test_bench_refuses_an_unknown_mode(tiny_dir, tmp_path) -> None:
     dataset = tmp_path / "p.jsonl"
     dataset.write_text(json.dumps({"prompt": "hi"}) + "\n")
