@@ -316,6 +316,46 @@ def _suffix_run(core, address, session: str, salt: str, max_new: int = 40) -> Ge
 FRESH = [300, 301, 302, 303, 304, 305, 306]  # no token twice: the session alone has nothing to copy
 
 
+def test_a_store_block_runs_past_one_step_and_its_rest_is_used_without_waiting(tiny_loaded):
+    """A suffix session asks its drafter for STORE_LOOKAHEAD times a step's drafts: a block that
+    follows another session's answer in the store carries more than one step verifies, and the next
+    steps take its rest at once instead of waiting a round trip for the next block."""
+    from tandem.engine.suffix import STORE_BUCKET, SuffixProposer
+    from tandem.services.verifier.drafting import STORE_LOOKAHEAD, RemoteProposer
+
+    dcore, server, address = _drafter()
+    connector = GrpcDrafterConnector()
+    try:
+        store = dcore.suffix_stores.get(tiny_loaded.model_id, scope_of("t"))
+        answer = list(range(400, 424))
+        store.add(FRESH, answer)
+        k = 4
+        spec = SpecConfig(strategy=DraftStrategy.suffix, max_draft_tokens=k)
+        remote = RemoteProposer(connector, address, "ahead", SamplingParams(), spec, tiny_loaded.vocab_size,
+                                wait_s=5.0, local=SuffixProposer(), local_first=True,
+                                target_model=tiny_loaded.model_id, cache_scope=scope_of("t"))
+        remote.open(FRESH)
+        offer = remote.peek(FRESH)
+        assert offer.bucket >= STORE_BUCKET and offer.available > k, "a block past one step's drafts"
+        assert offer.available == k * STORE_LOOKAHEAD
+        ids, step = list(FRESH), -1
+        for step in range(STORE_LOOKAHEAD - 1):
+            assert remote.propose(ids, k, SamplingParams(), None).tokens == answer[step * (k + 1):][:k]
+            ids = FRESH + answer[: (step + 1) * (k + 1)]  # k accepted and the bonus, as the store said
+            remote.on_commit(ids, answer[step * (k + 1): (step + 1) * (k + 1)], k)
+            waits = _count_waits(remote)
+            offer = remote.peek(ids)
+            if offer.available < 1:
+                break
+            assert waits == [], f"step {step + 2} took the rest of the block without waiting"
+            assert offer.bucket >= STORE_BUCKET
+        assert step >= 1, "the rest of one block served at least two more steps"
+        remote.close()
+    finally:
+        connector.close()
+        server.stop(None)
+
+
 def test_the_drafters_suffix_store_serves_sessions_of_two_verifiers_and_never_another_tenant(tiny_loaded):
     """One drafter, two verifiers: a response finished through verifier 1 is drafted for a new
     session with the same prompt on verifier 2 (same tenant), and the text is the target's.
