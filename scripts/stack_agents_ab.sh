@@ -16,8 +16,7 @@ MODES=${MODES:-ar,ngram,suffix}
 DATASET=${DATASET:-agent_tools}
 PORT=${PORT:-50181}
 lscpu > "$OUT/cpu.txt"
-KEYS=$(mktemp)
-trap 'rm -f "$KEYS"' EXIT
+KEYS=$(mktemp)  # removed at the end (stack_up sets its own EXIT trap, so no trap here)
 .venv/bin/python - "$MODES" > "$KEYS" <<'PY'
 import json, secrets, sys
 print(json.dumps({"tenants": {m: {"keys": [f"sk-bench-{m}-{secrets.token_hex(16)}"]} for m in sys.argv[1].split(",")}}))
@@ -29,4 +28,5 @@ for r in $(seq 1 "${REPEAT:-1}"); do
     -o "$OUT/stack_$r.json" 2>>"$OUT/log.txt"
   stack_down
 done
+rm -f "$KEYS"
 .venv/bin/python scripts/suffix_table.py "$OUT"
