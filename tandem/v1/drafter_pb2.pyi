@@ -146,7 +146,9 @@ class Commit(_message.Message):
     """
     next_block_len: _builtins.int
     """Drafts wanted in the next block (based at committed_len); 0 = pause drafting (the drafter
-    keeps its state and follows the commits, sending nothing).
+    keeps its state and follows the commits, sending nothing). It may exceed what one step
+    verifies: the verifier takes the rest of a still-consistent block at its next steps (suffix
+    sessions ask for several steps' worth, which the store continues at no cost).
     """
     @_builtins.property
     def appended_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
