@@ -41,13 +41,15 @@ def mode_keys_from_file(path: Path, modes: list[str]) -> dict[str, str]:
     """Mode -> API key from a gateway key file (docs/security.md) whose tenants are named after the
     modes: each mode's tenant's first key given as the secret itself (a `sha256:` entry cannot be
     sent). Raises ValueError naming what is missing."""
+    from tandem.services.gateway.auth import KeyFile  # the gateway's own reading of the file
+
     try:
-        tenants = json.loads(Path(path).read_text())["tenants"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        tenants = KeyFile.model_validate(json.loads(Path(path).read_text())).tenants
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         raise ValueError(f"cannot read tenants from {path}: {exc}") from None
     keys = {}
     for mode in modes:
-        plain = [k for k in (tenants.get(mode) or {}).get("keys", []) if not k.startswith("sha256:")]
+        plain = [k for k in (tenants[mode].keys if mode in tenants else ()) if not k.startswith("sha256:")]
         if not plain:
             raise ValueError(f"{path} has no tenant {mode!r} with a key given in full: each mode needs a tenant "
                              f"of its own, named after it, with a key the client can send")
@@ -55,6 +57,11 @@ def mode_keys_from_file(path: Path, modes: list[str]) -> dict[str, str]:
     if len(set(keys.values())) < len(keys):
         raise ValueError(f"{path}: two modes share a key, so they would share a tenant and its caches")
     return keys
+
+
+def _chat(messages: list[dict]) -> gateway_pb2.ChatMessages:
+    return gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                              for m in messages])
 
 
 class GatewayTarget:
@@ -87,8 +94,7 @@ class GatewayTarget:
         self.draft_id = "remote drafter" if common_pb2.DRAFT_STRATEGY_MODEL in default.strategies else None
 
     def prepare(self, rec: PromptRecord) -> tuple[gateway_pb2.ChatMessages, int | None]:
-        msgs = [gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in to_chat(rec, 0)]
-        return gateway_pb2.ChatMessages(messages=msgs), None
+        return _chat(to_chat(rec, 0)), None
 
     def generate(self, ctx: gateway_pb2.ChatMessages, sampling: SamplingParams, mode: str) -> GenerationResult:
         return self._generate(ctx, sampling, mode)[0]
@@ -150,9 +156,7 @@ class RemoteConversation:
 
     def turn(self, t: int, sampling: SamplingParams) -> GenerationResult:
         messages = to_chat(self.rec, t, self.history if t > 0 else None)
-        ctx = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                                 for m in messages])
-        res, reply = self.target._generate(ctx, sampling, self.mode, self.session_id)
+        res, reply = self.target._generate(_chat(messages), sampling, self.mode, self.session_id)
         head = 1 if self.rec.system else 0
         self.history = messages[head:] + [{"role": "assistant", "content": reply}]
         return res
