@@ -507,6 +507,47 @@ def test_draft_model_resyncs_after_a_rejection_and_a_rollback(near, contexts) ->
     assert p.lm.length == len(p._ids) == len(other) + 3
 
 
+def test_a_draft_model_reads_only_the_last_context_tokens_and_stays_bounded(near, contexts) -> None:
+    """With `context` W a draft starts on the last W tokens of a longer context (its drafts are
+    the draft model's own greedy continuation of those W alone), follows commits incrementally,
+    and starts over on the last W once its cache would pass REWINDOW x W: its cost per session
+    does not grow with the prompt."""
+    W = 8
+    p = DraftModelProposer(near, stop_below=0.0, context=W, int8=False)  # exact numbers: the oracle is float
+    ids = contexts["code"] + contexts["prose"]
+    assert len(ids) > 2 * W
+    assert p.propose(ids, 4, GREEDY, None).tokens == greedy_oracle(near.model, ids[-W:], 4)
+    assert p.lm.length == W + 3  # the window, then its own drafts but the last
+    grown = list(ids)
+    for t in range(4 * W):  # commits one token at a time, as decoding does
+        grown.append((7 * t + 3) % 500)
+        d = p.propose(grown, 3, GREEDY, None)
+        assert W <= p.lm.length - 2 <= DraftModelProposer.REWINDOW * W
+        assert d.tokens == greedy_oracle(near.model, grown[p._base:], 3)  # what its cache read
+    assert p._base > len(ids) - W  # it started over at least once
+    # a long catch-up (a new turn with more than W new tokens) starts over too
+    turn = grown + contexts["prose"] * 2
+    assert p.propose(turn, 2, GREEDY, None).tokens == greedy_oracle(near.model, turn[-W:], 2)
+    with pytest.raises(ValueError, match="context"):
+        DraftModelProposer(near, context=0)
+
+
+def test_greedy_with_a_short_draft_window_equals_plain_decoding(tiny_loaded, tiny_draft_loaded, contexts) -> None:
+    engine = make_engine("adaptive", tiny_loaded, tiny_draft_loaded)
+    spec = SpecConfig(strategy="model", max_draft_tokens=4)
+    drafted = 0
+    for name, ctx in contexts.items():
+        proposer = DraftModelProposer(tiny_draft_loaded, stop_below=0.0, context=4,
+                                      vocab_limit=tiny_loaded.vocab_size)
+        gen = engine.start(ctx, GREEDY40, spec, proposer=proposer)
+        for _ in gen:
+            pass
+        res = gen.result()
+        assert res.token_ids == plain_reference(engine, name, ctx), name
+        drafted += res.stats.drafted
+    assert drafted > 0
+
+
 def test_sampled_drafts_carry_their_exact_proposal_distribution(near, contexts) -> None:
     ids = contexts["prose"]
     sampling = SamplingParams(temperature=0.7)
@@ -963,6 +1004,43 @@ def test_costs_keep_exact_points_for_a_lone_sessions_blocks() -> None:
             costs.observe(n, s / 1000)
     assert [round(costs.estimate(n) * 1000, 2) for n in (1, 2, 3, 5, 9)] == [5.8, 5.95, 6.0, 6.45, 8.37]
     assert costs.estimate(1) < costs.estimate(4) < costs.estimate(5)
+
+
+def test_controller_expects_an_unreached_position_to_do_as_well_as_the_one_before() -> None:
+    """Blocks of 3 accepted 95% of the time say nothing about positions 4-8; the controller must
+    expect them to do about as well, not fall back to the bucket's fixed prior, or a cost curve
+    that jumps at 5 tokens (a CPU's GEMM tiles) keeps it at 3 drafts for ever (measured: the
+    hybrid at 1.2x where suffix decoding alone ran 1.4x, agent_tools, Intel Xeon)."""
+    costs = ForwardCosts()
+    for n, ms in ((1, 5.6), (2, 6.1), (3, 6.2), (4, 7.7), (5, 10.6), (6, 10.8), (7, 11.0), (8, 11.2), (9, 11.4)):
+        for _ in range(3):
+            costs.observe(n, ms / 1000)
+    c = BlockLengthController(8, costs, AcceptanceCounts())
+    bucket = 16 + 15  # a long match in the cross-session store
+    for _ in range(40):
+        c.observe("suffix", bucket, 3, 3 if _ % 20 else 2)
+    rates = c.rates("suffix", bucket, 8)
+    assert min(rates[3:]) > 0.9, rates  # not the fixed prior (0.75) of a long match
+    assert c.choose("suffix", bucket, 32) == 8
+    # a bucket whose first position fails is expected to fail on, and is not drafted
+    c2 = BlockLengthController(8, costs, AcceptanceCounts())
+    for _ in range(40):
+        c2.observe("ngram", 1, 1, 0)
+    assert max(c2.rates("ngram", 1, 8)) < 0.1 and c2.choose("ngram", 1, 8) == 0
+
+
+def test_a_new_sequence_knows_what_a_look_at_the_draft_model_costs() -> None:
+    """A draft model's look is priced from the runner's measure of its cost, so a new session whose
+    best offer already beats anything the model could add does not pay a look (the first one reads
+    its prompt); unmeasured anywhere, the first look is taken (the only way to learn its cost)."""
+    shared = AcceptanceCounts()
+    first = BlockLengthController(8, _costs(), shared)
+    strong = (6.0, 0.06)  # a long suffix match: 6 tokens expected for 1.2 steps' time
+    assert first.worth_peeking("model", 8, strong)  # nothing measured: look
+    first.observe_draft_cost("model", 1, 0.02)  # a draft-model step costs 40% of a target step
+    later = BlockLengthController(8, _costs(), shared)
+    assert not later.worth_peeking("model", 8, strong)
+    assert later.worth_peeking("model", 8, (1.0, 0.05))  # against a plain step it still pays to look
 
 
 def test_controller_without_measurements_takes_a_plain_step() -> None:
