@@ -206,9 +206,14 @@ class Continuations:
     def children(self, node: list[tuple[int, int]], at: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """(token, occurrences) after `node` at path depth `at`, most frequent first (most recent
         occurrence first on ties: `node` is ordered most recent first)."""
+        seqs = self.index.seqs
+        if len(node) == 1:  # one occurrence (most nodes past the first levels): no grouping to do
+            sid, end = node[0]
+            seq = seqs[sid]
+            return [(seq[end + at], node)] if end + at < len(seq) else []
         groups: dict[int, list[tuple[int, int]]] = {}
         for sid, end in node:
-            seq = self.index.seqs[sid]
+            seq = seqs[sid]
             if end + at < len(seq):
                 groups.setdefault(seq[end + at], []).append((sid, end))
         return sorted(groups.items(), key=lambda kv: -len(kv[1]))
@@ -218,7 +223,17 @@ class Continuations:
         occurrences that continue with that whole prefix); stops below `min_prob` or at `limit`."""
         node, tokens, probs, p = self.root, [], [], 1.0
         total = len(self.root)
-        for at in range(min(limit, self.depth)):
+        depth = min(limit, self.depth)
+        for at in range(depth):
+            if len(node) == 1:  # one occurrence left: the rest of the chain is its continuation
+                p = 1 / total
+                if p < min_prob:
+                    break
+                sid, end = node[0]
+                rest = self.index.seqs[sid][end + at:end + depth]
+                tokens.extend(rest)
+                probs.extend([p] * len(rest))
+                break
             kids = self.children(node, at)
             if not kids:
                 break
@@ -504,7 +519,7 @@ class SuffixProposer(Proposer):
         if not m.length:
             return None
         cont = index.continuations(m.where, self.max_len)
-        if self.trees:
+        if self.trees and len(m.where) > 1:  # one occurrence cannot branch: its chain is the tree
             tokens, parents, probs = cont.best_tree(self.tree_nodes, self._limit(m.length), self.min_prob)
             if any(p != i - 1 for i, p in enumerate(parents)):
                 return _Candidate(source, m.length, tokens, probs, parents)

@@ -58,6 +58,26 @@ def _tree_counts(cont, depth: int) -> dict[tuple[int, ...], int]:
     return counts
 
 
+def _ref_chain(seqs, where, limit: int, min_prob: float) -> tuple[list[int], list[float]]:
+    """The most frequent path by plain grouping at every level (ties: the occurrence listed first),
+    each step's share of all occurrences; stops below min_prob."""
+    node, tokens, probs = list(where), [], []
+    for at in range(limit):
+        groups: dict[int, list] = {}
+        for sid, end in node:
+            if end + at < len(seqs[sid]):
+                groups.setdefault(seqs[sid][end + at], []).append((sid, end))
+        if not groups:
+            break
+        tok, occ = max(groups.items(), key=lambda kv: len(kv[1]))  # the first of the most frequent
+        if len(occ) / len(where) < min_prob:
+            break
+        tokens.append(tok)
+        probs.append(len(occ) / len(where))
+        node = occ
+    return tokens, probs
+
+
 def _random_seq(rng: random.Random, n: int, vocab: int) -> list[int]:
     # repetitive enough to have long matches: copy earlier stretches now and then
     out: list[int] = []
@@ -100,6 +120,8 @@ def test_match_occurrences_and_continuations_equal_brute_force(seed) -> None:
         if length:
             cont = index.continuations(got.where, 6)
             assert _tree_counts(cont, 6) == _brute_counts(seqs, where, 6)
+            for min_prob in (0.0, 0.1, 0.5):  # the chain, with its one-occurrence shortcut
+                assert cont.best_chain(6, min_prob) == _ref_chain(seqs, got.where, 6, min_prob)
 
 
 def test_a_bounded_index_keeps_the_most_recent_occurrences_of_a_gram() -> None:
