@@ -544,7 +544,10 @@ class Engine:
         sequence: Sequence | None = None,
         proposer: Proposer | None = None,
         resumed: int = 0,
+        acceptance: AcceptanceCounts | None = None,
     ) -> Generation:
+        """`acceptance`: the runner-wide acceptance counts this generation learns from and adds to
+        (default: the engine's own, shared by every generation)."""
         spec = spec or self.spec
         if proposer is None and spec.strategy != DraftStrategy.none:
             proposer = self.factory.build(spec)
@@ -555,7 +558,7 @@ class Engine:
             sampling,
             spec,
             proposer,
-            shared_acceptance=self.acceptance,
+            shared_acceptance=self.acceptance if acceptance is None else acceptance,
             eos_token_ids=self.target.eos_token_ids,
             resumed=resumed,
         )

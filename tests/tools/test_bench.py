@@ -477,6 +477,24 @@ def test_a_conversations_later_turns_keep_its_proposer(tiny_loaded, tiny_draft_l
     assert second.token_ids == plain.turn(1, sampling).token_ids
 
 
+def test_each_mode_learns_from_its_own_runs_only(tiny_loaded) -> None:
+    """The modes of one bench share the engine and its cost curve, not their acceptance counts: a
+    mode's controller must not start from what another mode's drafts taught (the hybrid read suffix
+    mode's long blocks and looked better beside it than alone)."""
+    rec = PromptRecord(id="r", dataset="d", category=None, system=None,
+                       turns=["the cat and the dog and the cat and the dog and the cat " * 3])
+    engine = Engine(tiny_loaded, None, SpecConfig(adaptive=False, max_draft_tokens=4))  # always drafts
+    target = EngineTarget(engine, tiny_loaded.tokenizer)
+    sampling = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ids, _ = target.prepare(rec)
+    for mode in ("ngram", "suffix"):
+        assert target.run(ids, sampling, mode, None).stats.drafted > 0
+    learnt = {mode: {key[0] for key in counts.counts} for mode, counts in target.acceptance.items()}
+    assert learnt["ngram"] == {"ngram"}
+    assert learnt["suffix"] and all(name.startswith("suffix") for name in learnt["suffix"])
+    assert not engine.acceptance.counts  # the engine's own counts were not touched
+
+
 # --- the command ---------------------------------------------------------------------------------------
 
 
