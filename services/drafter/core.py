@@ -418,7 +418,8 @@ class DrafterCore:
             return HybridProposer(
                 NgramProposer(self.settings.ngram_min, self.settings.ngram_max),
                 DraftModelProposer(self.settings.draft_model, draft_top_k=self.settings.draft_top_k,
-                                   vocab_limit=vocab_size, stop_below=0.0, int8=self.settings.draft_int8),
+                                   vocab_limit=vocab_size, stop_below=0.0, int8=self.settings.draft_int8,
+                                   context=self.settings.draft_context),
                 min_lookup_match=self.settings.hybrid_min_match,
                 suffix=SuffixProposer(store, trees=True),
             )
@@ -428,7 +429,7 @@ class DrafterCore:
         # for the block's confidence, and drafting ahead hides the drafter's time.
         return DraftModelProposer(
             self.settings.draft_model, draft_top_k=self.settings.draft_top_k, vocab_limit=vocab_size, stop_below=0.0,
-            int8=self.settings.draft_int8,
+            int8=self.settings.draft_int8, context=self.settings.draft_context,
         )
 
     def _end(self, session: _Session) -> None:

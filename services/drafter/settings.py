@@ -27,6 +27,9 @@ class DrafterSettings(BaseModel):
     draft_model: InstanceOf[LoadedModel] | None = None
     draft_top_k: int = Field(16, ge=1, le=1024)  # support size of a sampled draft's proposals
     draft_int8: bool = True  # draft model steps with int8 weights on a CPU (memory-bound; same agreement)
+    # The draft model reads at most this many of a session's last tokens when it starts on it (a
+    # first look is a prefill of its own, per session: DraftModelProposer.CONTEXT); None: all.
+    draft_context: int | None = Field(512, ge=1)
     # Strategy hybrid: prompt lookup drafts when its match is at least this long, else the model.
     # (In process the controller compares measured values instead; a drafter drafts ahead of the
     # verifier's measurements, so it uses this rule.)

@@ -830,6 +830,7 @@ def drafter(
     ngram_min: Annotated[int, typer.Option("--ngram-min", help="Shortest context suffix prompt lookup matches.", min=1, max=16)] = 1,
     ngram_max: Annotated[int, typer.Option("--ngram-max", help="Longest context suffix prompt lookup tries first.", min=1, max=16)] = 4,
     draft_top_k: Annotated[int, typer.Option("--draft-top-k", help="Support size of a sampling draft model's proposals.", min=1)] = 16,
+    draft_context: Annotated[int, typer.Option("--draft-context", help="The draft model reads at most this many of a session's last tokens when it starts on it (its first look is a prefill of its own, per session; drafts only, never the output). 0: the whole context.", min=0)] = 512,
     lookahead: Annotated[bool, typer.Option("--lookahead/--no-lookahead", help="Draft the next block while the current one is verified.")] = True,
     max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most open draft sessions.", min=1)] = 1024,
     draft_workers: Annotated[int, typer.Option("--draft-workers", help="Threads drafting for the sessions of all streams (a verifier sends all its sessions on one stream; each session's messages run in order, different sessions' concurrently).", min=1)] = 16,
@@ -864,7 +865,7 @@ def drafter(
         except ModelError as exc:
             _fail(str(exc))
     fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
-                  lookahead=lookahead, max_sessions=max_sessions, max_context_tokens=max_context_tokens,
+                  draft_context=draft_context or None, lookahead=lookahead, max_sessions=max_sessions, max_context_tokens=max_context_tokens,
                   draft_workers=draft_workers,
                   metrics_port=metrics_port, tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port,
                   suffix_store_tokens=suffix_store_tokens, suffix_trees=suffix_trees)

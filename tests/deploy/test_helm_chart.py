@@ -983,3 +983,16 @@ def test_the_gateways_default_speculation_and_tool_fallback_reach_its_args(helm)
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     (args,) = [c["args"] for _, _, c in _tandem_containers(docs) if c["args"][0] == "gateway"]
     assert "--speculation=none" in args and "--no-tool-fallback" in args
+
+
+def test_the_drafters_draft_context_reaches_its_args(helm):
+    """The draft model's window (DraftModelProposer.CONTEXT) is set per pool: 512 by default,
+    0 for the whole context (the drafter's own --draft-context takes both)."""
+    def drafter_args(*sets: str) -> list[str]:
+        out = helm.template([CHART / "values-local.yaml"], sets)
+        assert out.returncode == 0, out.stderr
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        return next(c["args"] for _, _, c in _tandem_containers(docs) if c["args"][0] == "drafter")
+
+    assert "--draft-context=512" in drafter_args()
+    assert "--draft-context=0" in drafter_args("drafterDefaults.draftContext=0")

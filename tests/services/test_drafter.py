@@ -545,3 +545,15 @@ def test_parked_sessions_are_bounded_and_keyed_by_everything_they_were_built_for
     core.close("long", owner="v1", finished=True)
     assert "long" not in {key[1] for key in core._parked}
     assert core.stats()["parked_tokens"] <= 100
+
+
+def test_the_draft_window_setting_reaches_every_draft_model_proposer(tiny_draft_loaded) -> None:
+    """--draft-context sets how much of a session the draft model reads when it starts on it, for
+    the model and the hybrid alike; None reads all of it."""
+    for window in (8, None):
+        core = DrafterCore(DrafterSettings(draft_model=tiny_draft_loaded, draft_context=window))
+        model = core._proposer(DraftStrategy.model, VOCAB, None)
+        hybrid = core._proposer(DraftStrategy.hybrid, VOCAB, None, store=None)
+        assert model.context == hybrid.model.context == window
+    with pytest.raises(ValueError):
+        DrafterSettings(draft_context=0)
