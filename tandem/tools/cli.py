@@ -347,7 +347,7 @@ def bench(
     curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Measure the machine's cost curve (`tandem calibrate`, 100 and 1,000 tokens of context) before the run and record it in the report (in process only).")] = True,
     threads: ThreadsOpt = None,
     suffix_warm: Annotated[bool, typer.Option("--suffix-warm/--suffix-cold", help="Suffix decoding's cross-session store (modes suffix, hybrid): warm = fed by the finished answers of the earlier prompts of this run (a prompt's own answers join only after all its modes ran); cold = empty. In process only.")] = False,
-    share_prefix: Annotated[Optional[bool], typer.Option("--share-prefix/--no-share-prefix", help="In process: a conversation's first turn copies the KV of its longest common prefix (a shared system prompt or tool list) from the last 4 prompts' conversations, as a verifier shares its resident sessions' KV, in every mode of ours alike and never from the same prompt. Default: on, unless a peer mode (hf-*, llamacpp*) runs, since the peers prefill every prompt whole.")] = None,
+    share_prefix: Annotated[Optional[bool], typer.Option("--share-prefix/--no-share-prefix", help="In process: a conversation's first turn copies the KV of its longest common prefix (a shared system prompt or tool list) from the conversations of the last few earlier prompts, as a verifier shares its resident sessions' KV, in every mode of ours alike and never from the same prompt. Default: on, unless a peer mode (hf-*, llamacpp*) runs, since the peers prefill every prompt whole.")] = None,
     precision: PrecisionOpt = "auto",
 ) -> None:
     """Benchmark modes side by side in one process, interleaved per prompt, against plain decoding.
