@@ -417,20 +417,21 @@ class DrafterCore:
                 return reusable
             return HybridProposer(
                 NgramProposer(self.settings.ngram_min, self.settings.ngram_max),
-                DraftModelProposer(self.settings.draft_model, draft_top_k=self.settings.draft_top_k,
-                                   vocab_limit=vocab_size, stop_below=0.0, int8=self.settings.draft_int8,
-                                   context=self.settings.draft_context),
+                self._draft_model(vocab_size),
                 min_lookup_match=self.settings.hybrid_min_match,
                 suffix=SuffixProposer(store, trees=True),
             )
         if isinstance(reusable, DraftModelProposer) and reusable.vocab_limit == vocab_size:
             return reusable
-        # No early stop here: the verifier's controller truncates each block by what it measured
-        # for the block's confidence, and drafting ahead hides the drafter's time.
-        return DraftModelProposer(
-            self.settings.draft_model, draft_top_k=self.settings.draft_top_k, vocab_limit=vocab_size, stop_below=0.0,
-            int8=self.settings.draft_int8, context=self.settings.draft_context,
-        )
+        return self._draft_model(vocab_size)
+
+    def _draft_model(self, vocab_size: int) -> DraftModelProposer:
+        """The draft model's proposer for a session (alone or inside a hybrid), from the settings.
+        No early stop here: the verifier's controller truncates each block by what it measured for
+        the block's confidence, and drafting ahead hides the drafter's time."""
+        s = self.settings
+        return DraftModelProposer(s.draft_model, draft_top_k=s.draft_top_k, vocab_limit=vocab_size, stop_below=0.0,
+                                  int8=s.draft_int8, context=s.draft_context)
 
     def _end(self, session: _Session) -> None:
         """Mark a session closed (its lazy iterators stop) and count its pending block as wasted."""

@@ -8,6 +8,7 @@ import socket
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
 
 from tandem.engine.models import LoadedModel
+from tandem.engine.proposers import DraftModelProposer
 from tandem.serving.tlsconfig import TlsConfig
 
 
@@ -29,7 +30,7 @@ class DrafterSettings(BaseModel):
     draft_int8: bool = True  # draft model steps with int8 weights on a CPU (memory-bound; same agreement)
     # The draft model reads at most this many of a session's last tokens when it starts on it (a
     # first look is a prefill of its own, per session: DraftModelProposer.CONTEXT); None: all.
-    draft_context: int | None = Field(512, ge=1)
+    draft_context: int | None = Field(DraftModelProposer.CONTEXT, ge=1)
     # Strategy hybrid: prompt lookup drafts when its match is at least this long, else the model.
     # (In process the controller compares measured values instead; a drafter drafts ahead of the
     # verifier's measurements, so it uses this rule.)
