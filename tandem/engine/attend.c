@@ -44,9 +44,10 @@
  * one token's attention over 30 layers' caches of 4,000 tokens 9.7 -> 7.9 ms (19 -> 23 GB/s; 4 KB
  * and 16 KB ahead measured the same or worse; docs/design-notes.md, "Software prefetch").
  * Prefetching never changes a result's bits. */
-static inline __attribute__((always_inline)) void prefetch_keys(const float *kg, const float *vg, int D, int a, int b) {
-    const char *k0 = (const char *)(kg + (size_t)a * D), *k1 = (const char *)(kg + (size_t)b * D);
-    const char *v0 = (const char *)(vg + (size_t)a * D);
+static inline __attribute__((always_inline)) void prefetch_keys(const char *kg, const char *vg, size_t key_bytes, int a,
+                                                                int b) {
+    const char *k0 = kg + (size_t)a * key_bytes, *k1 = kg + (size_t)b * key_bytes;
+    const char *v0 = vg + (size_t)a * key_bytes;
     for (ptrdiff_t o = 0; k0 + o < k1; o += 64) {
         _mm_prefetch(k0 + o, _MM_HINT_T1);
         _mm_prefetch(v0 + o, _MM_HINT_T1);
@@ -79,23 +80,31 @@ static inline __m512 exp16(__m512 x) {
  * on its inputs. The tree is reduced as the partials are made (pairs, then quads, ...): with all 16
  * partials live at once, the compiler spilled them to the stack (measured: a 9-row block at 4,000
  * tokens 1.7x slower). */
-static inline __attribute__((always_inline)) __m512 dot1(const int V, const __m512 *qv, const float *restrict kj) {
-    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-    for (int e = 1; e < V; e++) a = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kj + 16 * e), a);
+static inline __attribute__((always_inline)) __m512 load16(const int HALF, const char *p) {
+    return HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+}
+static inline __attribute__((always_inline)) __m512 dot1(const int V, const int HALF, const __m512 *qv,
+                                                         const char *restrict kj) {
+    const int vb = HALF ? 32 : 64; /* bytes of 16 stored elements */
+    __m512 a = _mm512_mul_ps(qv[0], load16(HALF, kj));
+    for (int e = 1; e < V; e++) a = _mm512_fmadd_ps(qv[e], load16(HALF, kj + vb * e), a);
     return a;
 }
-static inline __attribute__((always_inline)) __m512 pair(const int V, const __m512 *qv, const float *const *kp) {
-    const __m512 a = dot1(V, qv, kp[0]), b = dot1(V, qv, kp[1]); /* per 128-bit lane: [a, b, a, b] partials */
+static inline __attribute__((always_inline)) __m512 pair(const int V, const int HALF, const __m512 *qv,
+                                                         const char *const *kp) {
+    const __m512 a = dot1(V, HALF, qv, kp[0]), b = dot1(V, HALF, qv, kp[1]); /* per 128-bit lane: [a, b, a, b] partials */
     return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
 }
-static inline __attribute__((always_inline)) __m512 quad(const int V, const __m512 *qv, const float *const *kp) {
-    const __m512 w0 = pair(V, qv, kp), w1 = pair(V, qv, kp + 2); /* per 128-bit lane: the 4 keys' sums */
+static inline __attribute__((always_inline)) __m512 quad(const int V, const int HALF, const __m512 *qv,
+                                                         const char *const *kp) {
+    const __m512 w0 = pair(V, HALF, qv, kp), w1 = pair(V, HALF, qv, kp + 2); /* per 128-bit lane: the 4 keys' sums */
     return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x44), _mm512_shuffle_ps(w0, w1, 0xEE));
 }
-static inline __attribute__((always_inline)) __m512 scores16(const int V, const __m512 *qv, const float *const *kp) {
-    const __m512 x0 = quad(V, qv, kp), x1 = quad(V, qv, kp + 4);
+static inline __attribute__((always_inline)) __m512 scores16(const int V, const int HALF, const __m512 *qv,
+                                                             const char *const *kp) {
+    const __m512 x0 = quad(V, HALF, qv, kp), x1 = quad(V, HALF, qv, kp + 4);
     const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
-    const __m512 x2 = quad(V, qv, kp + 8), x3 = quad(V, qv, kp + 12);
+    const __m512 x2 = quad(V, HALF, qv, kp + 8), x3 = quad(V, HALF, qv, kp + 12);
     const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x88), _mm512_shuffle_f32x4(x2, x3, 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
@@ -105,10 +114,10 @@ static inline __attribute__((always_inline)) __m512 scores16(const int V, const 
  * Written out per (RC, V) by a macro: as one function over constant-but-parameter sizes, GCC kept
  * the sums in a stack array (a variable-length one), so every FMA went through memory (measured:
  * a one-row step's attention at 4,000 tokens 1.3x slower, a 9-row block's 1.7x). */
-#define VALUES_FN(RC_, V_) \
-    static inline __attribute__((always_inline)) void values_##RC_##_##V_( \
-        const float *restrict vt, int w, const float *restrict sc, const float *restrict corr, float *restrict acc) { \
-        enum { D_ = 16 * V_ }; \
+#define VALUES_FN(H_, RC_, V_) \
+    static inline __attribute__((always_inline)) void values_##H_##_##RC_##_##V_( \
+        const char *restrict vt, int w, const float *restrict sc, const float *restrict corr, float *restrict acc) { \
+        enum { D_ = 16 * V_, VB_ = H_ ? 32 : 64 }; \
         __m512 a[RC_][V_]; \
         for (int i = 0; i < RC_; i++) { \
             const __m512 c = _mm512_set1_ps(corr[i]); \
@@ -116,7 +125,7 @@ static inline __attribute__((always_inline)) __m512 scores16(const int V, const 
         } \
         for (int j = 0; j < w; j++) { \
             __m512 vv[V_]; \
-            for (int e = 0; e < V_; e++) vv[e] = _mm512_loadu_ps(vt + (size_t)j * D_ + 16 * e); \
+            for (int e = 0; e < V_; e++) vv[e] = load16(H_, vt + ((size_t)j * V_ + e) * VB_); \
             for (int i = 0; i < RC_; i++) { \
                 const __m512 p = _mm512_set1_ps(sc[i * TILE + j]); \
                 for (int e = 0; e < V_; e++) a[i][e] = _mm512_fmadd_ps(p, vv[e], a[i][e]); \
@@ -125,15 +134,17 @@ static inline __attribute__((always_inline)) __m512 scores16(const int V, const 
         for (int i = 0; i < RC_; i++) \
             for (int e = 0; e < V_; e++) _mm512_storeu_ps(acc + i * D_ + 16 * e, a[i][e]); \
     }
-/* head_dim 64 (SmolLM2, Llama 3.2 1B) and 128 (most others) */
-VALUES_FN(1, 4) VALUES_FN(2, 4) VALUES_FN(3, 4) VALUES_FN(4, 4) VALUES_FN(5, 4) VALUES_FN(6, 4)
-VALUES_FN(1, 8) VALUES_FN(2, 8) VALUES_FN(3, 8)
+/* head_dim 64 (SmolLM2, Llama 3.2 1B) and 128 (most others), values in float32 (0) and float16 (1) */
+#define VALUES_FNS(H_) \
+    VALUES_FN(H_, 1, 4) VALUES_FN(H_, 2, 4) VALUES_FN(H_, 3, 4) VALUES_FN(H_, 4, 4) VALUES_FN(H_, 5, 4) \
+    VALUES_FN(H_, 6, 4) VALUES_FN(H_, 1, 8) VALUES_FN(H_, 2, 8) VALUES_FN(H_, 3, 8)
+VALUES_FNS(0) VALUES_FNS(1)
 
 /* The same for any other head size (and 4-6 rows at 128): the same arithmetic in the same order,
  * through memory. */
-static void values_any(const int V, const int RC, const float *restrict vt, int w, const float *restrict sc,
-                       const float *restrict corr, float *restrict acc) {
-    const int D = 16 * V;
+static void values_any(const int V, const int HALF, const int RC, const char *restrict vt, int w,
+                       const float *restrict sc, const float *restrict corr, float *restrict acc) {
+    const int D = 16 * V, vb = HALF ? 32 : 64;
     for (int i = 0; i < RC; i++)
         for (int e = 0; e < D; e++) acc[(size_t)i * D + e] *= corr[i];
     for (int j = 0; j < w; j++)
@@ -141,31 +152,38 @@ static void values_any(const int V, const int RC, const float *restrict vt, int 
             const __m512 p = _mm512_set1_ps(sc[i * TILE + j]);
             for (int e = 0; e < V; e++) {
                 float *ai = acc + (size_t)i * D + 16 * e;
-                _mm512_storeu_ps(ai, _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + (size_t)j * D + 16 * e), _mm512_loadu_ps(ai)));
+                _mm512_storeu_ps(ai, _mm512_fmadd_ps(p, load16(HALF, vt + ((size_t)j * V + e) * vb), _mm512_loadu_ps(ai)));
             }
         }
 }
 
-static inline __attribute__((always_inline)) void values(const int V, const int RC, const float *restrict vt, int w,
-                                                         const float *restrict sc, const float *restrict corr,
-                                                         float *restrict acc) {
-#define VALUES_CASE(RC_, V_) if (V == V_ && RC == RC_) { values_##RC_##_##V_(vt, w, sc, corr, acc); return; }
+static inline __attribute__((always_inline)) void values(const int V, const int HALF, const int RC,
+                                                         const char *restrict vt, int w, const float *restrict sc,
+                                                         const float *restrict corr, float *restrict acc) {
+#define VALUES_CASE(RC_, V_) \
+    if (V == V_ && RC == RC_) { \
+        if (HALF) values_1_##RC_##_##V_(vt, w, sc, corr, acc); \
+        else values_0_##RC_##_##V_(vt, w, sc, corr, acc); \
+        return; \
+    }
     VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4) VALUES_CASE(5, 4) VALUES_CASE(6, 4)
     VALUES_CASE(1, 8) VALUES_CASE(2, 8) VALUES_CASE(3, 8)
 #undef VALUES_CASE
-    values_any(V, RC, vt, w, sc, corr, acc);
+    values_any(V, HALF, RC, vt, w, sc, corr, acc);
 }
 
 /* One thread's run: keys [j0, j1) of KV head g for its R = G * n query rows (row r: head g * G + r / n,
  * query t = r % n, which sees keys up to s + t). Leaves, per row r, the running maximum m[r], the
  * sum l[r] of e^(score - m[r]) and acc[r * D ..] = the sum of e^(score - m[r]) v. V = D / 16 is a
  * constant at each call site, so the loops over a vector's parts unroll into registers. */
-static inline __attribute__((always_inline)) void run_v(const int V, const float *restrict q, int q_stride,
-                                                        const float *restrict kg, const float *restrict vg, int G,
+static inline __attribute__((always_inline)) void run_v(const int V, const int HALF, const float *restrict q,
+                                                        int q_stride, const char *restrict kg, const char *restrict vg,
+                                                        int G,
                                                         int n, int s, int g, int j0, int j1, float scale,
                                                         const unsigned *restrict tree,
                                                         float *restrict m, float *restrict l, float *restrict acc) {
     const int R = G * n, D = 16 * V;
+    const size_t kb = (size_t)D * (HALF ? 2 : 4); /* bytes of one stored key (or value) */
     const int RC = V <= 4 ? 6 : 3; /* rows per register block of the value pass: 6 x 4 or 3 x 8 sums in registers */
     float sc[R * TILE] __attribute__((aligned(64)));
     float corr[R];
@@ -174,8 +192,8 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     /* keys (and values) this far ahead of the group being scored are prefetched; the run's first
      * ones at once */
-    const int ahead = (PF_BYTES / (D * 4) + 15) & ~15;
-    prefetch_keys(kg, vg, D, j0, j0 + ahead < j1 ? j0 + ahead : j1);
+    const int ahead = (PF_BYTES / (int)kb + 15) & ~15;
+    prefetch_keys(kg, vg, kb, j0, j0 + ahead < j1 ? j0 + ahead : j1);
     for (int t0 = j0; t0 < j1; t0 += TILE) {
         const int t1 = (t0 + TILE < j1) ? t0 + TILE : j1, w = t1 - t0, wp = (w + 15) & ~15;
         /* scores, 16 keys at a time; keys past a row's position (or past the run) get -inf */
@@ -188,10 +206,10 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
              * on the 2-core Intel Xeon host, one row 7.8 -> 7.3 ms (docs/design-notes.md,
              * "Attention: spread prefetch") */
             const int pa = j + ahead, pb = pa + 16 < j1 ? pa + 16 : j1;
-            const int lines = pa < j1 ? (int)(((size_t)(pb - pa) * D * 4 + 63) / 64) : 0;
-            const char *pk = (const char *)(kg + (size_t)pa * D), *pv = (const char *)(vg + (size_t)pa * D);
-            const float *kp[16]; /* the group's keys; past the run's end key j again (masked below) */
-            for (int i = 0; i < 16; i++) kp[i] = kg + (size_t)(i < cnt ? j + i : j) * D;
+            const int lines = pa < j1 ? (int)(((size_t)(pb - pa) * kb + 63) / 64) : 0;
+            const char *pk = kg + (size_t)pa * kb, *pv = vg + (size_t)pa * kb;
+            const char *kp[16]; /* the group's keys; past the run's end key j again (masked below) */
+            for (int i = 0; i < 16; i++) kp[i] = kg + (size_t)(i < cnt ? j + i : j) * kb;
             for (int r = 0; r < R; r++) {
                 const int t = r % n;
                 for (int x = r * lines / R; x < (r + 1) * lines / R; x++) {
@@ -201,7 +219,7 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
                 const float *qr = q + (size_t)t * q_stride + (size_t)(g * G + r / n) * D;
                 __m512 qv[MAX_VEC];
                 for (int e = 0; e < V; e++) qv[e] = _mm512_loadu_ps(qr + 16 * e);
-                const __m512 dots = scores16(V, qv, kp);
+                const __m512 dots = scores16(V, HALF, qv, kp);
                 __mmask16 vis;
                 if (tree == 0 || j + cnt <= s) {
                     int lim = (tree ? s - 1 : s + t) - j + 1; /* keys j .. j+lim-1 are visible to this row */
@@ -247,42 +265,46 @@ static inline __attribute__((always_inline)) void run_v(const int V, const float
             m[r] = mx;
         }
         /* values: each value vector loaded once per block of rows, the rows' sums in registers */
-        const float *vt = vg + (size_t)t0 * D;
+        const char *vt = vg + (size_t)t0 * kb;
         int r0 = 0;
-        for (; r0 + RC <= R; r0 += RC) values(V, RC, vt, w, sc + r0 * TILE, corr + r0, acc + (size_t)r0 * D);
+        for (; r0 + RC <= R; r0 += RC) values(V, HALF, RC, vt, w, sc + r0 * TILE, corr + r0, acc + (size_t)r0 * D);
         /* the rest in one block too: a one-row step has R = G rows (3 for SmolLM2), and one pass per
          * row would put each row's sums on a dependency chain of its own per key */
         float *const sr = sc + r0 * TILE, *const ar = acc + (size_t)r0 * D;
         switch (R - r0) {
-        case 1: values(V, 1, vt, w, sr, corr + r0, ar); break;
-        case 2: values(V, 2, vt, w, sr, corr + r0, ar); break;
-        case 3: values(V, 3, vt, w, sr, corr + r0, ar); break;
-        case 4: values(V, 4, vt, w, sr, corr + r0, ar); break;
-        case 5: values(V, 5, vt, w, sr, corr + r0, ar); break;
+        case 1: values(V, HALF, 1, vt, w, sr, corr + r0, ar); break;
+        case 2: values(V, HALF, 2, vt, w, sr, corr + r0, ar); break;
+        case 3: values(V, HALF, 3, vt, w, sr, corr + r0, ar); break;
+        case 4: values(V, HALF, 4, vt, w, sr, corr + r0, ar); break;
+        case 5: values(V, HALF, 5, vt, w, sr, corr + r0, ar); break;
         default: break;
         }
     }
 }
 
-static void run(const float *restrict q, int q_stride, const float *restrict kg, const float *restrict vg,
-                int G, int n, int D, int s, int g, int j0, int j1, float scale, const unsigned *restrict tree,
-                float *restrict m, float *restrict l, float *restrict acc) {
-    switch (D / 16) { /* head sizes in use: 64 (SmolLM2, Llama 3.2 1B), 128 (most others) */
-    case 4: run_v(4, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, tree, m, l, acc); break;
-    case 8: run_v(8, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, tree, m, l, acc); break;
-    default: /* 16 .. 256 in steps of 16: one generic instance */
+static void run(const int half, const float *restrict q, int q_stride, const char *restrict kg,
+                const char *restrict vg, int G, int n, int D, int s, int g, int j0, int j1, float scale,
+                const unsigned *restrict tree, float *restrict m, float *restrict l, float *restrict acc) {
+    /* head sizes in use: 64 (SmolLM2, Llama 3.2 1B), 128 (most others); each in both cache types */
+#define RUN(V_, H_) run_v(V_, H_, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, tree, m, l, acc)
+    switch (D / 16) {
+    case 4: if (half) RUN(4, 1); else RUN(4, 0); break;
+    case 8: if (half) RUN(8, 1); else RUN(8, 0); break;
+    default: /* 16 .. 256 in steps of 16: one generic instance per cache type */
         for (int v = 1; v <= MAX_VEC; v++)
-            if (v == D / 16) { run_v(v, q, q_stride, kg, vg, G, n, s, g, j0, j1, scale, tree, m, l, acc); break; }
+            if (v == D / 16) { if (half) RUN(v, 1); else RUN(v, 0); break; }
     }
+#undef RUN
 }
 
 /* One block's attention: its queries, its layer of the cache, where its output goes. */
 typedef struct {
     const float *q;
-    const float *k, *v;
+    const char *k, *v; /* float32, or float16 where half */
     float *out;
     const unsigned *tree;
     int q_stride, o_stride, n, s, cap;
+    int half;     /* keys and values stored as float16 (IEEE binary16), widened exactly on load */
     int runs;     /* runs of SPAN keys over its s + n positions */
     size_t first; /* its first item among all blocks' (head, run) items, and its partials' offset / per */
 } block_t;
@@ -296,8 +318,9 @@ static void block_item(const block_t *b, int H, int KV, int D, float scale, int 
     const int G = H / KV, R = G * b->n, L = b->s + b->n;
     const int g = item / b->runs, c = item % b->runs;
     const int j0 = c * SPAN, j1 = (j0 + SPAN < L) ? j0 + SPAN : L;
-    run(b->q, b->q_stride, b->k + (size_t)g * b->cap * D, b->v + (size_t)g * b->cap * D, G, b->n, D, b->s, g, j0,
-        j1, scale, b->tree, m, m + R, m + 2 * R);
+    const size_t head = (size_t)g * b->cap * D * (b->half ? 2 : 4); /* bytes to KV head g */
+    run(b->half, b->q, b->q_stride, b->k + head, b->v + head, G, b->n, D, b->s, g, j0, j1, scale, b->tree, m, m + R,
+        m + 2 * R);
 }
 
 /* Merge the runs of KV head g's rows of block b: out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M).
@@ -373,10 +396,10 @@ static int attend_blocks(block_t *bl, int nb, int H, int KV, int D, float scale,
     return 0;
 }
 
-int tandem_attend(const float *restrict q, int q_stride, const float *restrict k, const float *restrict v,
+int tandem_attend(const float *restrict q, int q_stride, const void *restrict k, const void *restrict v,
                   float *restrict out, int o_stride, int H, int KV, int n, int D, int s, int cap,
-                  float scale, int threads, const unsigned *restrict tree) {
-    block_t b = {q, k, v, out, tree, q_stride, o_stride, n, s, cap, 0, 0};
+                  float scale, int threads, const unsigned *restrict tree, int half) {
+    block_t b = {q, k, v, out, tree, q_stride, o_stride, n, s, cap, half != 0, 0, 0};
     return attend_blocks(&b, 1, H, KV, D, scale, threads);
 }
 
@@ -385,15 +408,15 @@ int tandem_attend(const float *restrict q, int q_stride, const float *restrict k
  * cache's capacity cap. Each block as tandem_attend takes it; the caller checks every address
  * (tandem/engine/llama.py checks them through tandem_attend at layer 0 and moves them by whole
  * layers after). */
-int tandem_attend_many(int nb, const long long *desc, int H, int KV, int D, float scale, int threads) {
+int tandem_attend_many(int nb, const long long *desc, int H, int KV, int D, float scale, int threads, int half) {
     if (nb <= 0) return 0;
     block_t *bl = malloc(sizeof(block_t) * nb);
     if (!bl) return -2;
     for (int i = 0; i < nb; i++) {
         const long long *d = desc + 10 * (size_t)i;
-        bl[i] = (block_t){(const float *)(size_t)d[0], (const float *)(size_t)d[1], (const float *)(size_t)d[2],
+        bl[i] = (block_t){(const float *)(size_t)d[0], (const char *)(size_t)d[1], (const char *)(size_t)d[2],
                           (float *)(size_t)d[3], (const unsigned *)(size_t)d[4], (int)d[5], (int)d[6], (int)d[7],
-                          (int)d[8], (int)d[9], 0, 0};
+                          (int)d[8], (int)d[9], half != 0, 0, 0};
     }
     const int rc = attend_blocks(bl, nb, H, KV, D, scale, threads);
     free(bl);

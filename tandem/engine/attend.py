@@ -20,17 +20,20 @@ from tandem.engine import gemv
 SOURCE = Path(__file__).with_name("attend.c")
 MAX_ROWS = 32  # query rows per block it serves (decode and verification); a prefill goes to torch
 MAX_HEAD_DIM = 256
+# what the cache may hold: float16 keys and values are widened exactly to float32 as they are read
+# (half the bytes a step reads at long contexts; NativeLlama's `kv_dtype`)
+KV_DTYPES = (torch.float32, torch.float16)
 
 
 def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.tandem_attend
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-                   + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
+                   + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
     fn.restype = ctypes.c_int
     if hasattr(lib, "tandem_attend_many"):  # absent from older builds (scripts/prefetch_ab.py loads those)
         many = lib.tandem_attend_many
         many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                         ctypes.c_int]
+                         ctypes.c_int, ctypes.c_int]
         many.restype = ctypes.c_int
 
 
@@ -88,7 +91,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     KV, cap = k.shape[0], k.shape[1]
     rc = lib.tandem_attend(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), out.stride(0),
                            H, KV, n, D, start, cap, scale, torch.get_num_threads(),
-                           None if tree is None else ctypes.addressof(tree))
+                           None if tree is None else ctypes.addressof(tree), k.dtype == torch.float16)
     if rc != 0:
         raise MemoryError(f"the CPU attention kernel failed ({rc})")
 
@@ -99,7 +102,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     wrong memory); raises ValueError naming what is wrong."""
     n, H, D = q.shape
     KV, cap = k.shape[0], k.shape[1]
-    ok = (q.dtype == k.dtype == v.dtype == out.dtype == torch.float32 and q.stride()[1:] == (D, 1)
+    ok = (q.dtype == out.dtype == torch.float32 and k.dtype == v.dtype in KV_DTYPES and q.stride()[1:] == (D, 1)
           and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape and k.shape[2] == D
           and out.stride(1) == 1 and tuple(out.shape) == (n, H * D) and H % KV == 0 and 0 < n <= MAX_ROWS
           and D % 16 == 0 and D <= MAX_HEAD_DIM and 0 <= start and start + n <= cap
@@ -108,8 +111,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         raise ValueError(f"tree has {len(tree)} rows' masks for a block of {n} rows")
     if not ok:
         raise ValueError(f"attend takes float32 CPU q [n <= {MAX_ROWS}, H, D (a multiple of 16)], k/v contiguous "
-                         f"[KV, cap, D] with start + n <= cap, out [n, H*D]; got q {tuple(q.shape)} {q.stride()}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}, start {start}")
+                         f"[KV, cap, D] in float32 or float16 with start + n <= cap, out [n, H*D] float32; got q "
+                         f"{tuple(q.shape)} {q.stride()} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} "
+                         f"{v.dtype}, out {tuple(out.shape)}, start {start}")
 
 
 def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, start: int,
@@ -131,14 +135,16 @@ def attend_many(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
     if not blocks:
         return
     H, D, KV = blocks[0][0].shape[1], blocks[0][0].shape[2], blocks[0][1].shape[0]
+    kv_dtype = blocks[0][1].dtype
     rows = []
     for q, k, v, out, start, tree in blocks:
         _check(q, k, v, out, start, tree)
-        if (q.shape[1], q.shape[2], k.shape[0]) != (H, D, KV):
-            raise ValueError(f"every block needs the first's heads ({H}, {KV} KV) and head size {D}; got "
-                             f"{q.shape[1]}, {k.shape[0]} KV, {q.shape[2]}")
+        if (q.shape[1], q.shape[2], k.shape[0], k.dtype) != (H, D, KV, kv_dtype):
+            raise ValueError(f"every block needs the first's heads ({H}, {KV} KV), head size {D} and cache type "
+                             f"{kv_dtype}; got {q.shape[1]}, {k.shape[0]} KV, {q.shape[2]}, {k.dtype}")
         rows.append(describe(q, k, v, out, start, tree))
     desc = np.array(rows, dtype=np.int64)  # [blocks, 10]: DESC_FIELDS
-    rc = lib.tandem_attend_many(len(rows), desc.ctypes.data, H, KV, D, scale, torch.get_num_threads())
+    rc = lib.tandem_attend_many(len(rows), desc.ctypes.data, H, KV, D, scale, torch.get_num_threads(),
+                                kv_dtype == torch.float16)
     if rc != 0:
         raise MemoryError(f"the CPU attention kernel failed ({rc})")

@@ -312,6 +312,7 @@ class _FusedAttention:
         self.width = (self.H + 2 * self.KV) * self.D  # qkv's row length
         self.rope, self.attn = rowops.library(), attend.library()
         self.threads = torch.get_num_threads()
+        self.half = int(model.kv_dtype == torch.float16)  # the caches' keys and values in float16
         # Several blocks on attend.c (a batched step's sessions): layers after the first make one
         # call for all of them (`tandem_attend_many`, one parallel region; same bits as a call a
         # block). Their descriptors are set at layer 0, once its checked calls passed.
@@ -343,22 +344,25 @@ class _FusedAttention:
             v_p = self.v0 + li * self.v_step
             rd, desc = self.rope_desc, self.desc
             rd[:, 2], rd[:, 3] = k_p, v_p
-            self.rope.tandem_rope_store_many(len(rd), rd.ctypes.data, qkv_p, self.width, H, KV, D, cos_p, sin_p, q_p)
+            self.rope.tandem_rope_store_many(len(rd), rd.ctypes.data, qkv_p, self.width, H, KV, D, cos_p, sin_p, q_p,
+                                             self.half)
             desc[:, 1], desc[:, 2] = k_p[self.many], v_p[self.many]
-            rc = self.attn.tandem_attend_many(len(desc), desc.ctypes.data, H, KV, D, self.scale, self.threads)
+            rc = self.attn.tandem_attend_many(len(desc), desc.ctypes.data, H, KV, D, self.scale, self.threads,
+                                              self.half)
             if rc != 0:
                 raise MemoryError(f"the CPU attention kernel failed ({rc})")
         else:
             for (a, e, s, cache, tree), use in zip(self.blocks, self.kernel):
-                k_p = cache.k.data_ptr() + li * cache.k.stride(0) * f
-                v_p = cache.v.data_ptr() + li * cache.v.stride(0) * f
+                k_p = cache.k.data_ptr() + li * cache.k.stride(0) * cache.k.element_size()
+                v_p = cache.v.data_ptr() + li * cache.v.stride(0) * cache.v.element_size()
                 self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
-                                            sin_p + a * D * f, q_p + a * H * D * f, k_p, v_p, cache.k.shape[2], s)
+                                            sin_p + a * D * f, q_p + a * H * D * f, k_p, v_p, cache.k.shape[2], s,
+                                            self.half)
                 if not use:
                     continue
                 rc = self.attn.tandem_attend(q_p + a * H * D * f, H * D, k_p, v_p, att_p + a * H * D * f, H * D, H, KV,
                                              e - a, D, s, cache.k.shape[2], self.scale, self.threads,
-                                             None if tree is None else ctypes.addressof(tree))
+                                             None if tree is None else ctypes.addressof(tree), self.half)
                 if rc != 0:
                     raise MemoryError(f"the CPU attention kernel failed ({rc})")
         self._torch_attention(li)
@@ -373,8 +377,9 @@ class _FusedAttention:
         self.desc = np.array([attend.describe(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, tree)
                               for a, e, s, cache, tree in (self.blocks[b] for b in self.many)], dtype=np.int64)
         self.k0, self.v0 = self.rope_desc[:, 2].copy(), self.rope_desc[:, 3].copy()
-        self.k_step = np.array([c.k.stride(0) * 4 for _, _, _, c, _ in self.blocks], dtype=np.int64)  # bytes a layer
-        self.v_step = np.array([c.v.stride(0) * 4 for _, _, _, c, _ in self.blocks], dtype=np.int64)
+        self.k_step = np.array([c.k.stride(0) * c.k.element_size() for _, _, _, c, _ in self.blocks],
+                               dtype=np.int64)  # bytes a layer
+        self.v_step = np.array([c.v.stride(0) * c.v.element_size() for _, _, _, c, _ in self.blocks], dtype=np.int64)
 
     def _torch_attention(self, li: int) -> None:
         """Layer li's attention of the blocks attend.c does not serve (their queries and the cache
@@ -388,11 +393,14 @@ def _torch_block_attention(q: torch.Tensor, cache: KVCache, li: int, start: int,
     """One block's attention on torch's kernel: q `# [n, H, D]` at positions start .. start+n-1 over
     layer li's cache (already holding them), mask `# [n, start + n]` bool or None (every key) ->
     `# [n, H D]`. The fused and the unfused forward both call it, so a block gets the same bits
-    on either."""
+    on either. A float16 cache is widened to q's float32 first (exact), as attend.c reads it."""
     n, H, D = q.shape
     L = start + n
+    k, v = cache.k[li, :, :L], cache.v[li, :, :L]  # [KV, L, D] each
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), cache.k[li, :, :L].unsqueeze(0), cache.v[li, :, :L].unsqueeze(0),
+        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
         attn_mask=mask, scale=scale, enable_gqa=H != cache.k.shape[1],
     )[0].transpose(0, 1).reshape(n, H * D)
 
@@ -522,10 +530,10 @@ class _PooledAttention:
         pk, pv = self.pool.k[li], self.pool.v[li]  # [KV, slots, D] each
         if self.rows is not None:
             k, v = k.index_select(1, self.rows), v.index_select(1, self.rows)
-        pk.index_copy_(1, self.slots, k)
-        pv.index_copy_(1, self.slots, v)
-        kg = pk.index_select(1, self.gidx).view(KV, B, T, D).transpose(0, 1)  # [B, KV, T, D]
-        vg = pv.index_select(1, self.gidx).view(KV, B, T, D).transpose(0, 1)  # [B, KV, T, D]
+        pk.index_copy_(1, self.slots, k.to(pk.dtype))  # a float16 pool: rounded once, as the other paths do
+        pv.index_copy_(1, self.slots, v.to(pv.dtype))
+        kg = pk.index_select(1, self.gidx).view(KV, B, T, D).transpose(0, 1).to(q.dtype)  # [B, KV, T, D]
+        vg = pv.index_select(1, self.gidx).view(KV, B, T, D).transpose(0, 1).to(q.dtype)  # [B, KV, T, D]
         qp = q.index_select(0, self.qidx).view(B, Q, H, D).transpose(1, 2)  # [B, H, Q, D]
         o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=self.mask, scale=self.scale,
                                            enable_gqa=H != KV)  # [B, H, Q, D]
@@ -544,7 +552,8 @@ class NativeLlama:
     _LINEAR = ("wqkv", "wo", "wgu", "wdown")  # the weights of a layer that are matrix products
 
     def __init__(self, model: torch.nn.Module, *, int8: bool = False, plan: GemmPlan | None = None,
-                 quantized: QuantizedLinears | None = None, kv_pool_slots: int | None = None):
+                 quantized: QuantizedLinears | None = None, kv_pool_slots: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
         """`kv_pool_slots`: the size of the KV pool new caches take their regions from (`KVPool`;
         made with the first cache); None: `default_kv_pool_slots` (a share of a GPU's free memory,
         none on a CPU); 0: no pool.
@@ -555,7 +564,14 @@ class NativeLlama:
         run by quant.c as they are stored (float32 on a CPU with that kernel only; `self.precision`
         says what was done); the rest as below. Float32 weights on a CPU
         go through the GEMM paths of `plan` (default: `gemm.plan_for` this model's shapes, measured
-        once per machine; see tandem.engine.gemm for the lossless rule)."""
+        once per machine; see tandem.engine.gemm for the lossless rule).
+
+        `kv_dtype`: what the KV cache stores. None: float16 for a GGUF target running on our CPU
+        kernels (its quantized weights kept, the row and attention kernels built: llama.cpp's default
+        cache type too), else the model's dtype. A float16 cache halves what attention reads at long
+        contexts; keys and values are rounded once when written and widened exactly when read, so
+        plain decoding and verification see the same cache (the target is the model with this
+        cache: `precision` says so). float16 needs a float32 model on a CPU."""
         check_supported(model)
         cfg = model.config
         self.config = cfg
@@ -626,6 +642,15 @@ class NativeLlama:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device) / self.head_dim))
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.row_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and rowops.library() is not None
+        if kv_dtype is None:
+            kv_dtype = (torch.float16 if keep and self.row_kernel and attend.serves(1, self.head_dim, self.dtype, self.device)
+                        else self.dtype)
+        if kv_dtype != self.dtype and not (kv_dtype == torch.float16 and self.dtype == torch.float32 and not p.is_cuda):
+            raise ValueError(f"a {kv_dtype} KV cache needs a float32 model on a CPU (float16); this one is {self.dtype} "
+                             f"on {self.device}")
+        self.kv_dtype = kv_dtype
+        if kv_dtype != self.dtype:
+            self.precision += f", {str(kv_dtype).replace('torch.', '')} KV"
         self.kv_pool: KVPool | None = None
         self._kv_pool_slots = kv_pool_slots
         self._kv_pool_lock = threading.Lock()
@@ -684,7 +709,7 @@ class NativeLlama:
     @property
     def kv_bytes_per_slot(self) -> int:
         """Bytes one token's keys and values take over all layers."""
-        return 2 * self.n_layers * self.n_kv * self.head_dim * self.dtype.itemsize
+        return 2 * self.n_layers * self.n_kv * self.head_dim * self.kv_dtype.itemsize
 
     @property
     def pools_by_default(self) -> bool:
@@ -702,7 +727,7 @@ class NativeLlama:
             self._kv_pool_slots = slots
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, capacity,
+        return KVCache(self.n_layers, self.n_kv, self.head_dim, self.kv_dtype, self.device, capacity,
                        pool=self._pool())
 
     def _pool(self) -> KVPool | None:
@@ -714,7 +739,8 @@ class NativeLlama:
                         slots = default_kv_pool_slots(self.device, self.kv_bytes_per_slot)
                     self._kv_pool_slots = slots
                     if slots > 0:
-                        self.kv_pool = KVPool(self.n_layers, self.n_kv, self.head_dim, self.dtype, self.device, slots)
+                        self.kv_pool = KVPool(self.n_layers, self.n_kv, self.head_dim, self.kv_dtype, self.device,
+                                              slots)
         return self.kv_pool
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -49,24 +49,49 @@ void tandem_rms_norm(const float *restrict x, int x_stride, const float *restric
  * Arithmetic as transformers' rotate_half form, x * cos + rotate_half(x) * sin, element by element
  * with each product rounded before the sum (ISO C: no contraction into FMA), which is exactly what
  * the torch ops computed: x * cos + roll(x, D/2) * signed_sin (a negation is exact). */
+/* IEEE binary16 bits of f, rounded to nearest, ties to even (what torch's float32 -> float16 cast
+ * gives: tested on edge cases and random floats): overflow to infinity, subnormals, NaN kept quiet.
+ * Plain integer arithmetic, so it needs no F16C. */
+static inline uint16_t half_bits(float f) {
+    const union { float f; uint32_t u; } v = {.f = f};
+    const uint16_t sign = (uint16_t)((v.u >> 16) & 0x8000u);
+    const uint32_t a = v.u & 0x7FFFFFFFu;
+    if (a >= 0x7F800000u) return sign | 0x7C00u | (a > 0x7F800000u ? 0x200u : 0u); /* infinity, NaN */
+    if (a >= 0x477FF000u) return sign | 0x7C00u; /* 65520 and up round past the largest half, 65504 */
+    if (a < 0x38800000u) { /* below 2^-14: a multiple of 2^-24 (1024 of them carry into the smallest normal) */
+        const union { uint32_t u; float f; } m = {.u = a};
+        return sign | (uint16_t)rintf(m.f * 16777216.0f); /* exact product; rint rounds ties to even */
+    }
+    const uint32_t r = a - 0x38000000u; /* exponent bias 127 -> 15 */
+    return sign | (uint16_t)((r + 0xFFFu + ((r >> 13) & 1u)) >> 13); /* drop 13 bits, ties to even */
+}
+
+/* half: the cache holds float16 (kc, vc are uint16_t arrays): each key and value is computed in
+ * float32 as below and rounded once to binary16 (half_bits). */
 void tandem_rope_store(const float *restrict qkv, int qkv_stride, int n, int H, int KV, int D,
                        const float *restrict cs, const float *restrict sn, float *restrict q_out,
-                       float *restrict kc, float *restrict vc, int cap, int start) {
-    const int half = D / 2;
+                       void *restrict kc, void *restrict vc, int cap, int start, int half) {
+    const int hd = D / 2;
+    float kr[D > 0 ? D : 1];
     for (int r = 0; r < n; r++) {
         const float *row = qkv + (size_t)r * qkv_stride;
         const float *c = cs + (size_t)r * D, *s = sn + (size_t)r * D;
         for (int h = 0; h < H + KV; h++) {
             const float *x = row + (size_t)h * D;
-            float *o = h < H ? q_out + ((size_t)r * H + h) * D
-                             : kc + ((size_t)(h - H) * cap + start + r) * D;
-            for (int i = 0; i < half; i++) o[i] = x[i] * c[i] + x[i + half] * s[i];
-            for (int i = half; i < D; i++) o[i] = x[i] * c[i] + x[i - half] * s[i];
+            const size_t slot = ((size_t)(h - H) * cap + start + r) * D; /* keys only (h >= H) */
+            float *o = h < H ? q_out + ((size_t)r * H + h) * D : half ? kr : (float *)kc + slot;
+            for (int i = 0; i < hd; i++) o[i] = x[i] * c[i] + x[i + hd] * s[i];
+            for (int i = hd; i < D; i++) o[i] = x[i] * c[i] + x[i - hd] * s[i];
+            if (h >= H && half)
+                for (int i = 0; i < D; i++) ((uint16_t *)kc)[slot + i] = half_bits(kr[i]);
         }
         const float *v = row + (size_t)(H + KV) * D;
         for (int h = 0; h < KV; h++) {
-            float *o = vc + ((size_t)h * cap + start + r) * D;
-            for (int i = 0; i < D; i++) o[i] = v[(size_t)h * D + i];
+            const size_t slot = ((size_t)h * cap + start + r) * D;
+            if (half)
+                for (int i = 0; i < D; i++) ((uint16_t *)vc)[slot + i] = half_bits(v[(size_t)h * D + i]);
+            else
+                for (int i = 0; i < D; i++) ((float *)vc)[slot + i] = v[(size_t)h * D + i];
         }
     }
 }
@@ -77,12 +102,13 @@ void tandem_rope_store(const float *restrict qkv, int qkv_stride, int n, int H, 
  * The same arithmetic per row (the same bits); one call a layer instead of one a block (a batched
  * step of 16 sessions made 464 of them, ~3 us each through ctypes). */
 void tandem_rope_store_many(int nb, const long long *desc, const float *restrict qkv, int qkv_stride, int H, int KV,
-                            int D, const float *restrict cs, const float *restrict sn, float *restrict q_out) {
+                            int D, const float *restrict cs, const float *restrict sn, float *restrict q_out,
+                            int half) {
     for (int i = 0; i < nb; i++) {
         const long long *d = desc + 6 * (size_t)i;
         const size_t a = (size_t)d[0];
         tandem_rope_store(qkv + a * qkv_stride, qkv_stride, (int)d[1], H, KV, D, cs + a * D, sn + a * D,
-                          q_out + a * H * D, (float *)(size_t)d[2], (float *)(size_t)d[3], (int)d[4], (int)d[5]);
+                          q_out + a * H * D, (void *)(size_t)d[2], (void *)(size_t)d[3], (int)d[4], (int)d[5], half);
     }
 }
 

@@ -30,10 +30,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     fn.restype = None
     fn = lib.tandem_rope_store
-    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
     fn.restype = None
     fn = lib.tandem_rope_store_many
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     fn.restype = None
 
 
@@ -99,13 +99,15 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: t
     """One block's rotary embedding and cache write, in one call (see rowops.c):
     qkv `# [n, (H + 2 KV) D]` (rows may be strided), cos and signed sin `# [n, D]` (NativeLlama._rope),
     q_out `# [n, H, D]` contiguous <- rotated queries; k, v `# [KV, cap, D]` contiguous (one layer's
-    cache) <- rotated keys and the values at positions start .. start + n - 1."""
+    cache, float32 or float16) <- rotated keys and the values at positions start .. start + n - 1 (in a
+    float16 cache each rounded once from its float32 result, as torch's cast rounds)."""
     lib = library()
     if lib is None:
         raise RuntimeError("the row-wise CPU kernels are not available on this host")
     n, H, D = q_out.shape
     KV, cap = k.shape[0], k.shape[1]
-    ok = (qkv.dtype == cos.dtype == sin.dtype == q_out.dtype == k.dtype == v.dtype == torch.float32
+    ok = (qkv.dtype == cos.dtype == sin.dtype == q_out.dtype == torch.float32
+          and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16)
           and qkv.dim() == 2 and qkv.shape == (n, (H + 2 * KV) * D) and qkv.stride(1) == 1
           and cos.shape == sin.shape == (n, D) and cos.is_contiguous() and sin.is_contiguous()
           and q_out.is_contiguous() and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
@@ -113,7 +115,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: t
           and all(t.device.type == "cpu" for t in (qkv, cos, sin, q_out, k, v)))
     if not ok:  # the kernel reads and writes raw pointers: anything else would touch the wrong memory
         raise ValueError(f"rope_store takes float32 CPU qkv [n, (H + 2 KV) D], cos/sin [n, D], q_out [n, H, D] and "
-                         f"k/v [KV, cap, D] with start + n <= cap; got qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, "
-                         f"q_out {tuple(q_out.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, start {start}")
+                         f"k/v [KV, cap, D] (float32 or float16) with start + n <= cap; got qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, "
+                         f"q_out {tuple(q_out.shape)}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}, start {start}")
     lib.tandem_rope_store(qkv.data_ptr(), qkv.stride(0), n, H, KV, D, cos.data_ptr(), sin.data_ptr(),
-                          q_out.data_ptr(), k.data_ptr(), v.data_ptr(), cap, start)
+                          q_out.data_ptr(), k.data_ptr(), v.data_ptr(), cap, start, k.dtype == torch.float16)

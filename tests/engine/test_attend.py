@@ -221,3 +221,36 @@ def test_many_blocks_are_checked_like_one() -> None:
     other = torch.randn(1, 4, 64, generator=gen), torch.randn(4, 50, 64, generator=gen)
     with pytest.raises(ValueError, match="first's heads"):
         attend.attend_many([good, (other[0], other[1], other[1].clone(), torch.empty(1, 4 * 64), 10, None)], 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("H, KV, D", [(9, 3, 64), (8, 2, 128), (6, 1, 48)])
+def test_a_float16_cache_gives_the_bits_of_its_float32_widening(H, KV, D) -> None:
+    """A float16 cache (NativeLlama's kv_dtype) is read by widening each key and value exactly: the
+    result equals the kernel's over `k.float()`, `v.float()` bit for bit (one row, a block, a tree,
+    one call for many blocks), so the target with a float16 cache is one well-defined model, and
+    close to torch's attention over the widened cache."""
+    gen = torch.Generator().manual_seed(D)
+    blocks16, blocks32 = [], []
+    for i, (n, start) in enumerate([(1, 0), (1, 700), (9, 1000), (4, 2049), (attend.MAX_ROWS, 300)]):
+        cap = start + n + 3
+        k = (torch.randn(KV, cap, D, generator=gen) * 3).half()  # [KV, cap, D] float16
+        v = torch.randn(KV, cap, D, generator=gen).half()
+        q = torch.randn(n, H, D, generator=gen) * 2  # [n, H, D] float32
+        tree = attend.tree_bits([-1, 0, 0, 1]) if n == 4 else None
+        out16, out32 = torch.empty(n, H * D), torch.empty(n, H * D)
+        attend.attend(q, k, v, out16, start, D**-0.5, tree)
+        attend.attend(q, k.float(), v.float(), out32, start, D**-0.5, tree)
+        assert torch.equal(out16, out32), (n, start)
+        if tree is None:
+            assert torch.allclose(out16, reference(q, k.float(), v.float(), start, D**-0.5), rtol=1e-4, atol=2e-5)
+        blocks16.append((q, k, v, torch.empty(n, H * D), start, tree))
+        blocks32.append((q, k.float(), v.float(), torch.empty(n, H * D), start, tree))
+    attend.attend_many(blocks16, D**-0.5)
+    attend.attend_many(blocks32, D**-0.5)
+    for a, b in zip(blocks16, blocks32):
+        assert torch.equal(a[3], b[3])
+    with pytest.raises(ValueError, match="cache type"):  # one call reads one cache type
+        attend.attend_many([blocks16[0], blocks32[1]], D**-0.5)
+    with pytest.raises(ValueError, match="float16"):  # bfloat16 would be read as float16: refused
+        attend.attend(blocks16[0][0], blocks16[0][1].bfloat16(), blocks16[0][2].bfloat16(), blocks16[0][3], 0, 0.1)

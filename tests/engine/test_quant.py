@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.engine import quant
+from tandem.engine import attend, quant
 from tandem.engine.config import SamplingParams, SpecConfig
 from tandem.engine.llama import NativeLlama
 from tandem.engine.models import LoadedModel, ModelError, apply_chat_template, load_model
@@ -215,8 +215,11 @@ def test_greedy_speculation_equals_plain_decoding_with_a_quantized_target(kind, 
     target = quantize_model(tiny_loaded, kind, activations=activations)
     engine = Engine(target, tiny_draft_loaded)
     impl = engine.runner.backend.impl
+    # a float16 cache where our attention kernel serves (AVX-512), as the verifier says to clients
+    kv = ", float16 KV" if attend.serves(1, impl.head_dim, impl.dtype, impl.device) else ""
+    assert impl.kv_dtype == (torch.float16 if kv else torch.float32)
     assert impl.quantized_only and impl.gemm_plan is None and engine.runner.precision == (
-        f"GGUF {' + '.join(dict.fromkeys([kind, 'Q8_0']))}, {activations} activations")
+        f"GGUF {' + '.join(dict.fromkeys([kind, 'Q8_0']))}, {activations} activations{kv}")
     float_engine = Engine(tiny_loaded)
     sampling = SamplingParams(max_new_tokens=40)
     differs = 0
@@ -244,7 +247,9 @@ def test_the_embedded_gguf_runs_quantized_and_speculation_equals_plain(smollm) -
     assert torch.equal(loaded.quantized.layers[3]["wqkv"].dequantize(), torch.cat([q, k, v]))  # Q/K rows in HF order
     assert torch.equal(loaded.quantized.head.dequantize(), smollm.model.get_output_embeddings().weight)
     engine = Engine(loaded)
-    assert engine.runner.precision == loaded.quantized.describe and engine.runner.backend.impl.batch_invariant
+    impl = engine.runner.backend.impl
+    kv = ", float16 KV" if impl.kv_dtype == torch.float16 else ""
+    assert engine.runner.precision == loaded.quantized.describe + kv and impl.batch_invariant
     ctx = apply_chat_template(loaded.tokenizer, [{"role": "user", "content": (
         "Write a Python class for a bank account with deposit, withdraw and balance methods, then the same "
         "class again with type hints.")}])
@@ -288,7 +293,8 @@ def test_a_verifier_says_its_precision_and_serves_the_quantized_target(tiny_load
     try:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         info = stub.GetInfo(verifier_pb2.InfoRequest(), timeout=5)
-        said = "GGUF Q4_1 + Q8_0, int8 activations"
+        said = "GGUF Q4_1 + Q8_0, int8 activations" + (
+            ", float16 KV" if core.engine.runner.backend.impl.kv_dtype == torch.float16 else "")
         assert info.precision == said
         # as the gateway reads it (GetInfo poll, or the Redis registration) for ModelInfo / /v1/models
         rec = verifier_record_from_proto(info, f"127.0.0.1:{port}")
@@ -360,6 +366,35 @@ def test_raw_layer_calls_give_the_checked_paths_bits(kind, activations, tiny_loa
     assert ran == []
     for a, b in zip(raw, checked):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not attend.serves(1, 64, torch.float32, torch.device("cpu")),
+                    reason="no AVX-512 attention kernel here: a GGUF target keeps a float32 cache")
+def test_a_gguf_targets_cache_is_float16_rounded_once(tiny_loaded) -> None:
+    """A GGUF target on our CPU kernels keeps its KV cache in float16 (half the bytes attention
+    reads at long contexts): each key and value is its float32 value rounded once (layer 0's keys
+    and values, which depend on the tokens only, equal the float32 cache's rounded, bit for bit,
+    for a block on our kernels and a prompt piece beside it). That plain decoding and verification
+    then see one model is tested with the rest of the quantized target (greedy speculation equals
+    plain decoding, raw layer calls, prompt pieces: float16 by default where this runs). A float32
+    cache stays available (`kv_dtype`); float16 is refused where nothing reads it."""
+    target = quantize_model(tiny_loaded, "Q4_1")
+    native = NativeLlama(target.model, quantized=target.quantized)
+    wide = NativeLlama(target.model, quantized=target.quantized, kv_dtype=torch.float32)
+    assert native.kv_dtype == torch.float16 and native.new_cache().k.dtype == torch.float16
+    assert native.precision.endswith(", float16 KV") and not wide.precision.endswith("KV")
+    assert 2 * native.kv_bytes_per_slot == wide.kv_bytes_per_slot
+    assert NativeLlama(tiny_loaded.model).kv_dtype == torch.float32  # a float32 model: its own dtype
+    with pytest.raises(ValueError, match="float32 model on a CPU"):
+        NativeLlama(tiny_loaded.model, kv_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, native.vocab, (n,), generator=gen).tolist() for n in (5, attend.MAX_ROWS + 8)]
+    half, full = [native.new_cache() for _ in ids], [wide.new_cache() for _ in ids]
+    native.forward_batch(list(zip(ids, half)), [True, False])
+    wide.forward_batch(list(zip(ids, full)), [True, False])
+    for h, f, n in zip(half, full, map(len, ids)):
+        assert torch.equal(h.k[0, :, :n].view(torch.int16), f.k[0, :, :n].half().view(torch.int16))
+        assert torch.equal(h.v[0, :, :n].view(torch.int16), f.v[0, :, :n].half().view(torch.int16))
 
 
 @pytest.mark.parametrize("activations", ARITHMETICS)

@@ -129,3 +129,34 @@ def test_silu_mul_is_within_float_rounding_and_row_invariant() -> None:
         assert torch.equal(rowops.silu_mul(gu[r : r + 1].contiguous()), out[r : r + 1])
     with pytest.raises(ValueError, match="2 I"):
         rowops.silu_mul(torch.randn(2, 7))
+
+
+@needs_kernel
+def test_rope_store_into_a_float16_cache_rounds_as_torchs_cast() -> None:
+    """Into a float16 cache each key and value is the float32 result rounded once, to nearest with
+    ties to even, as torch's `.to(float16)` rounds: bit for bit, over values that round up, down, to
+    even, into and out of subnormals, past the largest half (to infinity), and NaN / infinities."""
+    H, KV, D, n, start, cap = 1, 1, 64, 40, 3, 48
+    gen = torch.Generator().manual_seed(5)
+    specials = torch.tensor([0.0, -0.0, 1.0, 65504.0, 65519.0, 65520.0, -65520.0, 1e6, float("inf"), float("-inf"),
+                             float("nan"), 2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14 - 2.0**-25,
+                             1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 2049.0, 2051.0, 6e-8, -6e-8, 1e-40, 3.0e-5])
+    rand = torch.cat([torch.randn(n * D, generator=gen) * 10.0 ** torch.randint(-9, 6, (n * D,), generator=gen)])
+    values = torch.cat([specials, rand])[: n * D]  # [n D]
+    qkv = torch.zeros(n, (H + 2 * KV) * D)
+    qkv[:, (H + KV) * D :] = values.view(n, D)  # the values go to the cache as they are: only the rounding acts
+    qkv[:, H * D : (H + KV) * D] = torch.randn(n, D, generator=gen) * 100
+    positions = torch.arange(start, start + n)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    emb = torch.cat([positions.float()[:, None] * inv] * 2, -1)
+    cos, sin = emb.cos(), emb.sin()
+    sin[:, : D // 2].neg_()
+    k32, v32 = torch.zeros(KV, cap, D), torch.zeros(KV, cap, D)
+    k16, v16 = torch.zeros(KV, cap, D, dtype=torch.float16), torch.zeros(KV, cap, D, dtype=torch.float16)
+    q32, q16 = torch.empty(n, H, D), torch.empty(n, H, D)
+    rowops.rope_store(qkv, cos, sin, q32, k32, v32, start)
+    rowops.rope_store(qkv, cos, sin, q16, k16, v16, start)
+    assert torch.equal(q16, q32)  # the queries stay float32
+    assert torch.equal(k16.view(torch.int16), k32.half().view(torch.int16))
+    assert torch.equal(v16.view(torch.int16), v32.half().view(torch.int16))  # NaN's bits too
+    assert v16[0, start, 5].isinf() and v16[0, start, 10].isnan() and v16[0, start, 4] == 65504  # row 0: specials
