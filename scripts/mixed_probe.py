@@ -41,11 +41,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--min-piece", type=int, default=VerifierSettings.model_fields["prefill_min_tokens"].default,
                     help="the verifier's --prefill-min-tokens")
+    ap.add_argument("--cost-factor", type=float,
+                    default=VerifierSettings.model_fields["prefill_cost_factor"].default,
+                    help="the verifier's --prefill-cost-factor")
     ap.add_argument("--long-tokens", type=int, default=7000, help="the long prompt's length")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     core = in_passing_thread(lambda: VerifierCore(
-        VerifierSettings(verifier_id="probe", port=0, prefill_min_tokens=args.min_piece), load_model()))
+        VerifierSettings(verifier_id="probe", port=0, prefill_min_tokens=args.min_piece,
+                         prefill_cost_factor=args.cost_factor), load_model()))
     tok, ex = core.target.tokenizer, core.executor
     records = load_prompts(dev_set("mt_bench"), 80)
     long_ids = tok(" ".join(r.turns[0] for r in records) * 10)["input_ids"][: args.long_tokens]
@@ -96,7 +100,9 @@ def main() -> None:
 
     report = {
         "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "min_piece": args.min_piece, "long_prompt_tokens": len(long_ids), "long_prefill_s": t1 - t0,
+        "min_piece": args.min_piece, "cost_factor": args.cost_factor,
+        "precision": core.engine.runner.precision, "split_layers": getattr(ex, "split_layers", 0),
+        "long_prompt_tokens": len(long_ids), "long_prefill_s": t1 - t0,
         "gaps_outside": summary(outside), "gaps_during": summary(during),
         "decode_steps_before": summary(calm),
         "steps_rows_and_piece": {**summary([s for _, s in with_rows]),

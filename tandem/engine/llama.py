@@ -306,13 +306,17 @@ class _FusedAttention:
         self.scale, self.att, self.cos2, self.sin2 = model.scale, att, cos2, sin2
         self.q = torch.empty(att.shape[0], self.H, self.D, dtype=att.dtype)
         self.blocks = [(offsets[b], offsets[b + 1], starts[b], cache, bits[b]) for b, (_, cache) in enumerate(blocks)]
-        self.torch_blocks = [(offsets[b], offsets[b + 1], starts[b], cache, masks[b])
+        self.torch_blocks = [(b, offsets[b], offsets[b + 1], starts[b], cache, masks[b])
                              for b, (_, cache) in enumerate(blocks) if not kernel[b]]
         self.kernel = kernel
         self.width = (self.H + 2 * self.KV) * self.D  # qkv's row length
         self.rope, self.attn = rowops.library(), attend.library()
         self.threads = torch.get_num_threads()
         self.half = int(model.kv_dtype == torch.float16)  # the caches' keys and values in float16
+        # Each block's layers (first, end) where a prompt piece runs through some only (set by the
+        # forward); None: every block through every layer. A block outside its layers writes no KV
+        # and attends to nothing at that layer.
+        self.spans: list[tuple[int, int]] | None = None
         # Several blocks on attend.c (a batched step's sessions): layers after the first make one
         # call for all of them (`tandem_attend_many`, one parallel region; same bits as a call a
         # block). Their descriptors are set at layer 0, once its checked calls passed.
@@ -325,12 +329,15 @@ class _FusedAttention:
     def __call__(self, li: int, qkv: torch.Tensor) -> None:
         # qkv `# [N, (H + 2 KV) D]` contiguous, this layer's
         H, KV, D = self.H, self.KV, self.D
+        act = None if self.spans is None else np.array([a <= li < e for a, e in self.spans])  # `# [blocks]` bool
         if li == 0:
-            for (a, e, s, cache, tree), use in zip(self.blocks, self.kernel):
+            for b, ((a, e, s, cache, tree), use) in enumerate(zip(self.blocks, self.kernel)):
+                if act is not None and not act[b]:
+                    continue
                 rowops.rope_store(qkv[a:e], self.cos2[a:e], self.sin2[a:e], self.q[a:e], cache.k[0], cache.v[0], s)
                 if use:
                     attend.attend(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, self.scale, tree)
-            self._torch_attention(0)
+            self._torch_attention(0, act)
             if len(self.many) > 1:
                 self._describe()
             return
@@ -344,15 +351,19 @@ class _FusedAttention:
             v_p = self.v0 + li * self.v_step
             rd, desc = self.rope_desc, self.desc
             rd[:, 2], rd[:, 3] = k_p, v_p
+            desc[:, 1], desc[:, 2] = k_p[self.many], v_p[self.many]
+            if act is not None:  # only the blocks inside their layers (copies: the arrays stay whole)
+                rd, desc = np.ascontiguousarray(rd[act]), np.ascontiguousarray(desc[act[self.many]])
             self.rope.tandem_rope_store_many(len(rd), rd.ctypes.data, qkv_p, self.width, H, KV, D, cos_p, sin_p, q_p,
                                              self.half)
-            desc[:, 1], desc[:, 2] = k_p[self.many], v_p[self.many]
             rc = self.attn.tandem_attend_many(len(desc), desc.ctypes.data, H, KV, D, self.scale, self.threads,
                                               self.half)
             if rc != 0:
                 raise MemoryError(f"the CPU attention kernel failed ({rc})")
         else:
-            for (a, e, s, cache, tree), use in zip(self.blocks, self.kernel):
+            for b, ((a, e, s, cache, tree), use) in enumerate(zip(self.blocks, self.kernel)):
+                if act is not None and not act[b]:
+                    continue
                 k_p = cache.k.data_ptr() + li * cache.k.stride(0) * cache.k.element_size()
                 v_p = cache.v.data_ptr() + li * cache.v.stride(0) * cache.v.element_size()
                 self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
@@ -365,7 +376,7 @@ class _FusedAttention:
                                              None if tree is None else ctypes.addressof(tree), self.half)
                 if rc != 0:
                     raise MemoryError(f"the CPU attention kernel failed ({rc})")
-        self._torch_attention(li)
+        self._torch_attention(li, act)
 
     def _describe(self) -> None:
         """The descriptors of every block's rotary and cache writes (`tandem_rope_store_many`) and
@@ -381,11 +392,13 @@ class _FusedAttention:
                                dtype=np.int64)  # bytes a layer
         self.v_step = np.array([c.v.stride(0) * c.v.element_size() for _, _, _, c, _ in self.blocks], dtype=np.int64)
 
-    def _torch_attention(self, li: int) -> None:
+    def _torch_attention(self, li: int, act: np.ndarray | None) -> None:
         """Layer li's attention of the blocks attend.c does not serve (their queries and the cache
-        already rotated and written), as the unfused path computes it."""
-        for a, e, s, cache, mask in self.torch_blocks:
-            self.att[a:e] = _torch_block_attention(self.q[a:e], cache, li, s, mask, self.scale)
+        already rotated and written), as the unfused path computes it; `act`: which blocks run
+        this layer (None: all)."""
+        for b, a, e, s, cache, mask in self.torch_blocks:
+            if act is None or act[b]:
+                self.att[a:e] = _torch_block_attention(self.q[a:e], cache, li, s, mask, self.scale)
 
 
 def _torch_block_attention(q: torch.Tensor, cache: KVCache, li: int, start: int, mask: torch.Tensor | None,
@@ -431,6 +444,12 @@ class _RawLayers:
         self.act = torch.empty(N, self.inter)
         self.down = torch.empty(N, d)
         self.model = model
+        # prompt pieces through some layers only (NativeLlama.forward_batch's `layers`): rows
+        # [ra, re) enter at layer `first` with their residual stream (None at layer 0), and leave
+        # after layer end - 1, their stream kept in `left[block]`
+        self.enter: list[tuple[int, int, int, torch.Tensor | None]] = []
+        self.leave: list[tuple[int, int, int, int]] = []
+        self.left: dict[int, torch.Tensor] = {}
 
     def run(self) -> torch.Tensor:
         """The residual stream after the last layer `# [N, hidden]` (before the final norm)."""
@@ -440,6 +459,12 @@ class _RawLayers:
         xp, hp, qkvp, op = self.x.data_ptr(), self.h.data_ptr(), self.qkv.data_ptr(), self.o.data_ptr()
         gup, actp, downp, attp = self.gu.data_ptr(), self.act.data_ptr(), self.down.data_ptr(), self.att.data_ptr()
         for li, w in enumerate(m.layers):
+            for ra, re, first, hid in self.enter:
+                if first == li and hid is not None:
+                    # x + (-0.0) is x exactly, -0.0 included: the add below leaves the stream as it
+                    # was handed back, as a piece's unsplit forward would have it here
+                    self.x[ra:re] = hid
+                    self.down[ra:re] = -0.0
             if li == 0:
                 lib.tandem_rms_norm(xp, d, w["in_norm"].data_ptr(), hp, d, N, d, eps, T)
             else:  # x += the previous layer's MLP output, then its norm (one call)
@@ -451,6 +476,9 @@ class _RawLayers:
             w["wgu"].raw(hp, gup, N, T)
             lib.tandem_silu_mul(gup, actp, N, self.inter, T)
             w["wdown"].raw(actp, downp, N, T)
+            for ra, re, end, b in self.leave:
+                if end == li + 1 and end < len(m.layers):  # the same add the next layer's norm would make
+                    self.left[b] = self.x[ra:re] + self.down[ra:re]
         return self.x + self.down
 
 
@@ -698,6 +726,12 @@ class NativeLlama:
                     return False
         return True
 
+    @property
+    def splits_layers(self) -> bool:
+        """Whether a prompt piece can run through some of the layers per forward (`forward_batch`'s
+        `layers`): on the raw layer calls only."""
+        return self.raw_layers
+
     @functools.cached_property
     def can_run_rows_alone(self) -> bool:
         """Whether a forward under `gemm.rows_alone()` is batch-invariant whatever the plan: our
@@ -803,6 +837,7 @@ class NativeLlama:
     def forward_batch(
         self, blocks: list[tuple[list[int], KVCache]], need_logits: list[bool | str] | None = None,
         trees: list[list[int] | None] | None = None,
+        layers: list[tuple[int, int, torch.Tensor | None] | None] | None = None,
     ) -> list[torch.Tensor | None]:
         """One forward for the blocks of several sequences (ragged: any lengths, any contexts).
 
@@ -818,9 +853,28 @@ class NativeLlama:
         attends to the cache and its own ancestors only, so its logits are those of the path that
         leads to it; its KV lands at slot start + r (the caller keeps the accepted path's,
         `keep_path`).
+
+        `layers[b] = (first, end, hidden)`, where given, runs block b (a prompt piece, no logits)
+        through layers first .. end - 1 only: `hidden` `# [n, hidden]` is its residual stream after
+        layer first - 1 (what this call returned for it then; None when first is 0). Until a call
+        runs its last layer, the block's cache keeps its length (its keys and values are written
+        layer by layer) and the call returns its residual stream after layer end - 1 in place of
+        logits. A piece split over calls gives the cache and logits it gives whole, bit for bit
+        (tested): why, and the policy that uses it, in runner.PieceBudget. Raw layer calls only
+        (`splits_layers`).
         """
         need = need_logits or [True] * len(blocks)
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        L = self.n_layers
+        spans = [(0, L, None) if sp is None else sp for sp in (layers or [None] * len(blocks))]
+        split = [b for b, (a, e, _) in enumerate(spans) if (a, e) != (0, L)]
+        for b in split:
+            a, e, hid = spans[b]
+            n = len(blocks[b][0])
+            if not (0 <= a < e <= L) or need[b] or (trees and trees[b] is not None) or (a == 0) != (hid is None) or (
+                    hid is not None and tuple(hid.shape) != (n, self.hidden)):
+                raise ValueError(f"block {b} through layers {a}..{e - 1} of {L}: a prompt piece without logits, "
+                                 f"with its residual stream [{n}, {self.hidden}] when it does not start at layer 0")
         lens = [len(ids) for ids, _ in blocks]
         starts = [cache.length for _, cache in blocks]
         for (ids, cache), n in zip(blocks, lens):
@@ -864,16 +918,28 @@ class NativeLlama:
         # fused: every block's rotary embedding and cache write on rowops.c and the layers' glue on
         # our kernels; the blocks attend.c does not serve (prompt pieces) attend through torch inside
         fused = self.row_kernel and not members and all(cache.pool is None for _, cache in blocks)
+        if split and not (fused and self.raw_layers):
+            raise ValueError("a prompt piece through some layers only runs on the raw layer calls (splits_layers)")
         cos2, sin2 = cos.view(N, D), sin.view(N, D)  # [N, D] each
         x = self.embed[flat]  # [N, hidden]
         # one buffer per forward, rewritten by every layer (its output projection reads it first)
         att = torch.empty(N, H * D, dtype=x.dtype, device=self.device)  # [N, H D]
         fused_calls = _FusedAttention(self, blocks, offsets, starts, bits, cos2, sin2, att, kernel, masks) if fused else None
+        hidden_out: dict[int, torch.Tensor] = {}
+        if split:
+            att.zero_()  # rows before their first layer read it: zeros, not whatever the buffer held
+            fused_calls.spans = [(a, e) for a, e, _ in spans]
         pooled = _PooledAttention(self, pool, blocks, members, offsets, starts, lens, trees) if members else None
         down = None  # the previous layer's MLP output, added to the residual stream with the next norm
         layers = self.layers
         if fused and self.raw_layers:
-            x = _RawLayers(self, x, att, fused_calls).run()
+            raw = _RawLayers(self, x, att, fused_calls)
+            for b in split:
+                a, e, hid = spans[b]
+                raw.enter.append((offsets[b], offsets[b + 1], a, hid))
+                raw.leave.append((offsets[b], offsets[b + 1], e, b))
+            x = raw.run()
+            hidden_out = raw.left
             layers = []  # done
         for li, w in enumerate(layers):
             x, h = self._add_rms(x, down, w["in_norm"])
@@ -906,14 +972,15 @@ class NativeLlama:
             down = w["wdown"](self._gated(w["wgu"](h)))  # [N, 2I] -> [N, I] -> [N, hidden]
         if down is not None:
             x = x + down
-        for (_, cache), s, n in zip(blocks, starts, lens):
-            cache.length = s + n
+        for (_, cache), s, n, (_, e, _) in zip(blocks, starts, lens, spans):
+            if e == L:  # a piece part-way through the layers keeps its cache's length
+                cache.length = s + n
         # rows of each block that get logits: all (True), none (False) or the last ("last")
         spans = [(offsets[b + 1] - 1 if need[b] == "last" else offsets[b], offsets[b + 1]) if need[b] else None
                  for b in range(len(blocks))]
         rows = [torch.arange(a, e) for span in spans if span for a, e in [span]]
         if not rows:
-            return [None] * len(blocks)
+            return [hidden_out.get(b) for b in range(len(blocks))]
         logits = self.lm_head(self._rms(x[torch.cat(rows).to(self.device)], self.final_norm)).float()  # [rows, vocab]
         out, at = [], 0
         for span in spans:
@@ -921,7 +988,7 @@ class NativeLlama:
                 out.append(logits[at : at + span[1] - span[0]])
                 at += span[1] - span[0]
             else:
-                out.append(None)
+                out.append(hidden_out.get(len(out)))
         return out
 
     @staticmethod

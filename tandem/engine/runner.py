@@ -246,10 +246,16 @@ class NativeBackend:
                 tree: list[int] | None = None) -> torch.Tensor | None:
         return self.forward_batch([(cache, input_ids)], [all_logits], alone, [tree])[0]
 
+    @property
+    def split_layers(self) -> int:
+        """Layers a prompt piece can be split over, one range per step (`forward_batch`'s
+        `layers`); 0: pieces run whole."""
+        return self.impl.n_layers if self.impl.splits_layers else 0
+
     def forward_batch(self, blocks: list[tuple], need: list[bool], alone: bool = False,
-                      trees: list | None = None) -> list[torch.Tensor | None]:
+                      trees: list | None = None, layers: list | None = None) -> list[torch.Tensor | None]:
         with rows_alone() if alone and self.rows_alone else contextlib.nullcontext():
-            return self.impl.forward_batch([(ids, cache) for cache, ids in blocks], need, trees)
+            return self.impl.forward_batch([(ids, cache) for cache, ids in blocks], need, trees, layers)
 
 
 def make_backend(model: torch.nn.Module, choice: str = "auto", quantized=None):
@@ -374,13 +380,16 @@ class PrefillPolicy:
     min_piece: int = 4  # at 7k context 16 tokens of attention already cost ~2x a lone decoding step (EPYC)
     cost_factor: float = 2.0
 
-    def split(self, budget: int, waiting: list[int]) -> tuple[list[int], int]:
+    def split(self, budget: int, waiting: list[int], started: list[bool] | None = None) -> tuple[list[int], int]:
         """Prompt tokens per waiting prompt for one step, and how many of them went whole.
-        `waiting`: remaining tokens of each prompt, oldest first.
+        `waiting`: remaining tokens of each prompt, oldest first; `started`: which of them already
+        ran pieces (default none).
 
         Prompts that fit in one piece (at most `max_piece` left) go whole, shortest first, up to
         `max_piece` of them a step: a new chat turn starts as fast as it did before chunking,
-        whatever long prompt is in the middle of its prefill. The longer ones share `budget`
+        whatever long prompt is in the middle of its prefill. A long prompt's tail is not one of
+        them: it is as costly a token as the rest at its context (its last 256 tokens at 7,000
+        took ~0.6 s as one piece), so it stays in the budget. The longer ones share `budget`
         (less what went whole, but at least `min_piece`): the oldest its `min_piece` first (it
         always advances), then shortest first.
 
@@ -388,11 +397,14 @@ class PrefillPolicy:
         ([8, 20, 0], 20)
         >>> PrefillPolicy(64, 8).split(64, [900, 500])  # 900 (oldest) its minimum, then shortest first
         ([8, 56], 0)
+        >>> PrefillPolicy(64, 8).split(16, [40, 20], [True, False])  # 40 left of a long prompt: in the budget
+        ([8, 20], 20)
         """
         pieces = [0] * len(waiting)
         whole = 0
+        started = started or [False] * len(waiting)
         for i in sorted(range(len(waiting)), key=lambda i: waiting[i]):
-            if waiting[i] <= self.max_piece and whole + waiting[i] <= self.max_piece:
+            if not started[i] and waiting[i] <= self.max_piece and whole + waiting[i] <= self.max_piece:
                 pieces[i] = waiting[i]
                 whole += waiting[i]
         rest = [i for i in range(len(waiting)) if not pieces[i]]
@@ -417,6 +429,14 @@ class PieceBudget:
     at most 1.5x a step so one fast step cannot overshoot, within [min_piece, max_piece]. Until a
     decoding step was measured, steps beside decoding carry min_piece.
 
+    Below min_piece, where the forward can split a piece over steps by layers (`layers` > 0, the
+    raw layer calls): the budget goes down to min_piece / layers, and a step carries a min_piece
+    piece through `depth(budget)` of the layers, the rest in the next steps. Why: a piece attends
+    to its whole prompt so far, so at long contexts even min_piece tokens cost more than the
+    target (a 1-token piece at 7,000 tokens of context reads ~160 MB of float16 KV: ~2x a lone
+    decoding step on 2 cores), and no token count could keep a running stream's gaps near 2x; a
+    share of the layers reads that share of the KV.
+
     >>> b = PieceBudget(PrefillPolicy(max_piece=256, min_piece=16, cost_factor=2.0))
     >>> b.observe_decode(0.040)
     >>> for _ in range(30):  # a step costs 40 ms + 2 ms a prompt token: 2x at 20 tokens
@@ -427,8 +447,10 @@ class PieceBudget:
 
     WINDOW = 15
 
-    def __init__(self, policy: PrefillPolicy):
+    def __init__(self, policy: PrefillPolicy, layers: int = 0):
         self.policy = policy
+        self.layers = layers
+        self.floor = policy.min_piece / layers if layers else float(policy.min_piece)
         self._decode_s: deque[float] = deque(maxlen=self.WINDOW)
         self._budget = {True: float(policy.min_piece), False: float(policy.min_piece)}
 
@@ -436,24 +458,38 @@ class PieceBudget:
         """A step with decoding rows and no prompt pieces took `seconds`."""
         self._decode_s.append(seconds)
 
-    def next(self, rows: bool, decoding: bool) -> int:
-        """The budget of a step with (`rows`) or without decoding rows; `decoding`: sessions are
-        decoding (without, a step carries max_piece)."""
+    def next(self, rows: bool, decoding: bool) -> float:
+        """The budget of a step with (`rows`) or without decoding rows, in prompt tokens (below
+        min_piece: a min_piece piece through a share of the layers, `depth`); `decoding`: sessions
+        are decoding (without, a step carries max_piece)."""
         if not rows and not decoding:
-            return self.policy.max_piece
-        return int(self._budget[rows])
+            return float(self.policy.max_piece)
+        return self._budget[rows]
 
-    def observe(self, rows: bool, seconds: float, carried: int) -> None:
-        """A step with prompt pieces (`carried` tokens of them; with decoding rows or not, while
-        sessions decode) took `seconds`."""
+    def depth(self, budget: float) -> int:
+        """Layers a min_piece piece runs through in a step with `budget` (all where it is at least
+        min_piece or pieces cannot be split).
+
+        >>> b = PieceBudget(PrefillPolicy(min_piece=4), layers=30)
+        >>> b.depth(4.0), b.depth(2.0), b.depth(0.5), b.depth(0.01)
+        (30, 15, 4, 1)
+        """
+        if not self.layers or budget >= self.policy.min_piece:
+            return self.layers
+        return max(1, min(self.layers, math.ceil(self.layers * budget / self.policy.min_piece - 1e-9)))
+
+    def observe(self, rows: bool, seconds: float, carried: float) -> None:
+        """A step with prompt pieces (`carried` tokens of them, a piece through a share of the
+        layers counting that share; with decoding rows or not, while sessions decode) took
+        `seconds`."""
         if not self._decode_s or seconds <= 0:
             return
         target = statistics.median(self._decode_s) * (self.policy.cost_factor if rows else self.policy.cost_factor - 1)
         current = self._budget[rows]
-        if carried < int(current) and seconds < target:
+        if carried < (int(current) if current >= self.policy.min_piece else current * 0.999) and seconds < target:
             return  # the prompts ran out, not the budget: nothing learned about growing it
         scaled = current * min(1.5, target / seconds)
-        self._budget[rows] = min(float(self.policy.max_piece), max(float(self.policy.min_piece), scaled))
+        self._budget[rows] = min(float(self.policy.max_piece), max(self.floor, scaled))
 
 
 @dataclass
@@ -468,6 +504,11 @@ class _Job:
     result: torch.Tensor | None = None
     error: BaseException | None = None
     done_tokens: int = 0  # a prefill's tokens already run (the executor runs it in pieces)
+    # a piece part-way through the layers (split over steps): its tokens, the next layer to run and
+    # its residual stream after the layer before (PieceBudget)
+    piece: int = 0
+    layer: int = 0
+    hidden: torch.Tensor | None = None
     start_ns: int = 0  # when a generation planned it (wall clock, for its trace span)
 
     @property
@@ -615,7 +656,9 @@ class BatchExecutor:
     def __init__(self, runner: "TargetRunner", policy: PrefillPolicy | None = None):
         self.runner = runner
         self.policy = policy or PrefillPolicy()
-        self.budget = PieceBudget(self.policy)
+        # a piece can be split over steps by layers where the forward runs its layers as raw calls
+        self.split_layers = getattr(runner.backend, "split_layers", 0)
+        self.budget = PieceBudget(self.policy, self.split_layers)
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._prefills: list[_Job] = []  # prompts being prefilled, oldest first (worker thread only)
@@ -768,26 +811,45 @@ class BatchExecutor:
         """plan (which prompt pieces join the decoding rows) and forward."""
         decoding = bool(self._attached) or bool(decode)
         budget = self.budget.next(bool(decode), decoding)
-        plan, whole = self.policy.split(budget, [len(j.ids) - j.done_tokens for j in self._prefills])
-        pieces = [(j, n) for j, n in zip(self._prefills, plan) if n > 0]
+        L, low = self.split_layers, budget < self.policy.min_piece
+        moving = [j for j in self._prefills if j.layer > 0]  # a piece part-way through the layers
+        rest = [j for j in self._prefills if j.layer == 0]
+        plan, whole = self.policy.split(int(budget) if not moving else 0, [len(j.ids) - j.done_tokens for j in rest],
+                                        [j.done_tokens > 0 for j in rest])
+        # pieces: (job, tokens, first layer, end layer); beside a moving piece, whole prompts only
+        pieces = [(j, n, 0, L) for j, n in zip(rest, plan)
+                  if n > 0 and (not moving or (n == len(j.ids) and not j.done_tokens))]
+        if moving:
+            j = moving[0]
+            pieces.append((j, j.piece, j.layer, min(L, j.layer + (L if not low else self.budget.depth(budget)))))
+        elif L and low:  # the oldest long prompt's min_piece piece, through a share of the layers
+            for i, (j, n, _, _) in enumerate(pieces):
+                if j.done_tokens or n < len(j.ids):
+                    pieces[i] = (j, n, 0, self.budget.depth(budget))
+                    break
         if decode or pieces:
             seconds = self._run(decode, pieces)
             # Steps with whole prompts are outside the budget's control: they teach it nothing.
             if seconds is not None and pieces and decoding and not whole:
-                self.budget.observe(bool(decode), seconds, sum(n for _, n in pieces))
+                carried = sum(n * ((e - a) / L if L else 1.0) for _, n, a, e in pieces)
+                self.budget.observe(bool(decode), seconds, carried)
 
-    def _run(self, jobs: list[_Job], pieces: list[tuple[_Job, int]], alone: bool = False) -> float | None:
-        """One forward of `jobs` and prompt `pieces`; its seconds (None: it failed)."""
+    def _run(self, jobs: list[_Job], pieces: list[tuple[_Job, int, int, int]], alone: bool = False) -> float | None:
+        """One forward of `jobs` and prompt `pieces` (job, tokens, first and end layer); its
+        seconds (None: it failed)."""
         start = time.perf_counter()
         blocks = [(j.cache, j.ids) for j in jobs] + [(j.cache, j.ids[j.done_tokens : j.done_tokens + n])
-                                                     for j, n in pieces]
+                                                     for j, n, _, _ in pieces]
         need = [j.all_logits for j in jobs] + [False] * len(pieces)
         trees = [j.tree for j in jobs] + [None] * len(pieces)
+        L = self.split_layers
+        split = [(a, e, j.hidden) if (a, e) != (0, L) else None for j, _, a, e in pieces]
+        extra = {"layers": [None] * len(jobs) + split} if any(sp is not None for sp in split) else {}
         try:
             outs = self.runner.backend.forward_batch(blocks, need, alone,
-                                                     trees if any(t is not None for t in trees) else None)
+                                                     trees if any(t is not None for t in trees) else None, **extra)
         except BaseException as exc:  # every waiting session learns of it
-            for j in [*jobs, *(j for j, _ in pieces)]:
+            for j in [*jobs, *(j for j, *_ in pieces)]:
                 j.error = exc
                 j.done.set()
             self._prefills = [j for j in self._prefills if j.error is None]
@@ -800,9 +862,12 @@ class BatchExecutor:
             self.budget.observe_decode(seconds)
         self.last_batch_tokens, self.last_batch_size = total, len(jobs) + len(pieces)
         self.batches += 1
-        self.history.append((len(jobs), tuple(n for _, n in pieces), seconds))
-        self.prefill_pieces += len(pieces)
-        self.prefill_tokens += sum(n for _, n in pieces)
+        # a piece through a share of the layers is recorded as that share of its tokens
+        self.history.append((len(jobs), tuple(n if (a, e) == (0, L) else n * (e - a) / L for _, n, a, e in pieces),
+                             seconds))
+        done = [(j, n) for j, n, _, e in pieces if e == L]  # pieces through their last layer
+        self.prefill_pieces += len(done)
+        self.prefill_tokens += sum(n for _, n in done)
         self.mixed_steps += bool(jobs and pieces)
         checked = [(j, out) for j, out in zip(jobs, outs) if j.check is not None]
         if checked:
@@ -814,7 +879,11 @@ class BatchExecutor:
         for j, out in zip(jobs, outs):
             j.result = out
             j.done.set()
-        for j, n in pieces:
+        for (j, n, _, e), out in zip(pieces, outs[len(jobs):]):
+            if e < L:  # part-way: the next step continues it from its residual stream
+                j.piece, j.layer, j.hidden = n, e, out
+                continue
+            j.piece, j.layer, j.hidden = 0, 0, None
             j.done_tokens += n
             if j.done_tokens == len(j.ids):
                 j.done.set()

@@ -398,6 +398,108 @@ def test_a_gguf_targets_cache_is_float16_rounded_once(tiny_loaded) -> None:
 
 
 @pytest.mark.parametrize("activations", ARITHMETICS)
+def test_a_prompt_piece_split_over_forwards_by_layers_gives_its_whole_bits(activations, tiny_loaded) -> None:
+    """A prompt piece run through layers 0..a-1 in one forward, a..b-1 in the next and the rest in a
+    third (beside decoding rows each time, as the step loop runs it) leaves the cache a whole
+    piece leaves, bit for bit: the next token's logits are equal, and so are the decoding rows'
+    beside it. Until its last layer the cache keeps its length; a split without the raw layer calls,
+    with logits or without its residual stream is refused."""
+    target = quantize_model(tiny_loaded, "Q4_1", activations=activations)
+    native = NativeLlama(target.model, quantized=target.quantized)
+    assert native.splits_layers
+    L = native.n_layers
+    gen = torch.Generator().manual_seed(4)
+    before = torch.randint(0, native.vocab, (30,), generator=gen).tolist()
+    piece = torch.randint(0, native.vocab, (3,), generator=gen).tolist()
+    other_ctx = torch.randint(0, native.vocab, (12,), generator=gen).tolist()
+
+    def fresh():
+        held, other = native.new_cache(), native.new_cache()
+        native.forward(before, held, all_logits=False)
+        native.forward(other_ctx, other, all_logits=False)
+        return held, other
+
+    held, other = fresh()
+    whole = native.forward_batch([([7], other), (piece, held)], [True, False])
+    after_whole = native.forward([5, 6], held)
+    held2, other2 = fresh()
+    cuts = [(0, 1), (1, L - 1), (L - 1, L)] if L > 2 else [(0, 1), (1, L)]
+    hidden, rows = None, []
+    for i, (a, e) in enumerate(cuts):
+        out = native.forward_batch([([7 + i], other2), (piece, held2)], [True, False], layers=[None, (a, e, hidden)])
+        rows.append(out[0])
+        if e < L:
+            assert held2.length == len(before) and out[1].shape == (len(piece), native.hidden)
+            hidden = out[1]
+        else:
+            assert out[1] is None and held2.length == len(before) + len(piece)
+    assert torch.equal(native.forward([5, 6], held2), after_whole)
+    assert torch.equal(rows[0], whole[0])  # a decoding row beside a split piece: its bits
+    with pytest.raises(ValueError, match="residual stream"):
+        native.forward_batch([(piece, native.new_cache())], [False], layers=[(1, L, None)])
+    with pytest.raises(ValueError, match="without logits"):
+        native.forward_batch([(piece, native.new_cache())], [True], layers=[(0, 1, None)])
+    plain = NativeLlama(tiny_loaded.model)  # float32 weights: no raw layer calls
+    assert not plain.splits_layers
+    with pytest.raises(ValueError, match="raw layer calls"):
+        plain.forward_batch([(piece, plain.new_cache())], [False], layers=[(0, 1, None)])
+
+
+def test_the_step_loop_splits_a_long_prompts_pieces_by_layers_and_stays_lossless(tiny_tokenizer) -> None:
+    """Where even min_piece tokens cost more than a step may (the budget under min_piece: here
+    forced, as a long context makes it), the step loop runs the oldest long prompt's piece through
+    a share of the layers per step, beside a streaming session: the stream keeps its steps, the
+    piece's parts are recorded as fractions of its tokens, and both outputs are the target
+    alone's (greedy), the prompt's also with its pieces split."""
+    import threading
+
+    from conftest import make_tiny_llama
+    from tandem.services.verifier.core import VerifierCore
+    from tandem.services.verifier.settings import VerifierSettings
+
+    base = LoadedModel(model_id="tiny6", path="", model=make_tiny_llama(seed=2, num_layers=6), tokenizer=tiny_tokenizer)
+    target = quantize_model(base, "Q8_0")
+    core = VerifierCore(VerifierSettings(verifier_id="v-split", port=0, prefill_chunk_tokens=16,
+                                         prefill_min_tokens=4), target)
+    ex = core.executor
+    assert ex.split_layers == 6
+    real_next = ex.budget.next
+    # a budget of 1.5 tokens beside decoding rows: a 4-token piece through ceil(6 x 1.5 / 4) = 3 layers
+    ex.budget.next = lambda rows, decoding: 1.5 if rows else real_next(rows, decoding)
+    gen = torch.Generator().manual_seed(9)
+    ctx_a = torch.randint(10, 500, (20,), generator=gen).tolist()
+    ctx_b = torch.randint(10, 500, (120,), generator=gen).tolist()
+    sampling_a = SamplingParams(max_new_tokens=150, ignore_eos=True)
+    sampling_b = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    none = SpecConfig(strategy="none")
+    a_steps: list = []
+    started = threading.Event()
+
+    def stream_a() -> None:
+        for item in core.generate("a", ctx_a, sampling_a, SpecConfig(strategy="ngram")):
+            a_steps.append(item)
+            started.set()
+
+    t = threading.Thread(target=stream_a, daemon=True)
+    t.start()
+    started.wait(60)
+    h0, before = len(ex.history), len(a_steps)
+    b_items = []
+    for item in core.generate("b", ctx_b, sampling_b, none):
+        if not b_items:
+            history, during = list(ex.history)[h0:], len(a_steps) - before
+        b_items.append(item)
+    t.join(120)
+    halves = [p for rows, ps, _ in history if rows for p in ps if isinstance(p, float)]  # split parts: shares
+    # 4 tokens x 3 of 6 layers; 119 prompt tokens run (the last one waits), so the tail is 3 x 3 of 6:
+    # split as well, not run whole (a long prompt's tail costs what the rest costs)
+    assert 2.0 in halves and set(halves) <= {2.0, 1.5}, history
+    assert during >= 10, f"a streamed {during} steps during b's prefill"
+    assert b_items[-1].token_ids == Engine(target).generate(ctx_b, sampling_b, none).token_ids
+    assert a_steps[-1].token_ids == Engine(target).generate(ctx_a, sampling_a, none).token_ids
+
+
+@pytest.mark.parametrize("activations", ARITHMETICS)
 def test_a_prompt_piece_beside_decoding_rows_leaves_their_bits(activations, tiny_loaded, monkeypatch) -> None:
     """A step that carries a prompt piece longer than the attention kernel serves (its attention on
     torch's kernel) beside decoding rows still runs the raw calls, the decoding rows' logits equal

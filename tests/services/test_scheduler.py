@@ -59,6 +59,35 @@ def test_prefill_split_runs_short_prompts_whole_and_long_ones_in_the_budget():
     # ...up to max_piece of them a step, shortest first; the long one still advances.
     assert policy.split(16, [1000, 50, 40, 30]) == ([8, 0, 0, 30], 30)
     assert policy.split(8, [3]) == ([3], 3) and policy.split(64, []) == ([], 0)
+    # A long prompt's tail is no new turn: it stays in the budget (at its context a token costs what
+    # the rest cost), while a new short prompt still goes whole.
+    assert policy.split(16, [40, 20], [True, False]) == ([8, 20], 20)
+    assert policy.split(16, [40, 20], [False, False]) == ([40, 20], 60)
+
+
+def test_piece_budget_goes_below_min_piece_where_pieces_split_by_layers():
+    """Where the forward can split a piece over steps by layers, steps that cost too much even at
+    min_piece shrink the budget below it, down to min_piece / layers: then a min_piece piece runs
+    through that share of the layers a step (`depth`), and the step time comes back to target.
+    Without splitting, min_piece stays the floor."""
+    policy = PrefillPolicy(max_piece=256, min_piece=4, cost_factor=2.0)
+    split, whole = PieceBudget(policy, layers=30), PieceBudget(policy)
+    for b in (split, whole):
+        for _ in range(5):
+            b.observe_decode(0.010)
+    per_layer = 0.0006  # a 4-token piece at a long context: 18 ms over 30 layers, the step 10 ms more
+    for _ in range(60):
+        n = split.next(True, True)
+        depth = split.depth(n)
+        split.observe(True, 0.010 + per_layer * depth, 4 * depth / 30)
+        whole.observe(True, 0.010 + per_layer * 30, whole.next(True, True))
+    assert whole.next(True, True) == 4 and whole.depth(4.0) == 0
+    depth = split.depth(split.next(True, True))
+    assert 14 <= depth <= 18, depth  # 2x the 10 ms step: 10 ms of piece, ~17 of the 30 layers
+    assert split.depth(4.0) == 30 and split.depth(0.0) == 1
+    for _ in range(40):  # a preempted machine: down to one layer a step, never below
+        split.observe(True, 5.0, split.next(True, True))
+    assert split.next(True, True) == 4 / 30 and split.depth(split.next(True, True)) == 1
 
 
 def test_piece_budget_steers_steps_to_the_cost_factor():
