@@ -1,13 +1,13 @@
 #!/usr/bin/env python
-"""One long prompt beside one decoding stream, in process, step by step (issue 14's mixed workload
-at one session, without gRPC): a VerifierCore's step loop serves a chat session that asks MT-Bench
-questions back to back (64 tokens each, prompt lookup), and after 3 s one long prompt (8 output
-tokens, plain) arrives. Reports the stream's gaps between streamed steps outside and during the long
+"""One long prompt beside decoding streams, in process, step by step (issue 14's mixed workload
+without gRPC): a VerifierCore's step loop serves `--streams` chat sessions (default 1) that ask
+MT-Bench questions back to back (64 tokens each, prompt lookup), and after 3 s one long prompt (8
+output tokens, plain) arrives. Reports the stream's gaps between streamed steps outside and during the long
 prefill, and the loop's steps by kind: decoding only, decoding rows with a prompt piece, a prompt
 piece alone (no stream decoding at that moment: between two of its requests). Nothing else CPU-heavy
 may run meanwhile.
 
-    .venv/bin/python scripts/mixed_probe.py [--min-piece 4] [--long-tokens 7000] [--out FILE.json]
+    .venv/bin/python scripts/mixed_probe.py [--streams 1] [--min-piece 4] [--cost-factor 2] [--long-tokens 7000] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,27 +46,30 @@ def main() -> None:
                     default=VerifierSettings.model_fields["prefill_cost_factor"].default,
                     help="the verifier's --prefill-cost-factor")
     ap.add_argument("--long-tokens", type=int, default=7000, help="the long prompt's length")
+    ap.add_argument("--streams", type=int, default=1, help="chat sessions decoding meanwhile")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     core = in_passing_thread(lambda: VerifierCore(
         VerifierSettings(verifier_id="probe", port=0, prefill_min_tokens=args.min_piece,
                          prefill_cost_factor=args.cost_factor), load_model()))
     tok, ex = core.target.tokenizer, core.executor
+    ex.history = deque(maxlen=1 << 20)  # every step of the run: the slices below index it
     records = load_prompts(dev_set("mt_bench"), 80)
     long_ids = tok(" ".join(r.turns[0] for r in records) * 10)["input_ids"][: args.long_tokens]
     stop = threading.Event()
-    arrivals: list[tuple[float, int]] = []  # (time, request): one per streamed step of the chat
+    arrivals: list[tuple[float, tuple[int, int]]] = []  # (time, (stream, request)): one per streamed step
     span: dict = {}
 
-    def chat() -> None:
+    def chat(stream: int) -> None:
         handler_thread()  # as a gRPC handler: no OpenMP pool of its own
         i = 0
         while not stop.is_set():
             i += 1
-            ids = apply_chat_template(tok, [{"role": "user", "content": records[i % len(records)].turns[0]}])
-            for _ in core.generate(f"chat-{i}", ids, SamplingParams(max_new_tokens=64),
+            q = records[(i * args.streams + stream) % len(records)].turns[0]
+            ids = apply_chat_template(tok, [{"role": "user", "content": q}])
+            for _ in core.generate(f"chat-{stream}-{i}", ids, SamplingParams(max_new_tokens=64),
                                    SpecConfig(strategy=DraftStrategy.ngram)):
-                arrivals.append((time.perf_counter(), i))
+                arrivals.append((time.perf_counter(), (stream, i)))
 
     def long_prompt() -> None:
         handler_thread()
@@ -76,16 +80,19 @@ def main() -> None:
         span["end"] = time.perf_counter()
         span["steps_after"] = len(ex.history)
 
-    threads = [threading.Thread(target=chat), threading.Thread(target=long_prompt)]
+    threads = [threading.Thread(target=long_prompt)] + [threading.Thread(target=chat, args=(s,))
+                                                         for s in range(args.streams)]
     for t in threads:
         t.start()
-    threads[1].join()
+    threads[0].join()
     time.sleep(1.0)
     stop.set()
-    threads[0].join()
+    for t in threads[1:]:
+        t.join()
 
     t0, t1 = span["start"], span["end"]
     outside, during = [], []
+    arrivals.sort(key=lambda a: (a[1][0], a[0]))  # each stream's steps in time order
     for (ta, ra), (tb, rb) in zip(arrivals, arrivals[1:]):
         if ra == rb:  # gaps inside one request's stream
             (during if t0 <= ta and tb <= t1 else outside).append((tb - ta) * 1e3)
@@ -100,7 +107,7 @@ def main() -> None:
 
     report = {
         "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "min_piece": args.min_piece, "cost_factor": args.cost_factor,
+        "min_piece": args.min_piece, "cost_factor": args.cost_factor, "streams": args.streams,
         "precision": core.engine.runner.precision, "split_layers": getattr(ex, "split_layers", 0),
         "long_prompt_tokens": len(long_ids), "long_prefill_s": t1 - t0,
         "gaps_outside": summary(outside), "gaps_during": summary(during),

@@ -435,7 +435,13 @@ class PieceBudget:
     to its whole prompt so far, so at long contexts even min_piece tokens cost more than the
     target (a 1-token piece at 7,000 tokens of context reads ~160 MB of float16 KV: ~2x a lone
     decoding step on 2 cores), and no token count could keep a running stream's gaps near 2x; a
-    share of the layers reads that share of the KV.
+    share of the layers reads that share of the KV. Below min_piece the target is cost_factor x
+    the calm steps' tail (CALM_QUANTILE of the steps with rows and no long-prompt piece), not their
+    median, and the recent piece steps' median is what it is held against: a split slows the long
+    prompt, so it is made only where a stream would feel the piece beyond its own usual spread (a
+    lone session: steps of ~6 ms, every piece step stands out), not where several sessions' steps
+    already vary more than a piece adds (4 sessions: splitting to the median target made a 7k
+    prompt's prefill 1.8-2.5x slower for gaps no one needed shortened; docs/benchmarks.md).
 
     >>> b = PieceBudget(PrefillPolicy(max_piece=256, min_piece=16, cost_factor=2.0))
     >>> b.observe_decode(0.040)
@@ -446,17 +452,38 @@ class PieceBudget:
     """
 
     WINDOW = 15
+    CALM_WINDOW = 64  # steps whose tail sets how far below min_piece a piece may go (`observe_calm`)
+    CALM_QUANTILE = 0.9
+    PIECE_WINDOW = 5
 
     def __init__(self, policy: PrefillPolicy, layers: int = 0):
         self.policy = policy
         self.layers = layers
         self.floor = policy.min_piece / layers if layers else float(policy.min_piece)
         self._decode_s: deque[float] = deque(maxlen=self.WINDOW)
+        self._calm_s: deque[float] = deque(maxlen=self.CALM_WINDOW)
+        # the last few steps with pieces, per kind: below min_piece the budget follows their
+        # median, so one step slowed by something else (a long verify block, a new turn's prompt,
+        # the host) does not split the long prompt's pieces and cut its pace
+        self._piece_s = {True: deque(maxlen=self.PIECE_WINDOW), False: deque(maxlen=self.PIECE_WINDOW)}
         self._budget = {True: float(policy.min_piece), False: float(policy.min_piece)}
 
     def observe_decode(self, seconds: float) -> None:
         """A step with decoding rows and no prompt pieces took `seconds`."""
         self._decode_s.append(seconds)
+
+    def observe_calm(self, seconds: float) -> None:
+        """A step with decoding rows and no piece of a long prompt (whole short prompts may ride
+        along: a new chat turn) took `seconds`: what a stream's gaps are made of without long
+        prompts."""
+        self._calm_s.append(seconds)
+
+    def _tail(self, median: float) -> float:
+        """The calm steps' CALM_QUANTILE (at least the decoding median; the median until ten)."""
+        if len(self._calm_s) < 10:
+            return median
+        calm = sorted(self._calm_s)
+        return max(median, calm[int(self.CALM_QUANTILE * (len(calm) - 1))])
 
     def next(self, rows: bool, decoding: bool) -> float:
         """The budget of a step with (`rows`) or without decoding rows, in prompt tokens (below
@@ -484,11 +511,27 @@ class PieceBudget:
         `seconds`."""
         if not self._decode_s or seconds <= 0:
             return
-        target = statistics.median(self._decode_s) * (self.policy.cost_factor if rows else self.policy.cost_factor - 1)
+        factor = self.policy.cost_factor if rows else self.policy.cost_factor - 1
+        median = statistics.median(self._decode_s)
+        # Above min_piece the budget steers to factor x the median decoding step. Below it (a piece
+        # split by layers) to factor x the calm steps' tail instead: a stream's gaps are to stay
+        # near their own tail, and where that tail is long anyway (several sessions, whole new
+        # turns riding along), a min_piece piece needs no split and the long prompt keeps its pace.
+        target, deep = median * factor, self._tail(median) * factor
+        min_piece = self.policy.min_piece
         current = self._budget[rows]
-        if carried < (int(current) if current >= self.policy.min_piece else current * 0.999) and seconds < target:
+        t = target if current >= min_piece else deep
+        if carried < (int(current) if current >= min_piece else current * 0.999) and seconds < t:
             return  # the prompts ran out, not the budget: nothing learned about growing it
-        scaled = current * min(1.5, target / seconds)
+        recent = self._piece_s[rows]
+        recent.append(seconds)
+        smooth = statistics.median(recent)  # below min_piece: the recent steps' median, not one step
+        if current >= min_piece:
+            scaled = current * min(1.5, target / seconds)
+            if scaled < min_piece:
+                scaled = min(float(min_piece), current * min(1.5, deep / smooth))
+        else:
+            scaled = current * min(1.5, deep / smooth)
         self._budget[rows] = min(float(self.policy.max_piece), max(self.floor, scaled))
 
 
@@ -860,6 +903,8 @@ class BatchExecutor:
             self.runner.costs.observe(total, seconds)
         if jobs and not pieces and not alone:
             self.budget.observe_decode(seconds)
+        if jobs and not alone and all(not j.done_tokens and n == len(j.ids) for j, n, _, _ in pieces):
+            self.budget.observe_calm(seconds)
         self.last_batch_tokens, self.last_batch_size = total, len(jobs) + len(pieces)
         self.batches += 1
         # a piece through a share of the layers is recorded as that share of its tokens

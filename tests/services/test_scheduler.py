@@ -90,6 +90,30 @@ def test_piece_budget_goes_below_min_piece_where_pieces_split_by_layers():
     assert split.next(True, True) == 4 / 30 and split.depth(split.next(True, True)) == 1
 
 
+def test_a_piece_is_split_only_beyond_the_calm_steps_own_tail():
+    """Below min_piece the budget answers to the calm steps' tail: where steps without long-prompt
+    pieces already vary (several sessions: verify blocks, new turns' prompts), a min_piece piece
+    that costs 2.4x the median step but less than 2x their tail keeps every layer (the long prompt
+    keeps its pace); with a tight tail the same piece is split. One slow step alone does not split."""
+    policy = PrefillPolicy(max_piece=256, min_piece=4, cost_factor=2.0)
+    loose, tight = PieceBudget(policy, layers=30), PieceBudget(policy, layers=30)
+    for b, tail in ((loose, 0.020), (tight, 0.0105)):
+        for i in range(64):
+            b.observe_decode(0.010)
+            b.observe_calm(tail if i % 5 == 0 else 0.010)  # a fifth of the calm steps: the tail
+    for _ in range(40):
+        for b in (loose, tight):
+            n = b.next(True, True)
+            depth = b.depth(n)
+            b.observe(True, 0.010 + 0.014 * depth / 30, 4 * depth / 30)  # whole depth: 24 ms, 2.4x
+    assert loose.next(True, True) >= 4 and loose.depth(loose.next(True, True)) == 30
+    assert tight.depth(tight.next(True, True)) < 30
+    for _ in range(3):  # recovering: whole depth again on the loose one
+        loose.observe(True, 0.024, 4)
+    loose.observe(True, 0.5, 4)  # one step slowed by something else
+    assert loose.depth(loose.next(True, True)) == 30
+
+
 def test_piece_budget_steers_steps_to_the_cost_factor():
     """Steps whose time grows with their prompt tokens (and with their context: a growing slope):
     the budget follows, so a step beside decoding stays near 2x the decoding step and a step without
