@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #define TILE 64       /* keys scored per pass: the G x n x TILE block of scores stays in L1 */
@@ -80,31 +81,23 @@ static inline __m512 exp16(__m512 x) {
  * on its inputs. The tree is reduced as the partials are made (pairs, then quads, ...): with all 16
  * partials live at once, the compiler spilled them to the stack (measured: a 9-row block at 4,000
  * tokens 1.7x slower). */
-static inline __attribute__((always_inline)) __m512 load16(const int HALF, const char *p) {
-    return HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
-}
-static inline __attribute__((always_inline)) __m512 dot1(const int V, const int HALF, const __m512 *qv,
-                                                         const char *restrict kj) {
-    const int vb = HALF ? 32 : 64; /* bytes of 16 stored elements */
-    __m512 a = _mm512_mul_ps(qv[0], load16(HALF, kj));
-    for (int e = 1; e < V; e++) a = _mm512_fmadd_ps(qv[e], load16(HALF, kj + vb * e), a);
+static inline __attribute__((always_inline)) __m512 dot1(const int V, const __m512 *qv, const float *restrict kj) {
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+    for (int e = 1; e < V; e++) a = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kj + 16 * e), a);
     return a;
 }
-static inline __attribute__((always_inline)) __m512 pair(const int V, const int HALF, const __m512 *qv,
-                                                         const char *const *kp) {
-    const __m512 a = dot1(V, HALF, qv, kp[0]), b = dot1(V, HALF, qv, kp[1]); /* per 128-bit lane: [a, b, a, b] partials */
+static inline __attribute__((always_inline)) __m512 pair(const int V, const __m512 *qv, const float *const *kp) {
+    const __m512 a = dot1(V, qv, kp[0]), b = dot1(V, qv, kp[1]); /* per 128-bit lane: [a, b, a, b] partials */
     return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
 }
-static inline __attribute__((always_inline)) __m512 quad(const int V, const int HALF, const __m512 *qv,
-                                                         const char *const *kp) {
-    const __m512 w0 = pair(V, HALF, qv, kp), w1 = pair(V, HALF, qv, kp + 2); /* per 128-bit lane: the 4 keys' sums */
+static inline __attribute__((always_inline)) __m512 quad(const int V, const __m512 *qv, const float *const *kp) {
+    const __m512 w0 = pair(V, qv, kp), w1 = pair(V, qv, kp + 2); /* per 128-bit lane: the 4 keys' sums */
     return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x44), _mm512_shuffle_ps(w0, w1, 0xEE));
 }
-static inline __attribute__((always_inline)) __m512 scores16(const int V, const int HALF, const __m512 *qv,
-                                                             const char *const *kp) {
-    const __m512 x0 = quad(V, HALF, qv, kp), x1 = quad(V, HALF, qv, kp + 4);
+static inline __attribute__((always_inline)) __m512 scores16(const int V, const __m512 *qv, const float *const *kp) {
+    const __m512 x0 = quad(V, qv, kp), x1 = quad(V, qv, kp + 4);
     const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
-    const __m512 x2 = quad(V, HALF, qv, kp + 8), x3 = quad(V, HALF, qv, kp + 12);
+    const __m512 x2 = quad(V, qv, kp + 8), x3 = quad(V, qv, kp + 12);
     const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x88), _mm512_shuffle_f32x4(x2, x3, 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
@@ -114,10 +107,10 @@ static inline __attribute__((always_inline)) __m512 scores16(const int V, const 
  * Written out per (RC, V) by a macro: as one function over constant-but-parameter sizes, GCC kept
  * the sums in a stack array (a variable-length one), so every FMA went through memory (measured:
  * a one-row step's attention at 4,000 tokens 1.3x slower, a 9-row block's 1.7x). */
-#define VALUES_FN(H_, RC_, V_) \
-    static inline __attribute__((always_inline)) void values_##H_##_##RC_##_##V_( \
-        const char *restrict vt, int w, const float *restrict sc, const float *restrict corr, float *restrict acc) { \
-        enum { D_ = 16 * V_, VB_ = H_ ? 32 : 64 }; \
+#define VALUES_FN(RC_, V_) \
+    static inline __attribute__((always_inline)) void values_##RC_##_##V_( \
+        const float *restrict vt, int w, const float *restrict sc, const float *restrict corr, float *restrict acc) { \
+        enum { D_ = 16 * V_ }; \
         __m512 a[RC_][V_]; \
         for (int i = 0; i < RC_; i++) { \
             const __m512 c = _mm512_set1_ps(corr[i]); \
@@ -125,7 +118,7 @@ static inline __attribute__((always_inline)) __m512 scores16(const int V, const 
         } \
         for (int j = 0; j < w; j++) { \
             __m512 vv[V_]; \
-            for (int e = 0; e < V_; e++) vv[e] = load16(H_, vt + ((size_t)j * V_ + e) * VB_); \
+            for (int e = 0; e < V_; e++) vv[e] = _mm512_loadu_ps(vt + (size_t)j * D_ + 16 * e); \
             for (int i = 0; i < RC_; i++) { \
                 const __m512 p = _mm512_set1_ps(sc[i * TILE + j]); \
                 for (int e = 0; e < V_; e++) a[i][e] = _mm512_fmadd_ps(p, vv[e], a[i][e]); \
@@ -134,17 +127,15 @@ static inline __attribute__((always_inline)) __m512 scores16(const int V, const 
         for (int i = 0; i < RC_; i++) \
             for (int e = 0; e < V_; e++) _mm512_storeu_ps(acc + i * D_ + 16 * e, a[i][e]); \
     }
-/* head_dim 64 (SmolLM2, Llama 3.2 1B) and 128 (most others), values in float32 (0) and float16 (1) */
-#define VALUES_FNS(H_) \
-    VALUES_FN(H_, 1, 4) VALUES_FN(H_, 2, 4) VALUES_FN(H_, 3, 4) VALUES_FN(H_, 4, 4) VALUES_FN(H_, 5, 4) \
-    VALUES_FN(H_, 6, 4) VALUES_FN(H_, 1, 8) VALUES_FN(H_, 2, 8) VALUES_FN(H_, 3, 8)
-VALUES_FNS(0) VALUES_FNS(1)
+/* head_dim 64 (SmolLM2, Llama 3.2 1B) and 128 (most others) */
+VALUES_FN(1, 4) VALUES_FN(2, 4) VALUES_FN(3, 4) VALUES_FN(4, 4) VALUES_FN(5, 4) VALUES_FN(6, 4)
+VALUES_FN(1, 8) VALUES_FN(2, 8) VALUES_FN(3, 8)
 
 /* The same for any other head size (and 4-6 rows at 128): the same arithmetic in the same order,
  * through memory. */
-static void values_any(const int V, const int HALF, const int RC, const char *restrict vt, int w,
-                       const float *restrict sc, const float *restrict corr, float *restrict acc) {
-    const int D = 16 * V, vb = HALF ? 32 : 64;
+static void values_any(const int V, const int RC, const float *restrict vt, int w, const float *restrict sc,
+                       const float *restrict corr, float *restrict acc) {
+    const int D = 16 * V;
     for (int i = 0; i < RC; i++)
         for (int e = 0; e < D; e++) acc[(size_t)i * D + e] *= corr[i];
     for (int j = 0; j < w; j++)
@@ -152,24 +143,28 @@ static void values_any(const int V, const int HALF, const int RC, const char *re
             const __m512 p = _mm512_set1_ps(sc[i * TILE + j]);
             for (int e = 0; e < V; e++) {
                 float *ai = acc + (size_t)i * D + 16 * e;
-                _mm512_storeu_ps(ai, _mm512_fmadd_ps(p, load16(HALF, vt + ((size_t)j * V + e) * vb), _mm512_loadu_ps(ai)));
+                _mm512_storeu_ps(ai, _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + (size_t)j * D + 16 * e), _mm512_loadu_ps(ai)));
             }
         }
 }
 
-static inline __attribute__((always_inline)) void values(const int V, const int HALF, const int RC,
-                                                         const char *restrict vt, int w, const float *restrict sc,
-                                                         const float *restrict corr, float *restrict acc) {
-#define VALUES_CASE(RC_, V_) \
-    if (V == V_ && RC == RC_) { \
-        if (HALF) values_1_##RC_##_##V_(vt, w, sc, corr, acc); \
-        else values_0_##RC_##_##V_(vt, w, sc, corr, acc); \
-        return; \
-    }
+static inline __attribute__((always_inline)) void values(const int V, const int RC, const float *restrict vt, int w,
+                                                         const float *restrict sc, const float *restrict corr,
+                                                         float *restrict acc) {
+#define VALUES_CASE(RC_, V_) if (V == V_ && RC == RC_) { values_##RC_##_##V_(vt, w, sc, corr, acc); return; }
     VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4) VALUES_CASE(5, 4) VALUES_CASE(6, 4)
     VALUES_CASE(1, 8) VALUES_CASE(2, 8) VALUES_CASE(3, 8)
 #undef VALUES_CASE
-    values_any(V, HALF, RC, vt, w, sc, corr, acc);
+    values_any(V, RC, vt, w, sc, corr, acc);
+}
+
+/* A tile of w float16 keys (or values) widened into `out` (exact: every binary16 is a float32),
+ * 16 at a time (w * D is a multiple of 16). Once a tile, before its scores: each key is then read
+ * by every query row of the block, and widening it per read cost more than the bytes it saves
+ * (measured: 4-row blocks at 300 tokens 1.24x slower, docs/design-notes.md). */
+static inline __attribute__((always_inline)) void widen(const uint16_t *restrict in, size_t n, float *restrict out) {
+    for (size_t x = 0; x < n; x += 16)
+        _mm512_storeu_ps(out + x, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + x))));
 }
 
 /* One thread's run: keys [j0, j1) of KV head g for its R = G * n query rows (row r: head g * G + r / n,
@@ -186,6 +181,8 @@ static inline __attribute__((always_inline)) void run_v(const int V, const int H
     const size_t kb = (size_t)D * (HALF ? 2 : 4); /* bytes of one stored key (or value) */
     const int RC = V <= 4 ? 6 : 3; /* rows per register block of the value pass: 6 x 4 or 3 x 8 sums in registers */
     float sc[R * TILE] __attribute__((aligned(64)));
+    /* a float16 cache's tile, widened (`widen`); a float32 cache is read in place */
+    float kw[HALF ? TILE * D : 1] __attribute__((aligned(64))), vw[HALF ? TILE * D : 1] __attribute__((aligned(64)));
     float corr[R];
     for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     for (size_t i = 0; i < (size_t)R * D; i++) acc[i] = 0.0f;
@@ -196,6 +193,13 @@ static inline __attribute__((always_inline)) void run_v(const int V, const int H
     prefetch_keys(kg, vg, kb, j0, j0 + ahead < j1 ? j0 + ahead : j1);
     for (int t0 = j0; t0 < j1; t0 += TILE) {
         const int t1 = (t0 + TILE < j1) ? t0 + TILE : j1, w = t1 - t0, wp = (w + 15) & ~15;
+        /* the tile's keys and values as floats: key j at kt + (j - t0) * D */
+        const float *kt = (const float *)(kg + (size_t)t0 * kb), *vt = (const float *)(vg + (size_t)t0 * kb);
+        if (HALF) {
+            widen((const uint16_t *)(kg + (size_t)t0 * kb), (size_t)w * D, kw);
+            widen((const uint16_t *)(vg + (size_t)t0 * kb), (size_t)w * D, vw);
+            kt = kw, vt = vw;
+        }
         /* scores, 16 keys at a time; keys past a row's position (or past the run) get -inf */
         for (int j = t0; j < t1; j += 16) {
             const int cnt = (t1 - j < 16) ? t1 - j : 16;
@@ -208,8 +212,8 @@ static inline __attribute__((always_inline)) void run_v(const int V, const int H
             const int pa = j + ahead, pb = pa + 16 < j1 ? pa + 16 : j1;
             const int lines = pa < j1 ? (int)(((size_t)(pb - pa) * kb + 63) / 64) : 0;
             const char *pk = kg + (size_t)pa * kb, *pv = vg + (size_t)pa * kb;
-            const char *kp[16]; /* the group's keys; past the run's end key j again (masked below) */
-            for (int i = 0; i < 16; i++) kp[i] = kg + (size_t)(i < cnt ? j + i : j) * kb;
+            const float *kp[16]; /* the group's keys; past the run's end key j again (masked below) */
+            for (int i = 0; i < 16; i++) kp[i] = kt + (size_t)((i < cnt ? j + i : j) - t0) * D;
             for (int r = 0; r < R; r++) {
                 const int t = r % n;
                 for (int x = r * lines / R; x < (r + 1) * lines / R; x++) {
@@ -219,7 +223,7 @@ static inline __attribute__((always_inline)) void run_v(const int V, const int H
                 const float *qr = q + (size_t)t * q_stride + (size_t)(g * G + r / n) * D;
                 __m512 qv[MAX_VEC];
                 for (int e = 0; e < V; e++) qv[e] = _mm512_loadu_ps(qr + 16 * e);
-                const __m512 dots = scores16(V, HALF, qv, kp);
+                const __m512 dots = scores16(V, qv, kp);
                 __mmask16 vis;
                 if (tree == 0 || j + cnt <= s) {
                     int lim = (tree ? s - 1 : s + t) - j + 1; /* keys j .. j+lim-1 are visible to this row */
@@ -265,18 +269,17 @@ static inline __attribute__((always_inline)) void run_v(const int V, const int H
             m[r] = mx;
         }
         /* values: each value vector loaded once per block of rows, the rows' sums in registers */
-        const char *vt = vg + (size_t)t0 * kb;
         int r0 = 0;
-        for (; r0 + RC <= R; r0 += RC) values(V, HALF, RC, vt, w, sc + r0 * TILE, corr + r0, acc + (size_t)r0 * D);
+        for (; r0 + RC <= R; r0 += RC) values(V, RC, vt, w, sc + r0 * TILE, corr + r0, acc + (size_t)r0 * D);
         /* the rest in one block too: a one-row step has R = G rows (3 for SmolLM2), and one pass per
          * row would put each row's sums on a dependency chain of its own per key */
         float *const sr = sc + r0 * TILE, *const ar = acc + (size_t)r0 * D;
         switch (R - r0) {
-        case 1: values(V, HALF, 1, vt, w, sr, corr + r0, ar); break;
-        case 2: values(V, HALF, 2, vt, w, sr, corr + r0, ar); break;
-        case 3: values(V, HALF, 3, vt, w, sr, corr + r0, ar); break;
-        case 4: values(V, HALF, 4, vt, w, sr, corr + r0, ar); break;
-        case 5: values(V, HALF, 5, vt, w, sr, corr + r0, ar); break;
+        case 1: values(V, 1, vt, w, sr, corr + r0, ar); break;
+        case 2: values(V, 2, vt, w, sr, corr + r0, ar); break;
+        case 3: values(V, 3, vt, w, sr, corr + r0, ar); break;
+        case 4: values(V, 4, vt, w, sr, corr + r0, ar); break;
+        case 5: values(V, 5, vt, w, sr, corr + r0, ar); break;
         default: break;
         }
     }
