@@ -89,13 +89,14 @@ def free_memory_bytes(device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_budget_tokens(settings: VerifierSettings, target: LoadedModel) -> int:
+def kv_budget_tokens(settings: VerifierSettings, target: LoadedModel, per_token: int | None = None) -> int:
     """The KV budget in tokens: kv_capacity_tokens, or less where kv_memory_fraction of the free
-    memory holds fewer tokens of this model's KV."""
+    memory holds fewer tokens of this model's KV (`per_token` bytes a token: the forward's own
+    cache type, e.g. float16 for a GGUF target; default: the model's dtype)."""
     if settings.kv_memory_fraction is None:
         return settings.kv_capacity_tokens
     device = next(target.model.parameters()).device
-    per_token = kv_bytes_per_token(target)
+    per_token = per_token or kv_bytes_per_token(target)
     free = free_memory_bytes(device)
     tokens = max(1, int(free * settings.kv_memory_fraction) // per_token)
     chosen = min(tokens, settings.kv_capacity_tokens)
@@ -157,7 +158,8 @@ class VerifierCore:
         self.executor = self.engine.runner.enable_batching(
             PrefillPolicy(max_piece=settings.prefill_chunk_tokens, min_piece=settings.prefill_min_tokens,
                           cost_factor=settings.prefill_cost_factor))
-        self.kv_capacity = kv_budget_tokens(settings, target)
+        impl = getattr(self.engine.runner.backend, "impl", None)  # the native forward knows its cache type
+        self.kv_capacity = kv_budget_tokens(settings, target, getattr(impl, "kv_bytes_per_slot", None))
         self._size_kv_pool()
         self._lock = threading.Lock()  # guards the session table
         self._room = threading.Condition(self._lock)  # notified when a session stops generating

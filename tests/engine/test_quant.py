@@ -397,6 +397,22 @@ def test_a_gguf_targets_cache_is_float16_rounded_once(tiny_loaded) -> None:
         assert torch.equal(h.v[0, :, :n].view(torch.int16), f.v[0, :, :n].half().view(torch.int16))
 
 
+def test_a_verifiers_kv_budget_from_memory_counts_its_float16_cache(tiny_loaded, monkeypatch) -> None:
+    """--kv-memory-fraction sizes the budget by what the forward's cache takes a token: a float16
+    cache holds twice the tokens of the model's float32 in the same memory."""
+    from tandem.services.verifier import core as vcore
+    from tandem.services.verifier.settings import VerifierSettings
+
+    target = quantize_model(tiny_loaded, "Q4_1")
+    monkeypatch.setattr(vcore, "free_memory_bytes", lambda device: 1 << 30)
+    settings = VerifierSettings(verifier_id="v-mem", port=0, kv_memory_fraction=0.5, kv_capacity_tokens=1 << 30)
+    core = vcore.VerifierCore(settings, target)
+    impl = core.engine.runner.backend.impl
+    assert core.kv_capacity == (1 << 29) // impl.kv_bytes_per_slot
+    if impl.kv_dtype == torch.float16:
+        assert core.kv_capacity == 2 * ((1 << 29) // vcore.kv_bytes_per_token(target))
+
+
 @pytest.mark.parametrize("activations", ARITHMETICS)
 def test_a_prompt_piece_split_over_forwards_by_layers_gives_its_whole_bits(activations, tiny_loaded) -> None:
     """A prompt piece run through layers 0..a-1 in one forward, a..b-1 in the next and the rest in a
