@@ -68,8 +68,9 @@ class VerifierSettings(BaseModel):
     drafters: tuple[str, ...] = ()
     max_draft_tokens: int = Field(8, ge=1, le=64)
     # Chunked prefill (runner.PrefillPolicy): prompts run in pieces that share steps with decoding;
-    # a step with pieces may cost up to prefill_cost_factor times the step without them (the cost
-    # model's estimate), with at least prefill_min_tokens and at most prefill_chunk_tokens of prompt.
+    # a step with pieces may cost up to prefill_cost_factor times the step without them (steered by
+    # measured step times), with at least prefill_min_tokens and at most prefill_chunk_tokens of
+    # prompt; a prefill_min_tokens piece may run through a share of the layers per step (PieceBudget).
     prefill_chunk_tokens: int = Field(256, ge=1)
     prefill_min_tokens: int = Field(4, ge=1)
     prefill_cost_factor: float = Field(2.0, ge=1.0)

@@ -772,8 +772,9 @@ def verifier(
         "--prefill-chunk-tokens", help="Chunked prefill: the most prompt tokens one step runs. Prompts run in pieces "
         "between other sessions' decoding steps, so a long prompt does not stop their streams.", min=1)] = 256,
     prefill_min_tokens: Annotated[int, typer.Option(
-        "--prefill-min-tokens", help="Chunked prefill: the fewest prompt tokens a step carries while others decode "
-        "(so a long prompt always advances); set it to --prefill-chunk-tokens for whole-piece steps.", min=1)] = 4,
+        "--prefill-min-tokens", help="Chunked prefill: the fewest prompt tokens a piece carries while others decode "
+        "(so a long prompt always advances; at long contexts a GGUF target on a CPU may run such a piece through a "
+        "share of its layers per step); set it to --prefill-chunk-tokens for whole-piece steps.", min=1)] = 4,
     prefill_cost_factor: Annotated[float, typer.Option(
         "--prefill-cost-factor", help="A step carrying prompt pieces may cost up to this many times the decoding "
         "step alone (higher: faster prefill, slower streams meanwhile).", min=1.0)] = 2.0,
