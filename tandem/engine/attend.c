@@ -16,7 +16,8 @@
  *
  * Layouts (floats):
  *   q    row t, head h at q[t * q_stride + h * D]   (the rotated [n, H + KV, D] q/k block)
- *   k, v key j of KV head g at k[(g * cap + j) * D]   (a layer of the [KV, cap, D] cache)
+ *   k, v key j of KV head g at k[(g * cap + j) * D]   (a layer of the [KV, cap, D] cache; with
+ *        `half`, IEEE binary16 elements, widened exactly to floats a tile at a time)
  *   out  row t, head h at out[t * o_stride + h * D]   (the [n, H * D] input of the output projection)
  * D must be a multiple of 16 (one AVX-512 register of floats) and at most 256; the loader checks.
  *

@@ -36,19 +36,6 @@ void tandem_rms_norm(const float *restrict x, int x_stride, const float *restric
     }
 }
 
-/* Rotary embedding of a block's queries and keys, and the block's keys and values written into one
- * layer's cache: what the forward did in ~15 torch ops per layer (slices, views, a roll, two
- * products and a sum, two strided cache copies), each costing more than its arithmetic on a decode
- * step's few rows.
- *
- * qkv: [n, (H + 2 KV) D] rows qkv_stride floats apart (q heads, then k heads, then v heads);
- * cs, sn: [n, D] the cosines and signed sines of each row's position (the sine's first half
- * negated, as NativeLlama._rope makes them); q_out: [n, H, D] contiguous; kc, vc: [KV, cap, D]
- * contiguous, row r's key and value land at position start + r.
- *
- * Arithmetic as transformers' rotate_half form, x * cos + rotate_half(x) * sin, element by element
- * with each product rounded before the sum (ISO C: no contraction into FMA), which is exactly what
- * the torch ops computed: x * cos + roll(x, D/2) * signed_sin (a negation is exact). */
 /* IEEE binary16 bits of f, rounded to nearest, ties to even (what torch's float32 -> float16 cast
  * gives: tested on edge cases and random floats): overflow to infinity, subnormals, NaN kept quiet.
  * Plain integer arithmetic, so it needs no F16C. */
@@ -66,8 +53,22 @@ static inline uint16_t half_bits(float f) {
     return sign | (uint16_t)((r + 0xFFFu + ((r >> 13) & 1u)) >> 13); /* drop 13 bits, ties to even */
 }
 
-/* half: the cache holds float16 (kc, vc are uint16_t arrays): each key and value is computed in
- * float32 as below and rounded once to binary16 (half_bits). */
+/* Rotary embedding of a block's queries and keys, and the block's keys and values written into one
+ * layer's cache: what the forward did in ~15 torch ops per layer (slices, views, a roll, two
+ * products and a sum, two strided cache copies), each costing more than its arithmetic on a decode
+ * step's few rows.
+ *
+ * qkv: [n, (H + 2 KV) D] rows qkv_stride floats apart (q heads, then k heads, then v heads);
+ * cs, sn: [n, D] the cosines and signed sines of each row's position (the sine's first half
+ * negated, as NativeLlama._rope makes them); q_out: [n, H, D] contiguous; kc, vc: [KV, cap, D]
+ * contiguous, row r's key and value land at position start + r.
+ *
+ * Arithmetic as transformers' rotate_half form, x * cos + rotate_half(x) * sin, element by element
+ * with each product rounded before the sum (ISO C: no contraction into FMA), which is exactly what
+ * the torch ops computed: x * cos + roll(x, D/2) * signed_sin (a negation is exact).
+ *
+ * half: the cache holds float16 (kc, vc are uint16_t arrays): each key and value is computed in
+ * float32 as above and rounded once to binary16 (half_bits). */
 void tandem_rope_store(const float *restrict qkv, int qkv_stride, int n, int H, int KV, int D,
                        const float *restrict cs, const float *restrict sn, float *restrict q_out,
                        void *restrict kc, void *restrict vc, int cap, int start, int half) {

@@ -180,6 +180,7 @@ class HFBackend:
     shares_prefix = False  # no KV copy between sequences: each prefills its own
     trees = False  # no token-tree blocks: proposers' trees are verified as their best chain
     rows_alone = False  # no forward whose rows get the bits they would alone (see NativeBackend)
+    split_layers = 0  # prompt pieces run whole (see NativeBackend)
 
     @torch.inference_mode()
     def forward(self, cache: DynamicCache, input_ids: list[int], all_logits: bool, alone: bool = False,
@@ -192,7 +193,9 @@ class HFBackend:
         return out.logits[0].float() if all_logits else None  # [n, vocab]
 
     def forward_batch(self, blocks: list[tuple], need: list[bool], alone: bool = False,
-                      trees: list | None = None) -> list[torch.Tensor | None]:
+                      trees: list | None = None, layers: list | None = None) -> list[torch.Tensor | None]:
+        if layers is not None:
+            raise ValueError("the transformers backend runs no pieces split by layers (split_layers = 0)")
         trees = trees or [None] * len(blocks)
         return [self.forward(cache, ids, n, tree=t) for (cache, ids), n, t in zip(blocks, need, trees)]
 
@@ -700,7 +703,7 @@ class BatchExecutor:
         self.runner = runner
         self.policy = policy or PrefillPolicy()
         # a piece can be split over steps by layers where the forward runs its layers as raw calls
-        self.split_layers = getattr(runner.backend, "split_layers", 0)
+        self.split_layers = runner.backend.split_layers
         self.budget = PieceBudget(self.policy, self.split_layers)
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
@@ -887,10 +890,10 @@ class BatchExecutor:
         trees = [j.tree for j in jobs] + [None] * len(pieces)
         L = self.split_layers
         split = [(a, e, j.hidden) if (a, e) != (0, L) else None for j, _, a, e in pieces]
-        extra = {"layers": [None] * len(jobs) + split} if any(sp is not None for sp in split) else {}
+        layers = [None] * len(jobs) + split if any(sp is not None for sp in split) else None
         try:
             outs = self.runner.backend.forward_batch(blocks, need, alone,
-                                                     trees if any(t is not None for t in trees) else None, **extra)
+                                                     trees if any(t is not None for t in trees) else None, layers)
         except BaseException as exc:  # every waiting session learns of it
             for j in [*jobs, *(j for j, *_ in pieces)]:
                 j.error = exc
