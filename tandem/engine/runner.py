@@ -446,6 +446,14 @@ class PieceBudget:
     already vary more than a piece adds (4 sessions: splitting to the median target made a 7k
     prompt's prefill 1.8-2.5x slower for gaps no one needed shortened; docs/benchmarks.md).
 
+    The decoding rows' own cost moves with the load (16 sessions' rows cost ~4x one session's),
+    so every time is read against the forward cost curve at its step's decoding tokens (`costs`,
+    the runner's ForwardCosts): a step's time over what its rows alone would cost. Without that,
+    the reference was the decoding steps of whatever load ran last, and while a long prompt is
+    being prefilled no step runs without a piece to update it: a prompt arriving after the load
+    had risen from 4 to 15 sessions saw every piece step "over target" and crawled at one layer a
+    step (a 137-token prompt took 58 steps, its session's whole answer then ran alone).
+
     >>> b = PieceBudget(PrefillPolicy(max_piece=256, min_piece=16, cost_factor=2.0))
     >>> b.observe_decode(0.040)
     >>> for _ in range(30):  # a step costs 40 ms + 2 ms a prompt token: 2x at 20 tokens
@@ -459,33 +467,46 @@ class PieceBudget:
     CALM_QUANTILE = 0.9
     PIECE_WINDOW = 5
 
-    def __init__(self, policy: PrefillPolicy, layers: int = 0):
+    def __init__(self, policy: PrefillPolicy, layers: int = 0, costs: "ForwardCosts | None" = None):
         self.policy = policy
         self.layers = layers
+        self.costs = costs  # None: times are compared as they are (every step the same load)
         self.floor = policy.min_piece / layers if layers else float(policy.min_piece)
-        self._decode_s: deque[float] = deque(maxlen=self.WINDOW)
-        self._calm_s: deque[float] = deque(maxlen=self.CALM_WINDOW)
+        # (decoding tokens, seconds) of recent steps: read against the cost curve when used, so a
+        # sample and the step it is compared with are in the same units whatever the curve learnt
+        self._decode_s: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+        self._calm_s: deque[tuple[int, float]] = deque(maxlen=self.CALM_WINDOW)
         # the last few steps with pieces, per kind: below min_piece the budget follows their
         # median, so one step slowed by something else (a long verify block, a new turn's prompt,
         # the host) does not split the long prompt's pieces and cut its pace
         self._piece_s = {True: deque(maxlen=self.PIECE_WINDOW), False: deque(maxlen=self.PIECE_WINDOW)}
         self._budget = {True: float(policy.min_piece), False: float(policy.min_piece)}
 
-    def observe_decode(self, seconds: float) -> None:
-        """A step with decoding rows and no prompt pieces took `seconds`."""
-        self._decode_s.append(seconds)
+    def _rows_cost(self, tokens: int) -> float:
+        """What a step of `tokens` decoding tokens costs on the curve (1.0: no curve yet)."""
+        est = self.costs.estimate(tokens) if self.costs is not None and tokens > 0 else None
+        return est if est else 1.0
 
-    def observe_calm(self, seconds: float) -> None:
-        """A step with decoding rows and no piece of a long prompt (whole short prompts may ride
-        along: a new chat turn) took `seconds`: what a stream's gaps are made of without long
-        prompts."""
-        self._calm_s.append(seconds)
+    def _relative(self, sample: tuple[int, float]) -> float:
+        tokens, seconds = sample
+        return seconds / self._rows_cost(tokens)
+
+    def observe_decode(self, seconds: float, tokens: int = 0) -> None:
+        """A step with decoding rows (`tokens` of them) and no prompt pieces took `seconds`."""
+        self._decode_s.append((tokens, seconds))
+
+    def observe_calm(self, seconds: float, tokens: int = 0) -> None:
+        """A step with decoding rows (`tokens`) and no piece of a long prompt (whole short prompts
+        may ride along: a new chat turn) took `seconds`: what a stream's gaps are made of without
+        long prompts."""
+        self._calm_s.append((tokens, seconds))
 
     def _tail(self, median: float) -> float:
-        """The calm steps' CALM_QUANTILE (at least the decoding median; the median until ten)."""
+        """The calm steps' CALM_QUANTILE, relative (at least the decoding median; the median until
+        ten)."""
         if len(self._calm_s) < 10:
             return median
-        calm = sorted(self._calm_s)
+        calm = sorted(self._relative(c) for c in self._calm_s)
         return max(median, calm[int(self.CALM_QUANTILE * (len(calm) - 1))])
 
     def next(self, rows: bool, decoding: bool) -> float:
@@ -508,14 +529,17 @@ class PieceBudget:
             return self.layers
         return max(1, min(self.layers, math.ceil(self.layers * budget / self.policy.min_piece - 1e-9)))
 
-    def observe(self, rows: bool, seconds: float, carried: float) -> None:
+    def observe(self, rows: bool, seconds: float, carried: float, tokens: int = 0) -> None:
         """A step with prompt pieces (`carried` tokens of them, a piece through a share of the
         layers counting that share; with decoding rows or not, while sessions decode) took
-        `seconds`."""
+        `seconds`; `tokens`: its decoding tokens (without rows: those of the last step with
+        them, the step the pieces stand in for)."""
         if not self._decode_s or seconds <= 0:
             return
         factor = self.policy.cost_factor if rows else self.policy.cost_factor - 1
-        median = statistics.median(self._decode_s)
+        # every time below is relative to what this step's decoding rows alone would cost
+        seconds /= self._rows_cost(tokens)
+        median = statistics.median(self._relative(d) for d in self._decode_s)
         # Above min_piece the budget steers to factor x the median decoding step. Below it (a piece
         # split by layers) to factor x the calm steps' tail instead: a stream's gaps are to stay
         # near their own tail, and where that tail is long anyway (several sessions, whole new
@@ -704,7 +728,7 @@ class BatchExecutor:
         self.policy = policy or PrefillPolicy()
         # a piece can be split over steps by layers where the forward runs its layers as raw calls
         self.split_layers = runner.backend.split_layers
-        self.budget = PieceBudget(self.policy, self.split_layers)
+        self.budget = PieceBudget(self.policy, self.split_layers, runner.costs)
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._prefills: list[_Job] = []  # prompts being prefilled, oldest first (worker thread only)
@@ -878,7 +902,8 @@ class BatchExecutor:
             # Steps with whole prompts are outside the budget's control: they teach it nothing.
             if seconds is not None and pieces and decoding and not whole:
                 carried = sum(n * ((e - a) / L if L else 1.0) for _, n, a, e in pieces)
-                self.budget.observe(bool(decode), seconds, carried)
+                rows = sum(len(j.ids) for j in decode) if decode else self.last_rows[1]
+                self.budget.observe(bool(decode), seconds, carried, rows)
 
     def _run(self, jobs: list[_Job], pieces: list[tuple[_Job, int, int, int]], alone: bool = False) -> float | None:
         """One forward of `jobs` and prompt `pieces` (job, tokens, first and end layer); its
@@ -904,10 +929,11 @@ class BatchExecutor:
         total = sum(len(ids) for _, ids in blocks)
         if jobs and not pieces and all(j.all_logits for j in jobs) and not alone:
             self.runner.costs.observe(total, seconds)
+        rows = sum(len(j.ids) for j in jobs)
         if jobs and not pieces and not alone:
-            self.budget.observe_decode(seconds)
+            self.budget.observe_decode(seconds, rows)
         if jobs and not alone and all(not j.done_tokens and n == len(j.ids) for j, n, _, _ in pieces):
-            self.budget.observe_calm(seconds)
+            self.budget.observe_calm(seconds, rows)
         self.last_batch_tokens, self.last_batch_size = total, len(jobs) + len(pieces)
         self.batches += 1
         # a piece through a share of the layers is recorded as that share of its tokens

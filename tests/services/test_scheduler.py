@@ -114,6 +114,38 @@ def test_a_piece_is_split_only_beyond_the_calm_steps_own_tail():
     assert loose.depth(loose.next(True, True)) == 30
 
 
+def test_piece_budget_reads_step_times_against_the_rows_that_ran_beside_the_piece():
+    """The load rises while a prompt is being prefilled (4 sessions decoding, then 16): every step
+    from then on carries a piece, so no decoding-only step at the new load is ever measured. Read
+    against the cost curve at each step's decoding tokens, a 4-token piece that adds 10% to a
+    16-row step keeps every layer and the budget grows; read against the old load's steps (no
+    curve: what the budget did before), the same steps look 2.75x "the decoding step" and the
+    prompt crawls at one layer a step (measured: a 137-token prompt took 58 steps)."""
+    from tandem.engine.runner import ForwardCosts
+
+    policy = PrefillPolicy(max_piece=256, min_piece=4, cost_factor=2.0)
+    costs = ForwardCosts()
+    for _ in range(5):  # what the runner's curve learnt from decoding-only steps
+        for tokens, seconds in ((4, 0.008), (8, 0.012), (16, 0.020)):
+            costs.observe(tokens, seconds)
+    aware, blind = PieceBudget(policy, layers=30, costs=costs), PieceBudget(policy, layers=30)
+    for b in (aware, blind):
+        for _ in range(64):  # the calm steps of 4 sessions
+            b.observe_decode(0.008, 4)
+            b.observe_calm(0.008, 4)
+    for _ in range(40):  # 16 sessions, and every step has a piece of the new prompt
+        for b in (aware, blind):
+            n = b.next(True, True)
+            depth = b.depth(n)
+            carried = min(n, 64.0) if n >= 4 else 4 * depth / 30
+            b.observe(True, 0.020 + 0.0005 * carried, carried, 16)
+    assert aware.next(True, True) > 4 and aware.depth(aware.next(True, True)) == 30
+    assert blind.depth(blind.next(True, True)) == 1, "the old reading: the test would not tell them apart"
+    # Without rows (the sessions wait for their readers) the step stands in for the last rows' step.
+    aware.observe(False, 0.010, 4.0, 16)
+    assert aware.next(False, True) >= 4
+
+
 def test_piece_budget_steers_steps_to_the_cost_factor():
     """Steps whose time grows with their prompt tokens (and with their context: a growing slope):
     the budget follows, so a step beside decoding stays near 2x the decoding step and a step without
