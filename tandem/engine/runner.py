@@ -877,6 +877,10 @@ class BatchExecutor:
                 self._attached.remove(entry)
         entry._detach(error)
 
+    def _long(self, job: _Job) -> bool:
+        """A prompt no one piece holds: its pieces are what the budget steers (and may split)."""
+        return len(job.ids) > self.policy.max_piece
+
     def _step(self, decode: list[_Job]) -> None:
         """plan (which prompt pieces join the decoding rows) and forward."""
         decoding = bool(self._attached) or bool(decode)
@@ -884,17 +888,22 @@ class BatchExecutor:
         L, low = self.split_layers, budget < self.policy.min_piece
         moving = [j for j in self._prefills if j.layer > 0]  # a piece part-way through the layers
         rest = [j for j in self._prefills if j.layer == 0]
+        # Only a long prompt's tail stays in the budget once started. A short one (one piece holds
+        # it) may have got a first min_piece piece only because whole prompts filled that step; it
+        # goes whole at its next step, as a new chat turn would (held to the budget, a 137-token
+        # prompt took 14 steps beside 15 sessions, growing from 4 tokens a step).
+        long = [self._long(j) for j in rest]
         plan, whole = self.policy.split(int(budget) if not moving else 0, [len(j.ids) - j.done_tokens for j in rest],
-                                        [j.done_tokens > 0 for j in rest])
-        # pieces: (job, tokens, first layer, end layer); beside a moving piece, whole prompts only
-        pieces = [(j, n, 0, L) for j, n in zip(rest, plan)
-                  if n > 0 and (not moving or (n == len(j.ids) and not j.done_tokens))]
+                                        [lg and j.done_tokens > 0 for j, lg in zip(rest, long)])
+        # pieces: (job, tokens, first layer, end layer); beside a moving piece, whole short prompts only
+        pieces = [(j, n, 0, L) for j, n, lg in zip(rest, plan, long)
+                  if n > 0 and (not moving or (not lg and j.done_tokens + n == len(j.ids)))]
         if moving:
             j = moving[0]
             pieces.append((j, j.piece, j.layer, min(L, j.layer + (L if not low else self.budget.depth(budget)))))
         elif L and low:  # the oldest long prompt's min_piece piece, through a share of the layers
             for i, (j, n, _, _) in enumerate(pieces):
-                if j.done_tokens or n < len(j.ids):
+                if self._long(j):
                     pieces[i] = (j, n, 0, self.budget.depth(budget))
                     break
         if decode or pieces:
@@ -932,7 +941,7 @@ class BatchExecutor:
         rows = sum(len(j.ids) for j in jobs)
         if jobs and not pieces and not alone:
             self.budget.observe_decode(seconds, rows)
-        if jobs and not alone and all(not j.done_tokens and n == len(j.ids) for j, n, _, _ in pieces):
+        if jobs and not alone and not any(self._long(j) for j, *_ in pieces):
             self.budget.observe_calm(seconds, rows)
         self.last_batch_tokens, self.last_batch_size = total, len(jobs) + len(pieces)
         self.batches += 1

@@ -214,6 +214,35 @@ def test_a_long_prompt_does_not_stop_running_streams(tiny_loaded, kv_pool):
     assert b_items[-1].token_ids == expected_b
 
 
+def test_a_short_prompt_started_in_a_full_step_goes_whole_at_its_next(tiny_loaded):
+    """Three short prompts (each fits one piece of 16) arrive together beside a decoding row: the
+    first goes whole, the second gets the oldest's min_piece because the step is full, the third
+    waits. At the next step the second's rest goes whole like any short prompt (it is no long
+    prompt's tail, which would stay in the budget: 4 tokens a step here), and the third starts."""
+    from tandem.engine.runner import Sequence, _Job
+
+    core = _core(tiny_loaded, prefill_chunk_tokens=16, prefill_min_tokens=4)
+    ex, runner = core.executor, core.engine.runner
+    seq = Sequence(runner)
+    seq.set_context(_ids(6, 3))  # through the loop, which then waits for work
+    jobs = [_Job(runner.backend.new_cache(), _ids(n, 10 + n), False, threading.Event()) for n in (10, 11, 12)]
+    row = _Job(seq.cache, [seq.ids[-1]], True, threading.Event())
+    # The loop thread is idle (nothing queued): drive its planning here, a step at a time.
+    ex._prefills = list(jobs)
+    steps = []
+    for _ in range(4):
+        h = len(ex.history)
+        ex._step([row])
+        steps.append(list(ex.history)[h:][0][1])
+        if all(j.done.is_set() for j in jobs):
+            break
+    # 1: the first whole, the second its min_piece, the third waits; 2: the second's rest whole,
+    # the third (no room beside it) its min_piece; 3: the third's rest whole. Held to the budget,
+    # the second would have run (4, 12) then (3,): done a step later, the same way as a long tail.
+    assert steps == [(10, 4), (7, 4), (8,)], steps
+    assert all(j.done.is_set() and j.done_tokens == len(j.ids) for j in jobs)
+
+
 def test_chunked_prefill_is_lossless_for_mixed_batches(tiny_loaded, monkeypatch, kv_pool):
     """Prefill pieces, verify blocks and plain rows in the same steps, greedy and sampled together:
     greedy rows equal the target alone; a seeded sampled row replays itself in process. The step
