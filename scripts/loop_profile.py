@@ -4,6 +4,8 @@ step's time goes (plan, forward, verify, commit) and aggregate tokens/s, specula
 
 Each level runs `c` sessions at once through one VerifierCore on the default model (MT-Bench
 prompts, greedy, --max-tokens each; at least 8 prompts a level, a worker's one after another); handlers are threads that only read, as the gRPC server's.
+Each run has a cache salt of its own, so no run reuses another's prompts from sessions left resident;
+TTFT is a request's start to its first streamed step.
 `--pricing old,new` alternates how a plan prices its drafts within the batch (new: against what the
 other rows of the last step committed; old: one token per other row, as before df36550), in one
 process, so machine drift falls on both alike. Nothing else CPU-heavy may run meanwhile.
@@ -61,6 +63,7 @@ def run_level(core: VerifierCore, prompts: list[list[int]], c: int, spec: SpecCo
 
     total = max(c, MIN_PROMPTS)  # at least MIN_PROMPTS prompts a level: one prompt says little
     results = [None] * total
+    ttft = [0.0] * total  # seconds from a request's start to its first streamed step
 
     def session(i: int) -> None:
         from tandem.serving.grpc_server import handler_thread
@@ -68,7 +71,15 @@ def run_level(core: VerifierCore, prompts: list[list[int]], c: int, spec: SpecCo
         handler_thread()  # as a gRPC handler: no OpenMP pool of its own (tandem.engine.threads)
         barrier.wait()
         for j in range(i, total, c):  # worker i runs prompts i, i + c, ... one after another
-            results[j] = list(core.generate(f"{tag}-{j}", prompts[j % len(prompts)], sampling, spec))[-1]
+            start = time.perf_counter()
+            items = []
+            # a salt per run: no run copies another's prompts from its sessions left resident
+            # (before 2026-12-07 the later mode of a level did, and prefilled almost nothing)
+            for item in core.generate(f"{tag}-{j}", prompts[j % len(prompts)], sampling, spec, cache_salt=tag):
+                if not items:
+                    ttft[j] = time.perf_counter() - start
+                items.append(item)
+            results[j] = items[-1]
 
     threads = [threading.Thread(target=session, args=(i,)) for i in range(c)]
     for t in threads:
@@ -92,6 +103,7 @@ def run_level(core: VerifierCore, prompts: list[list[int]], c: int, spec: SpecCo
         "tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "steps": len(phases),
         "acceptance": accepted / drafted if drafted else None, "drafted": drafted,
         "full_steps": len(full),
+        "ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_max_ms": 1e3 * max(ttft),
         "rows_per_step": statistics.mean(p.rows for p in phases) if phases else 0,
         "tokens_per_step_full": statistics.mean(p.tokens for p in full) if full else None,
         "committed_per_step_full": statistics.mean(p.committed for p in full) if full else None,
@@ -135,7 +147,7 @@ def main() -> None:
                         rows.append({"repeat": rep, "concurrency": c, "pricing": pricing, "speculation": mode, **r})
                         bar.advance(task)
                         console.print(f"c={c:<3} {pricing:<4} spec={mode:<3} {r['tokens_per_s']:7.1f} tok/s  "
-                                      f"steps {r['steps']:5d}  acc {r['acceptance'] or 0:.2f}  plan/fwd/verify/commit ms "
+                                      f"TTFT p50 {r['ttft_p50_ms']:6.0f} ms  steps {r['steps']:5d}  acc {r['acceptance'] or 0:.2f}  plan/fwd/verify/commit ms "
                                       + " / ".join(f"{r[k + '_ms_full']:.2f}" if r[k + '_ms_full'] is not None else "-"
                                                    for k in ("plan", "forward", "verify", "commit")))
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
