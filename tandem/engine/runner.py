@@ -485,7 +485,11 @@ class PieceBudget:
     def _rows_cost(self, tokens: int) -> float:
         """What a step of `tokens` decoding tokens costs on the curve (1.0: no curve yet)."""
         est = self.costs.estimate(tokens) if self.costs is not None and tokens > 0 else None
-        return est if est else 1.0
+        if not est:
+            return 1.0
+        # below the curve's first point it extrapolates along a slope, which noise can make steep
+        # enough to reach ~0: no step is read against less than half the cheapest one measured
+        return max(est, 0.5 * min(self.costs.points.values()))
 
     def _relative(self, sample: tuple[int, float]) -> float:
         tokens, seconds = sample

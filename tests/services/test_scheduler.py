@@ -144,6 +144,12 @@ def test_piece_budget_reads_step_times_against_the_rows_that_ran_beside_the_piec
     # Without rows (the sessions wait for their readers) the step stands in for the last rows' step.
     aware.observe(False, 0.010, 4.0, 16)
     assert aware.next(False, True) >= 4
+    # Below its first point the curve extrapolates; a noisy slope can reach ~0 there, and no step
+    # is read against less than half the cheapest one measured.
+    steep = ForwardCosts()
+    steep.observe(8, 0.010)
+    steep.observe(9, 0.020)
+    assert steep.estimate(1) < 1e-3 and PieceBudget(policy, costs=steep)._rows_cost(1) == 0.005
 
 
 def test_piece_budget_steers_steps_to_the_cost_factor():
