@@ -19,8 +19,11 @@ from tandem.tools.netem import DelayProxy
 def echo():
     class Echo(socketserver.BaseRequestHandler):
         def handle(self):
-            while data := self.request.recv(65536):
-                self.request.sendall(data)
+            try:
+                while data := self.request.recv(65536):
+                    self.request.sendall(data)
+            except ConnectionError:  # the proxy's drop() resets it: expected, not worth a traceback
+                pass
 
     server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo)
     server.daemon_threads = True
