@@ -511,7 +511,8 @@ def loadtest(
     strategy: Annotated[str, typer.Option("--strategy", help="The draft strategy of the phases with speculation on: ngram (prompt lookup, on the verifier), suffix, model or hybrid (these three on the stack's drafter). Not with --mixed (ngram).")] = "ngram",
 ) -> None:
     """Load-test a running stack: concurrent multi-turn sessions, speculation off and on at each
-    concurrency; aggregate tokens/s, TTFT and inter-token latency (p50, p99), acceptance and KV
+    concurrency; aggregate tokens/s (the whole phase, and while every session had a request in
+    flight: "steady"), TTFT and inter-token latency (p50, p99), acceptance and KV
     residency hit rate, plus a PNG plot of throughput and latency against concurrency. --mixed:
     whether running streams keep going while long prompts arrive (chunked prefill)."""
     _setup(1, "warning")
@@ -567,7 +568,7 @@ def loadtest(
     def show(row: dict) -> None:
         console.print(
             f"c={row['concurrency']:<3} speculation={'on ' if row['speculation'] else 'off'} "
-            f"{row['tokens_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms'] or 0:7.0f} ms  "
+            f"{row['tokens_per_s']:7.1f} tok/s ({_steady(row)})  TTFT p50 {row['ttft_p50_ms'] or 0:7.0f} ms  "
             f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} ms p99 {row['itl_p99_ms'] or 0:6.1f} ms  "
             f"accept {row['acceptance_rate'] or 0:.0%}  residency hits {row['residency_hit_rate'] or 0:.0%}  "
             f"({row['requests']} requests, {row['errors']} errors)"
@@ -586,6 +587,13 @@ def loadtest(
     else:
         print(text)
     _fail_if_nothing_served(result)
+
+
+def _steady(row: dict) -> str:
+    """The loadtest row's throughput while every worker had a request in flight, for its line."""
+    if row.get("steady_tokens_per_s") is None:
+        return "steady: no window"
+    return f"steady {row['steady_tokens_per_s']:.1f} over {row['steady_window_s']:.1f} s"
 
 
 def _fail_if_nothing_served(result: dict) -> None:

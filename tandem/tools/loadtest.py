@@ -9,6 +9,8 @@ after that; running ones finish).
 
 Per phase (JSON keys are fixed; the project is measured with them):
     tokens_per_s        completion tokens of the phase / its wall time (aggregate throughput)
+    steady_tokens_per_s the same while every worker had a request in flight (no start, no tail;
+                        `Phase.steady`), over `steady_window_s` seconds; null without such a window
     ttft_p50/p99_ms     time to the first streamed token, over requests
     itl_p50/p99_ms      inter-token latency: (last token time - first token time) / (tokens - 1),
                         per request (the time per output token a user sees after the first)
@@ -55,6 +57,8 @@ class RequestResult:
     start: float = 0.0  # perf_counter at the request's start
     chunks: list[float] = field(default_factory=list)  # perf_counter of each streamed content chunk
     prompt_tokens: int = 0
+    worker: int = -1  # which of the phase's concurrent workers sent it
+    end: float = 0.0  # perf_counter when it ended
 
     def gaps(self) -> list[tuple[float, float]]:
         """(from, to) of each gap between consecutive streamed chunks."""
@@ -89,7 +93,30 @@ class Phase:
             "top_error": _top_error(self.results),
             "completion_tokens": tokens,
             "wall_s": self.wall_s,
+            **self.steady(),
         }
+
+    def steady(self) -> dict:
+        """Throughput while every worker had a request in flight: from the last worker's first
+        request start to the first worker's last request end (before: workers still starting;
+        after: the phase's tail, fewer than `concurrency` sessions left). A request's tokens are
+        spread evenly over its streamed chunks and the chunks inside the window count.
+
+        `tokens_per_s` (the whole phase) holds that tail: with a few conversations a worker, the
+        phase's last seconds run at a fraction of its concurrency.
+        """
+        by_worker: dict[int, list[RequestResult]] = {}
+        for r in self.results:
+            by_worker.setdefault(r.worker, []).append(r)
+        if len(by_worker) < self.concurrency or -1 in by_worker:
+            return {"steady_tokens_per_s": None, "steady_window_s": None}
+        start = max(min(r.start for r in rs) for rs in by_worker.values())
+        end = min(max(r.end for r in rs) for rs in by_worker.values())
+        if end <= start:
+            return {"steady_tokens_per_s": None, "steady_window_s": None}
+        tokens = sum(r.tokens / len(r.chunks) * sum(1 for t in r.chunks if start <= t <= end)
+                     for r in self.results if r.ok and r.chunks)
+        return {"steady_tokens_per_s": tokens / (end - start), "steady_window_s": end - start}
 
 
 def _top_error(results: list[RequestResult]) -> str | None:
@@ -218,7 +245,7 @@ async def _one_request(client: httpx.AsyncClient, session: str, messages: list[d
 
 
 async def _worker(client, conversations, phase: Phase, *, speculation: bool, turns: int, max_tokens: int,
-                  deadline: float, strategy: str = "ngram") -> None:
+                  deadline: float, strategy: str = "ngram", worker: int = -1) -> None:
     for rec in conversations:
         if time.monotonic() >= deadline:
             return
@@ -230,6 +257,7 @@ async def _worker(client, conversations, phase: Phase, *, speculation: bool, tur
             messages.append({"role": "user", "content": user})
             result, reply = await _one_request(client, session, messages, speculation=speculation,
                                                max_tokens=max_tokens, turn=t, strategy=strategy)
+            result.worker, result.end = worker, time.perf_counter()
             phase.results.append(result)
             if not result.ok:
                 break
@@ -250,8 +278,8 @@ async def run_phase(base_url: str, records: list[PromptRecord], concurrency: int
         deadline = time.monotonic() + duration_s
         await asyncio.gather(*(
             _worker(client, plan, phase, speculation=speculation, turns=turns, max_tokens=max_tokens,
-                    deadline=deadline, strategy=strategy)
-            for plan in plans
+                    deadline=deadline, strategy=strategy, worker=i)
+            for i, plan in enumerate(plans)
         ))
         phase.wall_s = time.perf_counter() - start
     return phase

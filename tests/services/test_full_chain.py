@@ -248,6 +248,8 @@ def test_loadtest_over_the_chain(chain, tmp_path):
     for row in result["results"]:
         assert keys <= set(row)
         assert row["errors"] == 0 and row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0
+        # the workers start together, so there is a window with every one of them in flight
+        assert row["steady_tokens_per_s"] > 0 and 0 < row["steady_window_s"] <= row["wall_s"]
         assert row["residency_hit_rate"] == 1.0, "every second turn found its session's KV"
     assert result["results"][0]["acceptance_rate"] is None  # speculation off drafts nothing
     plot_loadtest(result, str(tmp_path / "lt.png"))
