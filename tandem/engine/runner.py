@@ -482,18 +482,23 @@ class PieceBudget:
         self._piece_s = {True: deque(maxlen=self.PIECE_WINDOW), False: deque(maxlen=self.PIECE_WINDOW)}
         self._budget = {True: float(policy.min_piece), False: float(policy.min_piece)}
 
-    def _rows_cost(self, tokens: int) -> float:
-        """What a step of `tokens` decoding tokens costs on the curve (1.0: no curve yet)."""
+    def _rows_cost(self, tokens: int, floor: float | None = None) -> float:
+        """What a step of `tokens` decoding tokens costs on the curve (1.0: no curve yet);
+        `floor`: `_floor()`, when the caller reads many samples against one curve."""
         est = self.costs.estimate(tokens) if self.costs is not None and tokens > 0 else None
         if not est:
             return 1.0
-        # below the curve's first point it extrapolates along a slope, which noise can make steep
-        # enough to reach ~0: no step is read against less than half the cheapest one measured
-        return max(est, 0.5 * min(self.costs.points.values()))
+        return max(est, self._floor() if floor is None else floor)
 
-    def _relative(self, sample: tuple[int, float]) -> float:
+    def _floor(self) -> float:
+        """Below the curve's first point it extrapolates along a slope, which noise can make steep
+        enough to reach ~0: no step is read against less than half the cheapest one measured."""
+        points = self.costs.points if self.costs is not None else {}
+        return 0.5 * min(points.values()) if points else 0.0
+
+    def _relative(self, sample: tuple[int, float], floor: float) -> float:
         tokens, seconds = sample
-        return seconds / self._rows_cost(tokens)
+        return seconds / self._rows_cost(tokens, floor)
 
     def observe_decode(self, seconds: float, tokens: int = 0) -> None:
         """A step with decoding rows (`tokens` of them) and no prompt pieces took `seconds`."""
@@ -505,12 +510,12 @@ class PieceBudget:
         long prompts."""
         self._calm_s.append((tokens, seconds))
 
-    def _tail(self, median: float) -> float:
+    def _tail(self, median: float, floor: float) -> float:
         """The calm steps' CALM_QUANTILE, relative (at least the decoding median; the median until
         ten)."""
         if len(self._calm_s) < 10:
             return median
-        calm = sorted(self._relative(c) for c in self._calm_s)
+        calm = sorted(self._relative(c, floor) for c in self._calm_s)
         return max(median, calm[int(self.CALM_QUANTILE * (len(calm) - 1))])
 
     def next(self, rows: bool, decoding: bool) -> float:
@@ -542,13 +547,14 @@ class PieceBudget:
             return
         factor = self.policy.cost_factor if rows else self.policy.cost_factor - 1
         # every time below is relative to what this step's decoding rows alone would cost
-        seconds /= self._rows_cost(tokens)
-        median = statistics.median(self._relative(d) for d in self._decode_s)
+        floor = self._floor()  # once: the curve does not change during this call
+        seconds /= self._rows_cost(tokens, floor)
+        median = statistics.median(self._relative(d, floor) for d in self._decode_s)
         # Above min_piece the budget steers to factor x the median decoding step. Below it (a piece
         # split by layers) to factor x the calm steps' tail instead: a stream's gaps are to stay
         # near their own tail, and where that tail is long anyway (several sessions, whole new
         # turns riding along), a min_piece piece needs no split and the long prompt keeps its pace.
-        target, deep = median * factor, self._tail(median) * factor
+        target, deep = median * factor, self._tail(median, floor) * factor
         min_piece = self.policy.min_piece
         current = self._budget[rows]
         t = target if current >= min_piece else deep
