@@ -548,7 +548,9 @@ class PieceBudget:
         factor = self.policy.cost_factor if rows else self.policy.cost_factor - 1
         # every time below is relative to what this step's decoding rows alone would cost
         floor = self._floor()  # once: the curve does not change during this call
-        seconds /= self._rows_cost(tokens, floor)
+        # no rows known yet (a rowless step before any step with rows): a one-token step's cost,
+        # never 1.0, which would compare raw seconds with relative ones
+        seconds /= self._rows_cost(max(1, tokens), floor)
         median = statistics.median(self._relative(d, floor) for d in self._decode_s)
         # Above min_piece the budget steers to factor x the median decoding step. Below it (a piece
         # split by layers) to factor x the calm steps' tail instead: a stream's gaps are to stay

@@ -144,6 +144,14 @@ def test_piece_budget_reads_step_times_against_the_rows_that_ran_beside_the_piec
     # Without rows (the sessions wait for their readers) the step stands in for the last rows' step.
     aware.observe(False, 0.010, 4.0, 16)
     assert aware.next(False, True) >= 4
+    # A step without rows before any step with them (tokens 0) is read as a one-token step: raw
+    # seconds against relative ones would have read a step 3x a decoding step as far under target
+    # and grown the budget 1.5x; over target, it stays at its floor.
+    early = PieceBudget(policy, costs=costs)
+    for _ in range(5):
+        early.observe_decode(0.008, 4)
+    early.observe(False, 3 * costs.estimate(1), 4.0, 0)
+    assert early.next(False, True) == 4
     # Below its first point the curve extrapolates; a noisy slope can reach ~0 there, and no step
     # is read against less than half the cheapest one measured.
     steep = ForwardCosts()
