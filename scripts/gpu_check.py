@@ -9,7 +9,11 @@
 3. the batched forward with the KV pool (the GPU default) against caches of their own, at the same
    batches: B rows of 1 token and of K + 1, and the largest logit difference between the two;
 4. a short in-process run on the GPU: plain decoding against prompt lookup on 4 MT-Bench prompts,
-   64 tokens each, greedy (outputs compared token for token).
+   64 tokens each, greedy (outputs compared token for token);
+5. the verifier's step loop (`VerifierCore`, as the gRPC server drives it, without the network) at 1
+   and 16 concurrent sessions, plain decoding and prompt lookup: aggregate tokens/s, each level
+   against one session (issue 14 asks 16 sessions for at least 4x one) and prompt lookup against
+   plain decoding at each level (scripts/loop_profile.py's run, on the GPU).
 
     .venv/bin/python scripts/gpu_check.py [--out docs/results/gpu/gpu_check.json] [--model PATH]
 
@@ -230,11 +234,63 @@ def short_bench(device, model, prompts: int = 4, max_new: int = 64) -> dict:
     return out
 
 
+def step_loop(device, model, levels=(1, 16), max_tokens: int = 64, repeat: int = 2) -> dict:
+    """scripts/loop_profile.py's levels on `device`: c sessions at once through one VerifierCore
+    (handlers are threads that only read, as the gRPC server's), each level's plain decoding and
+    prompt lookup alternated `repeat` times; the best run of each is the figure (a GPU's runs
+    differ by warm-up, not by neighbours), every run kept in the report. On a CPU the figures are
+    not the verifier's: this process ran the other parts' forwards on its main thread, so the step
+    loop's thread starts a second OpenMP pool (tandem/engine/threads.py); scripts/loop_profile.py
+    measures a CPU."""
+    import loop_profile  # beside this script
+
+    from tandem.engine.config import DraftStrategy, SpecConfig
+    from tandem.engine.models import apply_chat_template
+    from tandem.engine.threads import in_passing_thread
+    from tandem.services.verifier.core import VerifierCore
+    from tandem.services.verifier.settings import VerifierSettings
+    from tandem.tools.datasets import dev_set, load_prompts, to_chat
+
+    loaded = _load(device, model)
+    settings = VerifierSettings(verifier_id="gpu-check", port=0, max_sessions=256, kv_capacity_tokens=10**6,
+                                device=str(device))
+    core = in_passing_thread(lambda: VerifierCore(settings, loaded))  # no model work on this thread
+    prompts = [apply_chat_template(loaded.tokenizer, to_chat(r)) for r in load_prompts(dev_set("mt_bench"), 64)]
+    specs = {"plain": SpecConfig(strategy=DraftStrategy.none), "lookup": SpecConfig(strategy=DraftStrategy.ngram)}
+    try:
+        loop_profile.run_level(core, prompts, 4, specs["lookup"], 16, "warm")  # kernels, cost curve
+        runs = []
+        for rep in range(repeat):
+            for c in levels:
+                for mode, spec in specs.items():
+                    r = loop_profile.run_level(core, prompts, c, spec, max_tokens, f"r{rep}-{c}-{mode}")
+                    runs.append({"repeat": rep, "concurrency": c, "mode": mode, **r})
+                    print(f"  c={c:<3} {mode:<6} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                          f"steps {r['steps']:4d}  forward p50 (every session decoding) "
+                          + (f"{r['forward_ms_full']:.2f} ms" if r["forward_ms_full"] is not None else "-"), flush=True)
+    finally:
+        core.stop()
+    best = {(c, m): max(r["tokens_per_s"] for r in runs if r["concurrency"] == c and r["mode"] == m)
+            for c in levels for m in specs}
+    summary = {}
+    for c in levels:
+        summary[str(c)] = {
+            **{f"{m}_tokens_per_s": best[c, m] for m in specs},
+            **{f"{m}_vs_one_session": best[c, m] / best[levels[0], m] for m in specs},
+            "lookup_vs_plain": best[c, "lookup"] / best[c, "plain"],
+        }
+        print(f"  {c} sessions: plain {summary[str(c)]['plain_vs_one_session']:.2f}x one session, prompt lookup "
+              f"{summary[str(c)]['lookup_vs_one_session']:.2f}x; lookup vs plain {summary[str(c)]['lookup_vs_plain']:.2f}x",
+              flush=True)
+    return {"levels": list(levels), "max_tokens": max_tokens, "summary": summary, "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu/gpu_check.json")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--model", default=None, help="a model path (default: the embedded SmolLM2 GGUF)")
+    ap.add_argument("--sessions", default="1,16", help="step loop: concurrent session counts (the first is the base)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -284,6 +340,8 @@ def main() -> None:
         return bench
 
     part("bench", "in-process ar vs ngram:", bench_part)
+    levels = tuple(int(c) for c in args.sessions.split(","))
+    part("loop", "the step loop, concurrent sessions:", lambda: step_loop(device, args.model, levels))
     kernels_ok = not cuda or (report.get("kernels", {}).get("equal") == report.get("kernels", {}).get("cases"))
     lossless = report.get("bench", {}).get("lossless", False)
     print(f"wrote {args.out}; failed parts: {report['failed'] or 'none'}; kernels bit-exact: {kernels_ok}; "

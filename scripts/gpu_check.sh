@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA check of issue 14 (scripts/gpu_check.py), unattended, bounded to 8 minutes.
 #
-#   scripts/gpu_check.sh [--out FILE] [--model PATH] [--batches 1,8,32]
+#   scripts/gpu_check.sh [--out FILE] [--model PATH] [--batches 1,8,32] [--sessions 1,16]
 #
 # Which Python runs it:
 # - the checkout's .venv where it exists (make install; on a GPU host with a package index:
@@ -11,9 +11,23 @@
 #   (tandem/, kernels/ as tandem.kernels, services/ as tandem.services) in a temporary folder; Python
 #   packages it lacks go in from the wheels in $TANDEM_WHEELS (a folder), with no index;
 # - else make install.
+# What scripts/gpu_bundle.sh made and a device call carried (.gpu/) is used by itself: its wheels as
+# TANDEM_WHEELS, and its model parts, joined and checked against their sha256, as --model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi || echo "nvidia-smi: not found (no NVIDIA driver here)"
+if [ -z "${TANDEM_WHEELS:-}" ] && [ -d .gpu/wheels ]; then
+    TANDEM_WHEELS=.gpu/wheels
+fi
+if [ -f .gpu/model.part-1 ] && [ -f .gpu/model.part-2 ] && [ -f .gpu/model.sha256 ] && [[ " $* " != *" --model "* ]]; then
+    cat .gpu/model.part-1 .gpu/model.part-2 > .gpu/model.gguf
+    if [ "$(sha256sum .gpu/model.gguf | awk '{print $1}')" != "$(cat .gpu/model.sha256)" ]; then
+        echo "the joined model's sha256 is not .gpu/model.sha256's: a part is missing or damaged" >&2
+        exit 2
+    fi
+    echo "model: .gpu/model.gguf (joined from its two parts, sha256 checked)"
+    set -- --model .gpu/model.gguf "$@"
+fi
 if [ -x .venv/bin/python ]; then
     PY=.venv/bin/python
 elif python3 -c "import torch, triton; assert torch.cuda.is_available()" 2>/dev/null; then

@@ -16,6 +16,7 @@ process, so machine drift falls on both alike. Nothing else CPU-heavy may run me
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -29,7 +30,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if importlib.util.find_spec("tandem") is None:  # not installed: run from the checkout
+    sys.path.insert(0, str(ROOT))
 
 from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig  # noqa: E402
 from tandem.engine.models import apply_chat_template, load_model  # noqa: E402
