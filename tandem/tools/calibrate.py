@@ -85,7 +85,7 @@ def weight_bytes(native) -> int:
 
 def kv_bytes(native, context: int) -> int:
     """Bytes of KV cache a one-token step reads at `context` tokens: every layer's keys and values."""
-    return native.n_layers * 2 * native.n_kv * native.head_dim * context * native.kv_dtype.itemsize
+    return native.kv_bytes_per_slot * context
 
 
 def measure(native, *, contexts=CONTEXTS, rows=ROWS, reps: int = 7, progress: bool = True) -> MachineCurve:
