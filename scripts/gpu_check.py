@@ -252,7 +252,8 @@ def step_loop(device, model, levels=(1, 16), max_tokens: int = 64, repeat: int =
     from tandem.tools.datasets import dev_set, load_prompts, to_chat
 
     loaded = _load(device, model)
-    settings = VerifierSettings(verifier_id="gpu-check", port=0, max_sessions=256, kv_capacity_tokens=10**6,
+    # 64k tokens hold every session of a level (16 x ~300); on a GPU the KV pool is sized from it
+    settings = VerifierSettings(verifier_id="gpu-check", port=0, max_sessions=256, kv_capacity_tokens=1 << 16,
                                 device=str(device))
     core = in_passing_thread(lambda: VerifierCore(settings, loaded))  # no model work on this thread
     prompts = [apply_chat_template(loaded.tokenizer, to_chat(r)) for r in load_prompts(dev_set("mt_bench"), 64)]
