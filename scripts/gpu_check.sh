@@ -19,7 +19,7 @@ nvidia-smi || echo "nvidia-smi: not found (no NVIDIA driver here)"
 if [ -z "${TANDEM_WHEELS:-}" ] && [ -d .gpu/wheels ]; then
     TANDEM_WHEELS=.gpu/wheels
 fi
-if [ -f .gpu/model.part-1 ] && [ -f .gpu/model.part-2 ] && [ -f .gpu/model.sha256 ] && [[ " $* " != *" --model "* ]]; then
+if [ -f .gpu/model.part-1 ] && [ -f .gpu/model.part-2 ] && [ -f .gpu/model.sha256 ] && [[ " $* " != *" --model "* && " $* " != *" --model="* ]]; then
     cat .gpu/model.part-1 .gpu/model.part-2 > .gpu/model.gguf
     if [ "$(sha256sum .gpu/model.gguf | awk '{print $1}')" != "$(cat .gpu/model.sha256)" ]; then
         echo "the joined model's sha256 is not .gpu/model.sha256's: a part is missing or damaged" >&2

@@ -103,6 +103,14 @@ def check_tree(tokens: list[int], parents: list[int]) -> str | None:
     return None
 
 
+# A suffix-decoding draft's bucket from its cross-session store: STORE_BUCKET + the match length;
+# from the session's own index: the length (at most 15). So a bucket says where a draft came from,
+# to the controller and to a remote drafter's verifier (which drafts the session's own part itself:
+# services/verifier/drafting.py). Here because the hybrid reads it too (tandem.engine.suffix imports
+# this module).
+STORE_BUCKET = 16
+
+
 @dataclass
 class Offer:
     """What a proposer can offer for the next step, known before drafting (cheaply)."""
@@ -599,8 +607,9 @@ class HybridProposer(Proposer):
     acceptance for that proposer and confidence, measured draft cost) and the better one drafts. A
     long match inside a copied schema goes to prompt lookup (from LONG_MATCH on without even asking
     the model); free prose goes to the model. Stats are kept per proposer, so the choice and its
-    outcome show. Suffix decoding (tandem.engine.suffix) offers like prompt lookup, for free: its
-    matches also reach into earlier responses of other sessions, and its bucket is its own.
+    outcome show. With suffix decoding (tandem.engine.suffix), it offers in prompt lookup's place,
+    for free: its index holds the same matches in the session's tokens, and reaches into earlier
+    responses of other sessions; its bucket is its own.
     """
 
     name = "hybrid"
@@ -618,12 +627,20 @@ class HybridProposer(Proposer):
     LONG_MATCH = 8  # a context match this long wins outright: the model is not even asked
 
     def offers(self, ids: list[int]) -> list[Offer]:
-        lookup = self.ngram.peek(ids)
-        free = [o for o in (lookup, self.suffix.peek(ids) if self.suffix is not None else None)
-                if o is not None and o.available > 0]
-        if lookup.available > 0 and lookup.bucket >= self.LONG_MATCH:
-            return free
-        return [*free, Offer(self.model.name, 0, UNBOUNDED, needs_peek=True)]
+        # With suffix decoding, prompt lookup makes no offer of its own: the suffix index holds the
+        # same matches in the session's tokens (plus the store's). Two proposers over the same
+        # evidence, each priced by its own acceptance counts, let the choice go to whichever count
+        # is luckier: measured, suffix drafts inside the hybrid were accepted 22-29% of the time
+        # against 47% alone (docs/benchmarks.md, "Suffix decoding").
+        free = self.suffix.peek(ids) if self.suffix is not None else self.ngram.peek(ids)
+        if free.available <= 0:
+            return [Offer(self.model.name, 0, UNBOUNDED, needs_peek=True)]
+        # a long match in the session's own tokens wins outright (a match in suffix decoding's
+        # store, from other sessions, still lets the model have its look)
+        own = self.suffix is None or free.bucket < STORE_BUCKET
+        if own and free.bucket >= self.LONG_MATCH:
+            return [free]
+        return [free, Offer(self.model.name, 0, UNBOUNDED, needs_peek=True)]
 
     def rate(self, source: str, ids: list[int]) -> Offer:
         return self.by_name[source].peek(ids)

@@ -39,17 +39,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.config import SamplingParams
-from tandem.engine.proposers import Draft, Offer, Proposer
+from tandem.engine.proposers import STORE_BUCKET, Draft, Offer, Proposer
 
 GRAM_SIZES = (1, 2, 4, 8, 16)  # grams indexed per position (a match of m tokens starts from the largest <= m)
 CANDIDATES = 32  # most recent occurrences kept per gram
 MAX_MATCH = 32  # longest match length measured (longer ones count as this)
 PROMPT_TAIL = 32  # prompt tokens kept before a response in the global store
 STORE_GRAM_SIZES = (4, 8, 16)  # the global store matches 4 tokens or more: shorter is weak evidence across sessions
-# A draft's bucket from the store: STORE_BUCKET + match length; the session's own index: the length
-# (at most 15). So a bucket says where a draft came from, to the controller and to a remote
-# drafter's verifier (which drafts the session's own part itself: services/verifier/drafting.py).
-STORE_BUCKET = 16
 _SHIFT, _MASK = 32, (1 << 32) - 1  # an occurrence (sid, end) as one int
 
 

@@ -290,3 +290,33 @@ def test_the_store_keeps_the_answer_as_it_ended_with_its_stop_token(tiny_loaded)
     assert out == free[:cut]
     (kept,) = store.index.seqs.values()
     assert kept == (ids[-PROMPT_TAIL:] + free[:cut] + [stop])
+
+
+def test_the_hybrid_offers_suffix_decoding_in_prompt_lookups_place(tiny_loaded) -> None:
+    """With suffix decoding in the hybrid, prompt lookup makes no offer of its own (the suffix index
+    holds the same matches; two proposers over the same evidence let the choice follow whichever
+    acceptance count is luckier). A long match in the session's own tokens wins outright; one in
+    the store leaves the model its look. Without suffix decoding, prompt lookup offers as before."""
+    from tandem.engine.proposers import STORE_BUCKET, DraftModelProposer, HybridProposer, NgramProposer
+
+    model = DraftModelProposer(tiny_loaded)
+    text = list(range(100, 130))
+    ids = text + [7, 8] + text[:12]  # the last 12 tokens occurred before: a 12-token own match
+    store = SuffixStore()
+    hybrid = HybridProposer(NgramProposer(), model, suffix=SuffixProposer(store))
+    offers = hybrid.offers(ids)
+    assert [o.proposer for o in offers] == ["suffix"] and offers[0].bucket == 12
+    short = [1, 2, 3, 9, 1, 2]  # a 2-token own match: the model may still look
+    assert [o.proposer for o in hybrid.offers(short)] == ["suffix", "model"]
+    # another session's answer in the store, matched over 10 tokens: the model still looks
+    answer = list(range(300, 340))
+    store.add([5, 6], answer)
+    fresh = HybridProposer(NgramProposer(), model, suffix=SuffixProposer(store))
+    offers = fresh.offers([9, 9] + answer[:10])
+    assert [o.proposer for o in offers] == ["suffix", "model"] and offers[0].bucket == STORE_BUCKET + 10
+    assert [o.proposer for o in fresh.offers([400, 401])] == ["model"]  # no match anywhere
+    # without suffix decoding: prompt lookup's offer, a long match winning outright at any length
+    plain = HybridProposer(NgramProposer(), model)
+    offers = plain.offers(text + [7, 8] + text[:20])
+    assert [o.proposer for o in offers] == ["ngram"] and offers[0].bucket == 20 > STORE_BUCKET
+    assert [o.proposer for o in plain.offers(short)] == ["ngram", "model"]
