@@ -105,19 +105,21 @@ def test_greedy_output_equals_plain_decoding_with_the_distilled_draft(distilled,
 def test_hybrid_stats_show_which_proposer_drafted(distilled, tiny_loaded) -> None:
     _, draft = distilled
     engine = Engine(tiny_loaded, draft, SpecConfig(strategy=DraftStrategy.hybrid, max_draft_tokens=4, adaptive=False))
-    # a repetitive prompt gives prompt lookup matches; elsewhere the model drafts
+    # a repetitive prompt gives context matches (suffix decoding's, in prompt lookup's place);
+    # elsewhere the model drafts
     prompt = [20, 21, 22, 23, 24, 25] * 4 + [30, 31]
     result = engine.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
     by = result.stats.by_proposer
-    assert set(by) <= {"ngram", "model"} and by
+    assert set(by) <= {"suffix", "model"} and by
     assert sum(c["drafted"] for c in by.values()) == result.stats.drafted
     assert sum(c["accepted"] for c in by.values()) == result.stats.accepted
     assert isinstance(engine.factory.build(SpecConfig(strategy=DraftStrategy.hybrid)), HybridProposer)
 
 
 def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
-    """With prompt lookup measured as always right and the model always wrong, the hybrid drafts
-    with prompt lookup where the context matches; with the opposite record, with the model."""
+    """With the context matches (suffix decoding's, in prompt lookup's place) measured as always
+    right and the model always wrong, the hybrid drafts from the match where the context matches;
+    with the opposite record, with the model."""
     from tandem.engine.adaptive import AcceptanceCounts
 
     _, draft = distilled
@@ -125,7 +127,7 @@ def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
     for n in range(1, 10):  # known costs: the first step may already draft
         engine.runner.costs.observe(n, 0.01 * (1 + 0.1 * (n - 1)))
     prompt = [20, 21, 22, 23, 24, 25, 30, 31, 32, 20, 21]  # ends in a 2-token match
-    for good, bad in (("ngram", "model"), ("model", "ngram")):
+    for good, bad in (("suffix", "model"), ("model", "suffix")):
         engine.acceptance = AcceptanceCounts()
         for bucket in range(8):
             for _ in range(200):
@@ -134,10 +136,14 @@ def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
         gen = engine.start(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
         gen.step()
         assert set(gen.stats.by_proposer) == {good}, (good, gen.stats.by_proposer)
-    # a long match wins outright: the model is not even asked (no draft step spent on it); the
-    # free proposers (prompt lookup, suffix decoding) compete by value
+    # a long match wins outright: the model is not even asked (no draft step spent on it); with
+    # suffix decoding it is suffix's offer alone (prompt lookup would look up the same match)
+    long_match = [20, 21, 22, 23, 24, 25] * 3 + [20, 21]
     proposer = engine.factory.build(SpecConfig(strategy=DraftStrategy.hybrid))
-    assert [o.proposer for o in proposer.offers([20, 21, 22, 23, 24, 25] * 3 + [20, 21])] == ["ngram", "suffix"]
+    assert [o.proposer for o in proposer.offers(long_match)] == ["suffix"]
+    engine.factory.hybrid_suffix = False  # the hybrid of prompt lookup and the model only
+    proposer = engine.factory.build(SpecConfig(strategy=DraftStrategy.hybrid))
+    assert [o.proposer for o in proposer.offers(long_match)] == ["ngram"]
 
 
 def test_the_target_writes_prompts_of_its_own(tiny_loaded, distilled, tmp_path) -> None:
