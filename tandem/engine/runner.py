@@ -482,13 +482,11 @@ class PieceBudget:
         self._piece_s = {True: deque(maxlen=self.PIECE_WINDOW), False: deque(maxlen=self.PIECE_WINDOW)}
         self._budget = {True: float(policy.min_piece), False: float(policy.min_piece)}
 
-    def _rows_cost(self, tokens: int, floor: float | None = None) -> float:
-        """What a step of `tokens` decoding tokens costs on the curve (1.0: no curve yet);
-        `floor`: `_floor()`, when the caller reads many samples against one curve."""
+    def _rows_cost(self, tokens: int, floor: float) -> float:
+        """What a step of `tokens` decoding tokens costs on the curve (1.0: no curve yet), never
+        under `floor` (`_floor()`, read once by the caller for all the samples it reads)."""
         est = self.costs.estimate(tokens) if self.costs is not None and tokens > 0 else None
-        if not est:
-            return 1.0
-        return max(est, self._floor() if floor is None else floor)
+        return max(est, floor) if est else 1.0
 
     def _floor(self) -> float:
         """Below the curve's first point it extrapolates along a slope, which noise can make steep

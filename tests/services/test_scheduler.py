@@ -157,7 +157,8 @@ def test_piece_budget_reads_step_times_against_the_rows_that_ran_beside_the_piec
     steep = ForwardCosts()
     steep.observe(8, 0.010)
     steep.observe(9, 0.020)
-    assert steep.estimate(1) < 1e-3 and PieceBudget(policy, costs=steep)._rows_cost(1) == 0.005
+    steep_budget = PieceBudget(policy, costs=steep)
+    assert steep.estimate(1) < 1e-3 and steep_budget._rows_cost(1, steep_budget._floor()) == 0.005
 
 
 def test_piece_budget_steers_steps_to_the_cost_factor():
