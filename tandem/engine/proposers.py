@@ -634,14 +634,15 @@ class HybridProposer(Proposer):
         # on MT-Bench against 47% alone, 31% against 41% on BFCL (docs/benchmarks.md, "The hybrid:
         # suffix decoding in prompt lookup's place").
         free = self.suffix.peek(ids) if self.suffix is not None else self.ngram.peek(ids)
+        look = Offer(self.model.name, 0, UNBOUNDED, needs_peek=True)
         if free.available <= 0:
-            return [Offer(self.model.name, 0, UNBOUNDED, needs_peek=True)]
+            return [look]
         # a long match in the session's own tokens wins outright (a match in suffix decoding's
         # store, from other sessions, still lets the model have its look)
         own = self.suffix is None or free.bucket < STORE_BUCKET
         if own and free.bucket >= self.LONG_MATCH:
             return [free]
-        return [free, Offer(self.model.name, 0, UNBOUNDED, needs_peek=True)]
+        return [free, look]
 
     def rate(self, source: str, ids: list[int]) -> Offer:
         return self.by_name[source].peek(ids)
