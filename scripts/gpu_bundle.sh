@@ -30,8 +30,8 @@ mkdir -p "$W"
   grpcio grpcio-health-checking grpcio-reflection protobuf pydantic gguf rich typer prometheus-client redis \
   opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc opentelemetry-instrumentation-grpc
 # The machine's own scientific stack stays its own (gguf and others pull these in as dependencies).
-for pkg in numpy torch nvidia_ triton sympy networkx mpmath jinja2 markupsafe fsspec filelock pyyaml tqdm setuptools; do
-  rm -f "$W"/"$pkg"*.whl "$W"/"$(echo "$pkg" | sed 's/pyyaml/PyYAML/')"-*.whl
+for pkg in numpy torch nvidia_ triton sympy networkx mpmath jinja2 markupsafe fsspec filelock pyyaml PyYAML tqdm setuptools; do
+  rm -f "$W"/"$pkg"*.whl
 done
 model=$("$PY" -c "from tandem.engine.models import embedded_gguf_path; print(embedded_gguf_path())")
 rm -f .gpu/model.part-*
