@@ -25,14 +25,135 @@
  * for the bits i set in tree[t] (itself and its ancestors; a block has at most 32 rows) instead of
  * the causal s .. s+t. Keys it cannot see add exact zeros, as keys past a causal row's position do.
  */
-#ifndef __AVX512F__
-#error "this kernel needs AVX-512, which this CPU lacks: attention stays on torch's kernel"
-#endif
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+/* A vector of 16 floats, `v16`: one AVX-512 register, or two AVX2 registers (lanes 0-7, 8-15).
+ * Every operation below is lane-wise or a fixed permutation, and the AVX2 form does the same
+ * IEEE operations on the same lanes in the same order, so the kernel computes the same bits on an
+ * AVX2 host (AMD Zen 2 / Zen 3, older Intel) as on an AVX-512 one (tested where both run): a
+ * session failed over between the two kinds of host resumes on the same numbers. Masks (`m16`)
+ * are 16-bit lane sets in both. */
+#if defined(__AVX512F__)
+typedef __m512 v16;
+static inline __attribute__((always_inline)) v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline __attribute__((always_inline)) void v_store(float *p, v16 a) { _mm512_storeu_ps(p, a); }
+static inline __attribute__((always_inline)) v16 v_set1(float x) { return _mm512_set1_ps(x); }
+static inline __attribute__((always_inline)) v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline __attribute__((always_inline)) v16 v_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
+static inline __attribute__((always_inline)) v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline __attribute__((always_inline)) v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline __attribute__((always_inline)) v16 v_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+/* lanes of a greater than b (ordered, quiet) */
+static inline __attribute__((always_inline)) unsigned v_gt(v16 a, v16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+/* lanes in `keep` from a, the others 0 */
+static inline __attribute__((always_inline)) v16 v_keep(unsigned keep, v16 a) { return _mm512_maskz_mov_ps((__mmask16)keep, a); }
+/* lanes in `keep` from a, the others from b */
+static inline __attribute__((always_inline)) v16 v_blend(unsigned keep, v16 b, v16 a) { return _mm512_mask_blend_ps((__mmask16)keep, b, a); }
+static inline __attribute__((always_inline)) v16 v_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* p 2^n for whole n in [-126, 0] and p in [0.5, 2]: one rounding of the exact product (scalef) */
+static inline __attribute__((always_inline)) v16 v_scale2(v16 p, v16 n) { return _mm512_scalef_ps(p, n); }
+static inline __attribute__((always_inline)) float v_hmax(v16 a) { return _mm512_reduce_max_ps(a); }
+static inline __attribute__((always_inline)) v16 v_widen(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+/* the per-128-bit-lane steps of the scores' transposing tree (scores16) */
+static inline __attribute__((always_inline)) v16 v_unpack_sum(v16 a, v16 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+static inline __attribute__((always_inline)) v16 v_shuffle_sum(v16 a, v16 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+/* 128-bit lanes: [a0 a2 b0 b2] + [a1 a3 b1 b3] */
+static inline __attribute__((always_inline)) v16 v_lane_sum(v16 a, v16 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+static inline __attribute__((always_inline)) __m256 v_lo(v16 a) { return _mm512_castps512_ps256(a); }
+static inline __attribute__((always_inline)) __m256 v_hi(v16 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+#define V_REGS 32 /* vector registers: the value pass keeps 6 x 4 or 3 x 8 sums in them */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+typedef struct { __m256 lo, hi; } v16;
+static inline __attribute__((always_inline)) v16 v_load(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline __attribute__((always_inline)) void v_store(float *p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline __attribute__((always_inline)) v16 v_set1(float x) { return (v16){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline __attribute__((always_inline)) v16 v_add(v16 a, v16 b) { return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline __attribute__((always_inline)) v16 v_sub(v16 a, v16 b) { return (v16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline __attribute__((always_inline)) v16 v_mul(v16 a, v16 b) { return (v16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline __attribute__((always_inline)) v16 v_fma(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline __attribute__((always_inline)) v16 v_max(v16 a, v16 b) { return (v16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline __attribute__((always_inline)) unsigned v_gt(v16 a, v16 b) {
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ))
+           | (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ)) << 8;
+}
+/* a lane set as two all-ones/all-zeros lane masks */
+static inline __attribute__((always_inline)) v16 v_lanes(unsigned keep) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i lo = _mm256_set1_epi32((int)(keep & 0xFFu)), hi = _mm256_set1_epi32((int)((keep >> 8) & 0xFFu));
+    return (v16){_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lo, bit), bit)),
+                 _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(hi, bit), bit))};
+}
+static inline __attribute__((always_inline)) v16 v_keep(unsigned keep, v16 a) {
+    const v16 m = v_lanes(keep);
+    return (v16){_mm256_and_ps(m.lo, a.lo), _mm256_and_ps(m.hi, a.hi)};
+}
+static inline __attribute__((always_inline)) v16 v_blend(unsigned keep, v16 b, v16 a) {
+    const v16 m = v_lanes(keep);
+    return (v16){_mm256_blendv_ps(b.lo, a.lo, m.lo), _mm256_blendv_ps(b.hi, a.hi, m.hi)};
+}
+static inline __attribute__((always_inline)) v16 v_round(v16 a) {
+    return (v16){_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                 _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+/* p 2^n for whole n in [-126, 0]: 2^n is a normal float built from its exponent bits, and the one
+ * multiplication rounds the exact product once, as AVX-512's scalef does */
+static inline __attribute__((always_inline)) __m256 pow2_8(__m256 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline __attribute__((always_inline)) v16 v_scale2(v16 p, v16 n) {
+    return (v16){_mm256_mul_ps(p.lo, pow2_8(n.lo)), _mm256_mul_ps(p.hi, pow2_8(n.hi))};
+}
+static inline __attribute__((always_inline)) float v_hmax(v16 a) { /* exact in any order */
+    __m256 m = _mm256_max_ps(a.lo, a.hi);
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+static inline __attribute__((always_inline)) v16 v_widen(const uint16_t *p) {
+    return (v16){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
+static inline __attribute__((always_inline)) v16 v_unpack_sum(v16 a, v16 b) {
+    return (v16){_mm256_add_ps(_mm256_unpacklo_ps(a.lo, b.lo), _mm256_unpackhi_ps(a.lo, b.lo)),
+                 _mm256_add_ps(_mm256_unpacklo_ps(a.hi, b.hi), _mm256_unpackhi_ps(a.hi, b.hi))};
+}
+static inline __attribute__((always_inline)) v16 v_shuffle_sum(v16 a, v16 b) {
+    return (v16){_mm256_add_ps(_mm256_shuffle_ps(a.lo, b.lo, 0x44), _mm256_shuffle_ps(a.lo, b.lo, 0xEE)),
+                 _mm256_add_ps(_mm256_shuffle_ps(a.hi, b.hi, 0x44), _mm256_shuffle_ps(a.hi, b.hi, 0xEE))};
+}
+static inline __attribute__((always_inline)) v16 v_lane_sum(v16 a, v16 b) {
+    return (v16){_mm256_add_ps(_mm256_permute2f128_ps(a.lo, a.hi, 0x20), _mm256_permute2f128_ps(a.lo, a.hi, 0x31)),
+                 _mm256_add_ps(_mm256_permute2f128_ps(b.lo, b.hi, 0x20), _mm256_permute2f128_ps(b.lo, b.hi, 0x31))};
+}
+static inline __attribute__((always_inline)) __m256 v_lo(v16 a) { return a.lo; }
+static inline __attribute__((always_inline)) __m256 v_hi(v16 a) { return a.hi; }
+#define V_REGS 16
+#else
+#error "this kernel needs AVX-512 or AVX2 with FMA and F16C, which this CPU lacks: attention stays on torch's kernel"
+#endif
+
+/* The sum of a vector's 16 lanes in one fixed order (upper half + lower half, then again at 128
+ * and 64 bits, as GCC's _mm512_reduce_add_ps does), written out so both forms share it. */
+static inline __attribute__((always_inline)) float v_hsum(v16 a) {
+    const __m256 h = _mm256_add_ps(v_hi(a), v_lo(a));
+    const __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+    const __m128 t = _mm_add_ps(q, _mm_shuffle_ps(q, q, 0x4E)); /* [q0+q2, q1+q3, ...] */
+    return _mm_cvtss_f32(t) + _mm_cvtss_f32(_mm_shuffle_ps(t, t, 1));
+}
 
 #define TILE 64       /* keys scored per pass: the G x n x TILE block of scores stays in L1 */
 #define MAX_VEC 16    /* D / 16 vectors per key: head_dim up to 256 */
@@ -59,20 +180,20 @@ static inline __attribute__((always_inline)) void prefetch_keys(const char *kg, 
 /* e^x for 16 floats, within 2 ulp over the range softmax uses (x <= 0); exactly 0 below -87 and for
  * -inf (a masked key). 2^(x log2 e) with the integer part applied by scalef and the fraction in
  * [-0.5, 0.5] by its Taylor series to degree 7 (remainder < 6e-9 relative). */
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-    const __m512 t = _mm512_mul_ps(_mm512_maskz_mov_ps(live, x), _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f)); /* |f| <= ln2/2 */
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+static inline __attribute__((always_inline)) v16 exp16(v16 x) {
+    const unsigned live = v_gt(x, v_set1(-87.0f));
+    const v16 t = v_mul(v_keep(live, x), v_set1(1.44269504088896341f));
+    const v16 n = v_round(t);
+    const v16 f = v_mul(v_sub(t, n), v_set1(0.693147180559945309f)); /* |f| <= ln2/2 */
+    v16 p = v_set1(1.0f / 5040.0f);
+    p = v_fma(p, f, v_set1(1.0f / 720.0f));
+    p = v_fma(p, f, v_set1(1.0f / 120.0f));
+    p = v_fma(p, f, v_set1(1.0f / 24.0f));
+    p = v_fma(p, f, v_set1(1.0f / 6.0f));
+    p = v_fma(p, f, v_set1(0.5f));
+    p = v_fma(p, f, v_set1(1.0f));
+    p = v_fma(p, f, v_set1(1.0f));
+    return v_keep(live, v_scale2(p, n));
 }
 
 /* The dot products of one query row `qv` (V vectors) with 16 keys kp[0..15], as one vector (lane i:
@@ -82,25 +203,25 @@ static inline __m512 exp16(__m512 x) {
  * on its inputs. The tree is reduced as the partials are made (pairs, then quads, ...): with all 16
  * partials live at once, the compiler spilled them to the stack (measured: a 9-row block at 4,000
  * tokens 1.7x slower). */
-static inline __attribute__((always_inline)) __m512 dot1(const int V, const __m512 *qv, const float *restrict kj) {
-    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-    for (int e = 1; e < V; e++) a = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kj + 16 * e), a);
+static inline __attribute__((always_inline)) v16 dot1(const int V, const v16 *qv, const float *restrict kj) {
+    v16 a = v_mul(qv[0], v_load(kj));
+    for (int e = 1; e < V; e++) a = v_fma(qv[e], v_load(kj + 16 * e), a);
     return a;
 }
-static inline __attribute__((always_inline)) __m512 pair(const int V, const __m512 *qv, const float *const *kp) {
-    const __m512 a = dot1(V, qv, kp[0]), b = dot1(V, qv, kp[1]); /* per 128-bit lane: [a, b, a, b] partials */
-    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+static inline __attribute__((always_inline)) v16 pair(const int V, const v16 *qv, const float *const *kp) {
+    const v16 a = dot1(V, qv, kp[0]), b = dot1(V, qv, kp[1]); /* per 128-bit lane: [a, b, a, b] partials */
+    return v_unpack_sum(a, b);
 }
-static inline __attribute__((always_inline)) __m512 quad(const int V, const __m512 *qv, const float *const *kp) {
-    const __m512 w0 = pair(V, qv, kp), w1 = pair(V, qv, kp + 2); /* per 128-bit lane: the 4 keys' sums */
-    return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x44), _mm512_shuffle_ps(w0, w1, 0xEE));
+static inline __attribute__((always_inline)) v16 quad(const int V, const v16 *qv, const float *const *kp) {
+    const v16 w0 = pair(V, qv, kp), w1 = pair(V, qv, kp + 2); /* per 128-bit lane: the 4 keys' sums */
+    return v_shuffle_sum(w0, w1);
 }
-static inline __attribute__((always_inline)) __m512 scores16(const int V, const __m512 *qv, const float *const *kp) {
-    const __m512 x0 = quad(V, qv, kp), x1 = quad(V, qv, kp + 4);
-    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
-    const __m512 x2 = quad(V, qv, kp + 8), x3 = quad(V, qv, kp + 12);
-    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x88), _mm512_shuffle_f32x4(x2, x3, 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+static inline __attribute__((always_inline)) v16 scores16(const int V, const v16 *qv, const float *const *kp) {
+    const v16 x0 = quad(V, qv, kp), x1 = quad(V, qv, kp + 4);
+    const v16 y01 = v_lane_sum(x0, x1);
+    const v16 x2 = quad(V, qv, kp + 8), x3 = quad(V, qv, kp + 12);
+    const v16 y23 = v_lane_sum(x2, x3);
+    return v_lane_sum(y01, y23);
 }
 
 /* acc rows 0 .. RC-1 += the tile's probabilities times its values; the rows are first scaled by
@@ -112,21 +233,21 @@ static inline __attribute__((always_inline)) __m512 scores16(const int V, const 
     static inline __attribute__((always_inline)) void values_##RC_##_##V_( \
         const float *restrict vt, int w, const float *restrict sc, const float *restrict corr, float *restrict acc) { \
         enum { D_ = 16 * V_ }; \
-        __m512 a[RC_][V_]; \
+        v16 a[RC_][V_]; \
         for (int i = 0; i < RC_; i++) { \
-            const __m512 c = _mm512_set1_ps(corr[i]); \
-            for (int e = 0; e < V_; e++) a[i][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D_ + 16 * e), c); \
+            const v16 c = v_set1(corr[i]); \
+            for (int e = 0; e < V_; e++) a[i][e] = v_mul(v_load(acc + i * D_ + 16 * e), c); \
         } \
         for (int j = 0; j < w; j++) { \
-            __m512 vv[V_]; \
-            for (int e = 0; e < V_; e++) vv[e] = _mm512_loadu_ps(vt + (size_t)j * D_ + 16 * e); \
+            v16 vv[V_]; \
+            for (int e = 0; e < V_; e++) vv[e] = v_load(vt + (size_t)j * D_ + 16 * e); \
             for (int i = 0; i < RC_; i++) { \
-                const __m512 p = _mm512_set1_ps(sc[i * TILE + j]); \
-                for (int e = 0; e < V_; e++) a[i][e] = _mm512_fmadd_ps(p, vv[e], a[i][e]); \
+                const v16 p = v_set1(sc[i * TILE + j]); \
+                for (int e = 0; e < V_; e++) a[i][e] = v_fma(p, vv[e], a[i][e]); \
             } \
         } \
         for (int i = 0; i < RC_; i++) \
-            for (int e = 0; e < V_; e++) _mm512_storeu_ps(acc + i * D_ + 16 * e, a[i][e]); \
+            for (int e = 0; e < V_; e++) v_store(acc + i * D_ + 16 * e, a[i][e]); \
     }
 /* head_dim 64 (SmolLM2, Llama 3.2 1B) and 128 (most others) */
 VALUES_FN(1, 4) VALUES_FN(2, 4) VALUES_FN(3, 4) VALUES_FN(4, 4) VALUES_FN(5, 4) VALUES_FN(6, 4)
@@ -141,10 +262,10 @@ static void values_any(const int V, const int RC, const float *restrict vt, int 
         for (int e = 0; e < D; e++) acc[(size_t)i * D + e] *= corr[i];
     for (int j = 0; j < w; j++)
         for (int i = 0; i < RC; i++) {
-            const __m512 p = _mm512_set1_ps(sc[i * TILE + j]);
+            const v16 p = v_set1(sc[i * TILE + j]);
             for (int e = 0; e < V; e++) {
                 float *ai = acc + (size_t)i * D + 16 * e;
-                _mm512_storeu_ps(ai, _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + (size_t)j * D + 16 * e), _mm512_loadu_ps(ai)));
+                v_store(ai, v_fma(p, v_load(vt + (size_t)j * D + 16 * e), v_load(ai)));
             }
         }
 }
@@ -165,7 +286,7 @@ static inline __attribute__((always_inline)) void values(const int V, const int 
  * (measured: 4-row blocks at 300 tokens 1.24x slower, docs/design-notes.md). */
 static inline __attribute__((always_inline)) void widen(const uint16_t *restrict in, size_t n, float *restrict out) {
     for (size_t x = 0; x < n; x += 16)
-        _mm512_storeu_ps(out + x, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + x))));
+        v_store(out + x, v_widen(in + x));
 }
 
 /* One thread's run: keys [j0, j1) of KV head g for its R = G * n query rows (row r: head g * G + r / n,
@@ -180,14 +301,16 @@ static inline __attribute__((always_inline)) void run_v(const int V, const int H
                                                         float *restrict m, float *restrict l, float *restrict acc) {
     const int R = G * n, D = 16 * V;
     const size_t kb = (size_t)D * (HALF ? 2 : 4); /* bytes of one stored key (or value) */
-    const int RC = V <= 4 ? 6 : 3; /* rows per register block of the value pass: 6 x 4 or 3 x 8 sums in registers */
+    /* rows per register block of the value pass: 6 x 4 or 3 x 8 sums in AVX-512's 32 registers; 2 x 4
+     * or 1 x 8 in AVX2's 16 (each v16 is two). A row's sums are its own whatever the block. */
+    const int RC = V_REGS == 32 ? (V <= 4 ? 6 : 3) : (V <= 4 ? 2 : 1);
     float sc[R * TILE] __attribute__((aligned(64)));
     /* a float16 cache's tile, widened (`widen`); a float32 cache is read in place */
     float kw[HALF ? TILE * D : 1] __attribute__((aligned(64))), vw[HALF ? TILE * D : 1] __attribute__((aligned(64)));
     float corr[R];
     for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     for (size_t i = 0; i < (size_t)R * D; i++) acc[i] = 0.0f;
-    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const v16 vscale = v_set1(scale), ninf = v_set1(-INFINITY);
     /* keys (and values) this far ahead of the group being scored are prefetched; the run's first
      * ones at once */
     const int ahead = (PF_BYTES / (int)kb + 15) & ~15;
@@ -222,51 +345,51 @@ static inline __attribute__((always_inline)) void run_v(const int V, const int H
                     _mm_prefetch(pv + 64 * (size_t)x, _MM_HINT_T1);
                 }
                 const float *qr = q + (size_t)t * q_stride + (size_t)(g * G + r / n) * D;
-                __m512 qv[MAX_VEC];
-                for (int e = 0; e < V; e++) qv[e] = _mm512_loadu_ps(qr + 16 * e);
-                const __m512 dots = scores16(V, qv, kp);
-                __mmask16 vis;
+                v16 qv[MAX_VEC];
+                for (int e = 0; e < V; e++) qv[e] = v_load(qr + 16 * e);
+                const v16 dots = scores16(V, qv, kp);
+                unsigned vis;
                 if (tree == 0 || j + cnt <= s) {
                     int lim = (tree ? s - 1 : s + t) - j + 1; /* keys j .. j+lim-1 are visible to this row */
                     lim = lim < 0 ? 0 : (lim > cnt ? cnt : lim);
-                    vis = (__mmask16)(lim >= 16 ? 0xFFFFu : (1u << lim) - 1u);
+                    vis = lim >= 16 ? 0xFFFFu : (1u << lim) - 1u;
                 } else { /* a tile reaching into a tree block: the cache part, then the row's ancestors */
                     unsigned bits = 0;
                     for (int i = 0; i < cnt; i++)
                         if (j + i < s || ((tree[t] >> (j + i - s)) & 1u)) bits |= 1u << i;
-                    vis = (__mmask16)bits;
+                    vis = bits;
                 }
-                _mm512_store_ps(sc + r * TILE + (j - t0), _mm512_mask_blend_ps(vis, ninf, _mm512_mul_ps(dots, vscale)));
+                v_store(sc + r * TILE + (j - t0), v_blend(vis, ninf, v_mul(dots, vscale)));
             }
         }
         /* softmax bookkeeping per row */
         for (int r = 0; r < R; r++) {
             float *row = sc + r * TILE;
-            __m512 vm = ninf;
-            for (int x = 0; x < wp; x += 16) vm = _mm512_max_ps(vm, _mm512_load_ps(row + x));
+            v16 vm = ninf;
+            for (int x = 0; x < wp; x += 16) vm = v_max(vm, v_load(row + x));
             /* Past the first tiles a row's running maximum rarely grows: then mx is m[r] and the
              * correction e^0 = 1 exactly, so the horizontal maximum and the expf call are skipped
              * (the same bits either way; ~27 rows x 63 tiles x 90 heads and layers of a 9-token step
              * at 4,000 tokens) */
             float mx = m[r];
-            if (_mm512_cmp_ps_mask(vm, _mm512_set1_ps(m[r]), _CMP_GT_OQ)) {
-                const float tmx = _mm512_reduce_max_ps(vm);
+            if (v_gt(vm, v_set1(m[r]))) {
+                const float tmx = v_hmax(vm);
                 mx = tmx > m[r] ? tmx : m[r];
             }
             if (mx == -INFINITY) { /* every key so far is after this row's position */
-                for (int x = 0; x < wp; x += 16) _mm512_store_ps(row + x, _mm512_setzero_ps());
+                for (int x = 0; x < wp; x += 16) v_store(row + x, v_set1(0.0f));
                 corr[r] = 1.0f;
                 continue;
             }
             corr[r] = m[r] == -INFINITY ? 0.0f : (mx == m[r] ? 1.0f : expf(m[r] - mx));
-            const __m512 vmx = _mm512_set1_ps(mx);
-            __m512 sum = _mm512_setzero_ps();
+            const v16 vmx = v_set1(mx);
+            v16 sum = v_set1(0.0f);
             for (int x = 0; x < wp; x += 16) {
-                const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(row + x), vmx));
-                _mm512_store_ps(row + x, p);
-                sum = _mm512_add_ps(sum, p);
+                const v16 p = exp16(v_sub(v_load(row + x), vmx));
+                v_store(row + x, p);
+                sum = v_add(sum, p);
             }
-            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
+            l[r] = l[r] * corr[r] + v_hsum(sum);
             m[r] = mx;
         }
         /* values: each value vector loaded once per block of rows, the rows' sums in registers */
@@ -400,11 +523,50 @@ static int attend_blocks(block_t *bl, int nb, int H, int KV, int D, float scale,
     return 0;
 }
 
+#define MAX_ROWS 32 /* query rows of one block as the runs see it (their scores stay in L1); longer blocks are split */
+
+/* The blocks as attend_blocks takes them: a block of more than MAX_ROWS rows (a prompt piece) as
+ * consecutive blocks of MAX_ROWS rows (the last shorter), each over the cache up to its own last
+ * row. A row's result does not depend on the rows beside it (above), so a prompt prefilled whole,
+ * in pieces of any length, or one token at a time gets the same bits at every position: the keys
+ * and values the next layer writes, and so the logits, are the same however the prompt arrived.
+ * A tree block (at most MAX_ROWS rows) stays whole. Returns the count, or -1. */
+static int split_blocks(const block_t *in, int nb, block_t **out) {
+    int total = 0;
+    for (int i = 0; i < nb; i++) {
+        if (in[i].n <= 0 || in[i].s < 0 || (in[i].tree && in[i].n > MAX_ROWS)) return -1;
+        total += (in[i].n + MAX_ROWS - 1) / MAX_ROWS;
+    }
+    block_t *bl = malloc(sizeof(block_t) * (size_t)total);
+    if (!bl) return -2;
+    int at = 0;
+    for (int i = 0; i < nb; i++)
+        for (int t0 = 0; t0 < in[i].n; t0 += MAX_ROWS) {
+            block_t b = in[i];
+            b.q += (size_t)t0 * b.q_stride;
+            b.out += (size_t)t0 * b.o_stride;
+            b.n = in[i].n - t0 < MAX_ROWS ? in[i].n - t0 : MAX_ROWS;
+            b.s = in[i].s + t0;
+            bl[at++] = b;
+        }
+    *out = bl;
+    return total;
+}
+
+static int attend_split(const block_t *in, int nb, int H, int KV, int D, float scale, int threads) {
+    block_t *bl = NULL;
+    const int total = split_blocks(in, nb, &bl);
+    if (total < 0) return total;
+    const int rc = attend_blocks(bl, total, H, KV, D, scale, threads);
+    free(bl);
+    return rc;
+}
+
 int tandem_attend(const float *restrict q, int q_stride, const void *restrict k, const void *restrict v,
                   float *restrict out, int o_stride, int H, int KV, int n, int D, int s, int cap,
                   float scale, int threads, const unsigned *restrict tree, int half) {
     block_t b = {q, k, v, out, tree, q_stride, o_stride, n, s, cap, half != 0, 0, 0};
-    return attend_blocks(&b, 1, H, KV, D, scale, threads);
+    return attend_split(&b, 1, H, KV, D, scale, threads);
 }
 
 /* nb blocks of one layer, block i described by desc[10 i .. 10 i + 9]: the addresses of its q, k,
@@ -422,7 +584,7 @@ int tandem_attend_many(int nb, const long long *desc, int H, int KV, int D, floa
                           (float *)(size_t)d[3], (const unsigned *)(size_t)d[4], (int)d[5], (int)d[6], (int)d[7],
                           (int)d[8], (int)d[9], half != 0, 0, 0};
     }
-    const int rc = attend_blocks(bl, nb, H, KV, D, scale, threads);
+    const int rc = attend_split(bl, nb, H, KV, D, scale, threads);
     free(bl);
     return rc;
 }

@@ -1,9 +1,17 @@
-"""Loads attend.c (the attention of a few query rows over a long KV cache), compiling it at first use.
+"""Loads attend.c (causal attention of a block of query rows over a KV cache), compiling it at first use.
+
+Every block on a CPU goes through it, a one-token step, a verification block or tree and a prompt
+piece of any length alike, because a row's result depends only on its own query and the keys up to
+its position, never on the rows beside it or the thread count: a position gets the same bits
+however its prompt arrived (whole, in pieces, copied from another session's prefix) and whatever
+ran beside it (docs/design-notes.md, "One request, one answer").
 
 Built like gemv.c (tandem.engine.gemv.build: the host's compiler, `-march=native`, cached per source,
-flags and CPU). It needs AVX-512; on a CPU without it, without a compiler, or where the build fails,
-`library()` is None and the native forward keeps torch's `scaled_dot_product_attention`.
-`TANDEM_ATTENTION=torch` keeps torch's kernel everywhere (for comparison).
+flags and CPU), for AVX-512 or AVX2 with FMA and F16C (the same bits on both). On a CPU with
+neither, without a compiler, or where the build fails, `library()` is None and the native forward
+keeps torch's `scaled_dot_product_attention`, whose bits depend on the block's length: there a
+prompt prefilled in other pieces can give other tokens (`NativeLlama.batch_invariant` is false).
+`TANDEM_ATTENTION=torch` keeps torch's kernel everywhere (for comparison; gives that up too).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import torch
 from tandem.engine import gemv
 
 SOURCE = Path(__file__).with_name("attend.c")
-MAX_ROWS = 32  # query rows per block it serves (decode and verification); a prefill goes to torch
+MAX_ROWS = 32  # rows of a token-tree block (its masks are 32-bit); a longer causal block is split into blocks of this many
 MAX_HEAD_DIM = 256
 # what the cache may hold: float16 keys and values are widened exactly to float32 as they are read
 # (half the bytes a step reads at long contexts; NativeLlama's `kv_dtype`)
@@ -53,8 +61,9 @@ def library() -> ctypes.CDLL | None:
 
 
 def serves(n: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a block of `n` query rows of this head size goes through the kernel."""
-    return (device.type == "cpu" and dtype == torch.float32 and 0 < n <= MAX_ROWS and head_dim % 16 == 0
+    """Whether a (causal) block of `n` query rows of this head size goes through the kernel: any
+    length, the kernel splits it (`n` is kept for the callers that ask per block)."""
+    return (device.type == "cpu" and dtype == torch.float32 and 0 < n and head_dim % 16 == 0
             and head_dim <= MAX_HEAD_DIM and library() is not None)
 
 
@@ -104,13 +113,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     KV, cap = k.shape[0], k.shape[1]
     ok = (q.dtype == out.dtype == torch.float32 and k.dtype == v.dtype in KV_DTYPES and q.stride()[1:] == (D, 1)
           and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape and k.shape[2] == D
-          and out.stride(1) == 1 and tuple(out.shape) == (n, H * D) and H % KV == 0 and 0 < n <= MAX_ROWS
+          and out.stride(1) == 1 and tuple(out.shape) == (n, H * D) and H % KV == 0 and 0 < n
+          and (tree is None or n <= MAX_ROWS)
           and D % 16 == 0 and D <= MAX_HEAD_DIM and 0 <= start and start + n <= cap
           and all(t.device.type == "cpu" for t in (q, k, v, out)))
     if tree is not None and len(tree) != n:
         raise ValueError(f"tree has {len(tree)} rows' masks for a block of {n} rows")
     if not ok:
-        raise ValueError(f"attend takes float32 CPU q [n <= {MAX_ROWS}, H, D (a multiple of 16)], k/v contiguous "
+        raise ValueError(f"attend takes float32 CPU q [n, H, D (a multiple of 16)] (n <= {MAX_ROWS} for a tree), "
+                         f"k/v contiguous "
                          f"[KV, cap, D] in float32 or float16 with start + n <= cap, out [n, H*D] float32; got q "
                          f"{tuple(q.shape)} {q.stride()} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} "
                          f"{v.dtype}, out {tuple(out.shape)}, start {start}")

@@ -1,12 +1,14 @@
-"""Our CPU attention kernel for decode and verification blocks (tandem/engine/attend.c) against its
-reference, torch's scaled_dot_product_attention with the block's causal mask.
+"""Our CPU attention kernel for every block of the native forward (tandem/engine/attend.c) against
+its reference, torch's scaled_dot_product_attention with the block's causal mask, and its
+invariance: a row's bits do not depend on its block (length, neighbours, threads, instruction set).
 
-It is built with the host's C compiler at first use and needs AVX-512; where that is impossible the
-forward keeps torch's kernel, which is tested too.
+It is built with the host's C compiler at first use for AVX-512 or AVX2; where that is impossible
+the forward keeps torch's kernel, which is tested too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from tandem.engine import attend
 
-needs_kernel = pytest.mark.skipif(attend.library() is None, reason="no AVX-512 or no C compiler here: torch's kernel serves")
+needs_kernel = pytest.mark.skipif(attend.library() is None, reason="no AVX-512 or AVX2, or no C compiler here: torch's kernel serves")
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
@@ -95,10 +97,11 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds() -> None:
         attend.attend(torch.randn(2, 9, 64, dtype=torch.float64), k, v, out, 0, 0.125)
     with pytest.raises(ValueError, match="contiguous"):  # a transposed cache: its pointer is not [KV, cap, D]
         attend.attend(torch.randn(2, 9, 64), k.transpose(1, 2).contiguous().transpose(1, 2), v, out, 0, 0.125)
-    with pytest.raises(ValueError, match="n <="):
-        attend.attend(torch.randn(attend.MAX_ROWS + 1, 9, 64), torch.randn(3, 80, 64), torch.randn(3, 80, 64),
-                      torch.empty(attend.MAX_ROWS + 1, 576), 0, 0.125)
-    assert not attend.serves(attend.MAX_ROWS + 1, 64, torch.float32, torch.device("cpu"))  # a prefill: torch's
+    long = attend.MAX_ROWS + 1
+    with pytest.raises(ValueError, match="n <="):  # a tree's masks are 32 bits
+        attend.attend(torch.randn(long, 9, 64), torch.randn(3, 80, 64), torch.randn(3, 80, 64),
+                      torch.empty(long, 576), 0, 0.125, tree=(ctypes.c_uint32 * long)(*[1] * long))
+    assert attend.serves(long, 64, torch.float32, torch.device("cpu"))  # a prompt piece: ours too
     assert not attend.serves(1, 64, torch.bfloat16, torch.device("cpu"))
 
 
@@ -143,6 +146,68 @@ def test_a_rows_result_does_not_depend_on_its_block(H, KV, D) -> None:
                 assert torch.equal(alone[0], block[t]), (start, t)
         finally:
             torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("H, KV, D", [(9, 3, 64), (8, 2, 128), (6, 1, 48)])
+def test_a_prompt_gives_the_same_bits_in_any_pieces(H, KV, D) -> None:
+    """Prefill: a prompt attended whole (blocks longer than 32 rows are split inside the kernel),
+    in uneven pieces, or one position at a time gives each position the same bits; and it matches
+    the reference. Chunked prefill under load, prefix sharing and a failover recompute positions in
+    other pieces than an idle run, so this is what makes their tokens the same."""
+    gen = torch.Generator().manual_seed(D + 5)
+    L = 700
+    k = torch.randn(KV, L, D, generator=gen)
+    v = torch.randn(KV, L, D, generator=gen)
+    q = torch.randn(L, H, D, generator=gen) * 2
+    whole = torch.empty(L, H * D)
+    attend.attend(q, k, v, whole, 0, D**-0.5)
+    assert torch.allclose(whole, reference(q, k, v, 0, D**-0.5), rtol=1e-4, atol=2e-5)
+    pieces = torch.empty(L, H * D)
+    at = 0
+    for n in (1, 40, 7, 256, 33, 100, 263):
+        attend.attend(q[at : at + n], k, v, pieces[at : at + n], at, D**-0.5)
+        at += n
+    assert at == L and torch.equal(pieces, whole)
+    for t in (0, 31, 32, 255, 256, 699):
+        alone = torch.empty(1, H * D)
+        attend.attend(q[t : t + 1], k, v, alone, t, D**-0.5)
+        assert torch.equal(alone[0], whole[t]), t
+    many = torch.empty(L, H * D)  # the same pieces as blocks of one call
+    attend.attend_many([(q[a:e], k, v, many[a:e], a, None) for a, e in ((0, 300), (300, 333), (333, 700))], D**-0.5)
+    assert torch.equal(many, whole)
+
+
+@needs_kernel
+def test_avx2_and_native_builds_give_the_same_bits(tmp_path, monkeypatch) -> None:
+    """The kernel built for AVX2 (`-march=haswell`: an AMD Zen 2/3 or older Intel host) gives the bits
+    of this host's build (AVX-512 where it has it), so a session failed over between two kinds of
+    host resumes on the same numbers. Where this host has no AVX-512 both builds are AVX2 and the
+    test checks only that the two compile to the same arithmetic."""
+    from tandem.engine import gemv
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
+    avx2 = gemv.build(attend.SOURCE, "attention kernel (AVX2)", march="haswell")
+    if avx2 is None:
+        pytest.skip("the compiler cannot build for haswell here")
+    attend._bind(avx2)
+    native = attend.library()
+    gen = torch.Generator().manual_seed(3)
+    for H, KV, D, start, n, half in ((9, 3, 64, 0, 120, False), (9, 3, 64, 1500, 9, True), (8, 2, 128, 300, 1, False),
+                                     (6, 1, 48, 77, 40, True)):
+        cap = start + n
+        dt = torch.float16 if half else torch.float32
+        k = torch.randn(KV, cap, D, generator=gen).to(dt)
+        v = torch.randn(KV, cap, D, generator=gen).to(dt)
+        q = torch.randn(n, H, D, generator=gen) * 3
+        outs = []
+        for lib in (native, avx2):
+            out = torch.empty(n, H * D)
+            rc = lib.tandem_attend(q.data_ptr(), H * D, k.data_ptr(), v.data_ptr(), out.data_ptr(), H * D, H, KV, n, D,
+                                   start, cap, D**-0.5, torch.get_num_threads(), None, int(half))
+            assert rc == 0
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), (H, KV, D, start, n, half)
 
 
 def _tree_mask(parents: list[int], start: int) -> torch.Tensor:  # [n, start + n] bool
