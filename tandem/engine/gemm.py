@@ -26,6 +26,7 @@ thread count, the shapes, the candidates and our kernel's source; `tandem calibr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -320,21 +321,40 @@ _OUR_KERNELS = {
 }
 
 
+INVARIANT = "invariant"  # the default mode: every float32 GEMM on one of our row-invariant kernels
+
+
+def invariant_path() -> GemmPath | None:
+    """The kernel of the "invariant" mode here: the panel kernel where it runs (AVX-512: fast at
+    every row count), else the streaming kernel (any x86 or ARM host with a C compiler); None where
+    neither loads."""
+    paths = candidates()
+    for path in (GemmPath.tandem_panel, GemmPath.tandem_gemv):
+        if path in paths:
+            return path
+    return None
+
+
 class GemmSettings:
-    """Process-wide GEMM mode: "auto" (measure once per machine, cached) or one forced path.
+    """Process-wide GEMM mode: "invariant" (the default: one row-invariant kernel of ours for every
+    call, so a row's bits never depend on the rows beside it), "auto" (the fastest path per shape
+    and row count, measured once per machine and cached; lossless by the shared-path rule, but a
+    prompt prefilled in other pieces or a row batched with others can get other bits) or one
+    forced path.
 
     Set once at the edge (`tandem --gemm` / TANDEM_GEMM, see tandem.tools.cli); models built later
-    read it. Forcing a path is for comparison and tests, never needed for correctness.
+    read it. Where neither of our kernels builds (no C compiler), "invariant" falls back to "auto"
+    and says so in the log.
     """
 
-    mode: str = "auto"
+    mode: str = INVARIANT
     cache: Path | None = None  # default: <tandem cache>/gemm
     progress: bool = True
 
     @classmethod
     def configure(cls, mode: str = "auto", *, cache: Path | None = None, progress: bool | None = None) -> None:
-        if mode != "auto" and mode not in GemmPath.__members__:
-            raise ValueError(f"unknown GEMM mode {mode!r}: auto or one of {', '.join(GemmPath.__members__)}")
+        if mode not in ("auto", INVARIANT) and mode not in GemmPath.__members__:
+            raise ValueError(f"unknown GEMM mode {mode!r}: {INVARIANT}, auto or one of {', '.join(GemmPath.__members__)}")
         if mode.startswith("onednn") and not onednn_available():
             raise ValueError(f"GEMM mode {mode!r} needs oneDNN, which this torch build lacks")
         if mode in _OUR_KERNELS and GemmPath(mode) not in candidates():
@@ -364,10 +384,21 @@ def plan_for(shapes: list[tuple[int, int]], model_bytes: int | None = None) -> G
     `model_bytes`: the bytes of all the model's weights that go through the plan (see `cold_bytes`;
     default: one weight of each shape)."""
     shapes = sorted(set(shapes))
-    if GemmSettings.mode != "auto":
+    if GemmSettings.mode == INVARIANT:
+        path = invariant_path()
+        if path is not None:
+            return forced_plan(path, shapes)
+        _warn_not_invariant()
+    elif GemmSettings.mode != "auto":
         return forced_plan(GemmPath(GemmSettings.mode), shapes)
     with _memo_lock:
         return _plan_for(shapes, cold_bytes(model_bytes or _bytes_of(shapes)))
+
+
+@functools.cache
+def _warn_not_invariant() -> None:
+    log.warning("neither of our row-invariant GEMM kernels builds here (no C compiler?): float32 forwards use "
+                "the measured library paths, so a row's bits can depend on the rows beside it")
 
 
 def _plan_for(shapes: list[tuple[int, int]], rotate_bytes: int) -> GemmPlan:

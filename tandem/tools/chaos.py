@@ -66,12 +66,11 @@ class ChaosConfig:
     faults: tuple[str, ...] = tuple(FAULTS)
     verifier_threads: int | None = None
     startup_timeout_s: float = 300.0
-    # The GEMM path of every process and of the reference. tandem_gemv (with our attention kernel)
-    # makes batched rows and verified blocks equal one-token steps bit for bit, so "equals plain
-    # decoding" is exact by construction and a mismatch can only be a fault's doing; with the
-    # measured plan ("auto") a greedy near-tie may flip under batching, which is not what this
-    # soak tests. Where tandem_gemv cannot be built, "auto" (said in the report).
-    gemm: str = "tandem_gemv"
+    # The GEMM mode of every process and of the reference: the default, "invariant" (a float32
+    # target on our row-invariant kernels; the default GGUF target on quant.c either way), so
+    # batched rows, prompt pieces and verified blocks equal one-token steps bit for bit and a
+    # mismatch can only be a fault's doing. "auto" (the measured library plan) gives that up.
+    gemm: str = "invariant"
 
 
 @dataclass

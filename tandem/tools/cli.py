@@ -36,15 +36,17 @@ def _global(
     gemm: Annotated[
         str,
         typer.Option("--gemm", envvar="TANDEM_GEMM", show_default=True,
-                     help="CPU GEMM path of float32 target forwards: 'auto' measures the paths once per machine "
-                          "(cached; `tandem calibrate` shows the choice) and picks the fastest per weight shape and "
-                          "row count; or force one everywhere: mkl_nt, mkl_nn, onednn_b1, onednn_b4, onednn_b16, "
-                          "gemv_rows, tandem_gemv (our streaming kernel, built with the host's C compiler), tandem_panel "
-                          "(our register-tiled kernel on panel-packed weights, AVX-512). Output is lossless with any of them "
-                          "(plain and speculative decoding share the path for each row count); tandem_gemv or tandem_panel, "
-                          "with our attention kernel (AVX-512), also makes every block batch-invariant, so logprobs equal "
-                          "plain decoding's bit for bit."),
-    ] = "auto",
+                     help="CPU GEMM path of float32 target forwards. 'invariant' (default): every call on one "
+                          "of our row-invariant kernels (tandem_panel with AVX-512, else tandem_gemv), so a "
+                          "position's bits never depend on the rows beside it: the same request gives the same "
+                          "tokens idle or under load. 'auto' measures the library paths once per machine (cached; "
+                          "`tandem calibrate` shows the choice) and picks the fastest per weight shape and row count: "
+                          "faster verification blocks and prefill, still lossless against plain decoding, but a prompt "
+                          "prefilled in other pieces or batched with other sessions can give other tokens. Or force "
+                          "one everywhere (for comparison): mkl_nt, mkl_nn, onednn_b1, onednn_b4, onednn_b16, "
+                          "gemv_rows, tandem_gemv, tandem_panel. A GGUF target at its own precision (the default "
+                          "model) runs on quant.c, invariant whatever this says."),
+    ] = "invariant",
 ) -> None:
     """Options that apply to every command (set before the command: `tandem --gemm onednn_b4 bench ...`)."""
     from tandem.engine.gemm import GemmSettings
@@ -53,6 +55,8 @@ def _global(
         GemmSettings.configure(gemm)
     except ValueError as exc:
         _fail(str(exc))
+
+STRATEGIES_DEFAULT = ("none", "ngram", "suffix", "hybrid")  # tandem determinism's rotation
 
 ModelOpt = Annotated[
     str,
@@ -1035,6 +1039,58 @@ def chaos(
     for what, value in table(report):
         t.add_row(what, value)
     console.print(t)
+    console.print(f"report: {out}")
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def determinism(
+    model: ModelOpt = "default",
+    rounds: Annotated[int, typer.Option("--rounds", help="Rounds under load; each sends every request again.", min=1)] = 5,
+    streams: Annotated[int, typer.Option("--streams", help="Concurrent greedy chat streams (one tenant, a shared system prompt).", min=1, max=64)] = 8,
+    strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated speculation strategies the streams rotate through.")] = ",".join(STRATEGIES_DEFAULT),
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per request.", min=1)] = 48,
+    long_prompts: Annotated[int, typer.Option("--long-prompts", help="Another tenant's long prompts per round (chunked prefill beside the streams).", min=0)] = 2,
+    n_choices: Annotated[int, typer.Option("--n", help="One request with this many choices per round (1: none).", min=1, max=8)] = 2,
+    sampled: Annotated[bool, typer.Option("--sampled/--greedy-only", help="Seeded sampled requests too (compared with their own idle run).")] = True,
+    verifiers: Annotated[int, typer.Option("--verifiers", help="Verifiers in the stack.", min=1)] = 2,
+    kill_every: Annotated[int, typer.Option("--kill-every", help="SIGKILL a verifier mid-stream every k-th round (0: never).", min=0)] = 2,
+    tls: Annotated[bool, typer.Option("--tls/--no-tls", help="Mutual TLS between the services, TLS at the gateway.")] = False,
+    api_keys: Annotated[bool, typer.Option("--api-keys/--no-api-keys", help="Two tenants with API keys: the streams use one, the long prompts the other.")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seeds the kills and the session ids.")] = 0,
+    out: Annotated[Path, typer.Option("--out", help="Where the JSON report goes.")] = Path("determinism.json"),
+) -> None:
+    """Check that a request gives the same token ids idle and under load: each greedy chat request
+    alone first (plain decoding), then all of them at once for N rounds, rotating through the
+    speculation strategies, beside another tenant's long prompts, an n > 1 request and (every k-th
+    round) a verifier killed mid-stream. Prints and writes every difference; exit code 1 if any
+    greedy output (or a seeded plain sampled one) differed or failed."""
+    _setup(None, "warning")
+    from rich.console import Console
+    from rich.table import Table
+
+    from tandem.tools.determinism import DeterminismConfig, run_determinism, table
+
+    chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
+    unknown = sorted(set(chosen) - set(STRATEGIES_DEFAULT) - {"model"})
+    if unknown or not chosen:
+        _fail(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES_DEFAULT)}, model")
+    console = Console(stderr=True)
+    cfg = DeterminismConfig(model=model, rounds=rounds, streams=streams, strategies=chosen, max_tokens=max_tokens,
+                            long_prompts=long_prompts, n_choices=n_choices, sampled=sampled, verifiers=verifiers,
+                            kill_every=kill_every, tls=tls, api_keys=api_keys, seed=seed)
+    console.print(f"determinism: {streams} streams x {rounds} rounds ({', '.join(chosen)}), {verifiers} verifiers; "
+                  "starting the stack ...")
+    report = run_determinism(cfg, on_event=lambda text: console.print(f"  {text}", highlight=False), out=out)
+    t = Table(title=f"tandem determinism ({'ok' if report['ok'] else 'FAILED'})")
+    t.add_column("")
+    t.add_column("")
+    for what, value in table(report):
+        t.add_row(what, value)
+    console.print(t)
+    for d in report["differences"][:10]:
+        console.print(f"  differs: {d}", highlight=False)
     console.print(f"report: {out}")
     if not report["ok"]:
         raise typer.Exit(1)

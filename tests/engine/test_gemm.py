@@ -28,7 +28,7 @@ PATHS = [p.value for p in candidates()]
 @pytest.fixture(autouse=True)
 def _restore_settings():
     yield
-    GemmSettings.configure("auto", cache=None)
+    GemmSettings.configure(gemm.INVARIANT, cache=None)  # the default
     gemm._memo.clear()
 
 

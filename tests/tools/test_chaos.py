@@ -20,7 +20,7 @@ def test_a_short_soak_under_every_kind_of_fault(tiny_dir, tmp_path) -> None:
     events = []
     report = run_chaos(ChaosConfig(model=str(tiny_dir), duration_s=30, sessions=3, turns=3, max_tokens=64,
                                    fault_every_s=3, seed=3, prompts=PROMPTS, verifier_threads=1,
-                                   startup_timeout_s=120, gemm="auto"),
+                                   startup_timeout_s=120),  # the default GEMM mode
                        on_event=events.append, out=out)
     assert json.loads(out.read_text())["requests"] == report["requests"]
     summary = dict(table(report))

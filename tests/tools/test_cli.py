@@ -59,7 +59,7 @@ def keep_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-    GemmSettings.configure("auto")  # `tandem --gemm PATH` sets it process-wide, like the threads
+    GemmSettings.configure("invariant")  # the default; `tandem --gemm PATH` sets it process-wide, like the threads
 
 
 # --- help -----------------------------------------------------------------------------------------
