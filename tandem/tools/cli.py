@@ -1047,6 +1047,7 @@ def chaos(
 @app.command()
 def determinism(
     model: ModelOpt = "default",
+    draft_model: Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for hybrid and model (default: the target's distilled draft, if made).")] = None,
     rounds: Annotated[int, typer.Option("--rounds", help="Rounds under load; each sends every request again.", min=1)] = 5,
     streams: Annotated[int, typer.Option("--streams", help="Concurrent greedy chat streams (one tenant, a shared system prompt).", min=1, max=64)] = 8,
     strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated speculation strategies the streams rotate through.")] = ",".join(STRATEGIES_DEFAULT),
@@ -1072,12 +1073,20 @@ def determinism(
 
     from tandem.tools.determinism import DeterminismConfig, run_determinism, table
 
+    from tandem.tools.determinism import find_draft
+
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
     unknown = sorted(set(chosen) - set(STRATEGIES_DEFAULT) - {"model"})
     if unknown or not chosen:
         _fail(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES_DEFAULT)}, model")
     console = Console(stderr=True)
-    cfg = DeterminismConfig(model=model, rounds=rounds, streams=streams, strategies=chosen, max_tokens=max_tokens,
+    draft = draft_model or find_draft(model)
+    if draft is None and set(chosen) & {"hybrid", "model"}:
+        chosen = tuple(s for s in chosen if s not in ("hybrid", "model"))
+        console.print("no draft model (pass --draft-model, or `tandem distill` makes one): hybrid and model left out")
+        if not chosen:
+            _fail("no strategy left to check")
+    cfg = DeterminismConfig(model=model, draft_model=draft, rounds=rounds, streams=streams, strategies=chosen, max_tokens=max_tokens,
                             long_prompts=long_prompts, n_choices=n_choices, sampled=sampled, verifiers=verifiers,
                             kill_every=kill_every, tls=tls, api_keys=api_keys, seed=seed)
     console.print(f"determinism: {streams} streams x {rounds} rounds ({', '.join(chosen)}), {verifiers} verifiers; "

@@ -48,6 +48,7 @@ TENANTS = ("replay", "other")  # the streams' tenant and the hostile one (with a
 @dataclass
 class DeterminismConfig:
     model: str = "default"
+    draft_model: str | None = None  # for hybrid and model (None: the target's distilled draft, if made)
     rounds: int = 5
     streams: int = 8  # concurrent greedy chat streams of one tenant
     strategies: tuple[str, ...] = STRATEGIES
@@ -175,6 +176,10 @@ class Determinism:
         unknown = sorted(set(c.strategies) - set(STRATEGIES) - {"model"})
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}, model")
+        draft = c.draft_model or find_draft(c.model)
+        if draft is None and set(c.strategies) & {"hybrid", "model"}:
+            raise ValueError("strategies hybrid and model need a draft model: pass one, make the target's with "
+                             "`tandem distill`, or leave them out")
         workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-determinism-{os.getpid()}"
         workdir.mkdir(parents=True, exist_ok=True)
         keys = {t: f"sk-{t}-{random.Random(c.seed).getrandbits(64):016x}" for t in TENANTS} if c.api_keys else {}
@@ -184,7 +189,7 @@ class Determinism:
             keys_file.write_text(json.dumps({"tenants": {t: {"keys": [k]} for t, k in keys.items()}}))
         os.environ.pop("TANDEM_REDIS_URL", None)
         stack = Stack(StackConfig(
-            model=c.model, verifiers=c.verifiers, verifier_threads=c.verifier_threads, log_level="warning",
+            model=c.model, draft_model=draft, verifiers=c.verifiers, verifier_threads=c.verifier_threads, log_level="warning",
             metrics=False, http_port=free_port(), grpc_port=free_port(), startup_timeout_s=c.startup_timeout_s,
             drain_grace_s=2.0, restart_backoff_s=0.5, max_backoff_s=5.0, start_failures=5,
             tls_dir=workdir / "certs" if c.tls else None, api_keys_file=keys_file, extra_env=dict(c.extra_env)))
@@ -322,6 +327,17 @@ class Determinism:
                 "greedy": greedy, "per_strategy": per_strategy, "sampled_none": sampled_none,
                 "sampled_speculative": sampled_spec, "kills": self.kills,
                 "idle_tokens": {n: r.choices[0] for n, r in idle.items()}, "differences": diffs[:50]}
+
+
+def find_draft(model: str) -> str | None:
+    """The target's distilled draft where `tandem distill` made one (the stack's own rule), else None."""
+    from tandem.engine.models import ModelError, find_default_draft, resolve_model_path
+
+    try:
+        found = find_default_draft(resolve_model_path(model)[0])
+    except ModelError:
+        return None
+    return None if found is None else str(found)
 
 
 def _diff(round_: int, res: dict, choice: int, ref: list[int]) -> dict:

@@ -34,10 +34,13 @@ def _check(report: dict, kills: int) -> None:
 
 
 @pytest.mark.slow
-def test_the_same_tokens_idle_and_under_a_hostile_mix_tiny(tiny_dir, tmp_path) -> None:
+def test_the_same_tokens_idle_and_under_a_hostile_mix_tiny(tiny_dir, tiny_draft_loaded, tmp_path) -> None:
     out = tmp_path / "determinism.json"
+    draft = tmp_path / "tiny-draft"
+    tiny_draft_loaded.model.save_pretrained(str(draft))
+    tiny_draft_loaded.tokenizer.save_pretrained(str(draft))
     report = run_determinism(DeterminismConfig(
-        model=str(tiny_dir), rounds=4, streams=6, max_tokens=48, long_prompts=2, long_words=150, n_choices=2,
+        model=str(tiny_dir), draft_model=str(draft), rounds=4, streams=6, max_tokens=48, long_prompts=2, long_words=150, n_choices=2,
         kill_every=2, tls=True, api_keys=True, prompts=PROMPTS, verifier_threads=1, startup_timeout_s=120),
         out=out)
     assert json.loads(out.read_text())["greedy"] == report["greedy"]
@@ -47,9 +50,24 @@ def test_the_same_tokens_idle_and_under_a_hostile_mix_tiny(tiny_dir, tmp_path) -
 @pytest.mark.slow
 def test_the_embedded_model_gives_the_same_tokens_idle_and_under_load(tmp_path) -> None:
     """The default model and precision, as `tandem up` runs it: 8 chat streams sharing a system
-    prompt, another tenant's long prompt, a verifier killed in the second round."""
+    prompt, another tenant's long prompt, a verifier killed in the second round. The draft for
+    hybrid is SmolLM2 cut to its first 4 layers (a real draft with the target's tokenizer)."""
+    from smollm_fixture import DRAFT_LAYERS
+
+    from tandem.engine.models import load_model
+
+    loaded = load_model("default", progress=False, precision="float32")
+    model = loaded.model
+    model.model.layers = model.model.layers[:DRAFT_LAYERS]
+    model.config.num_hidden_layers = DRAFT_LAYERS
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:DRAFT_LAYERS]
+    draft = tmp_path / "smollm-first4"
+    model.save_pretrained(str(draft))
+    loaded.tokenizer.save_pretrained(str(draft))
+    del loaded, model
     report = run_determinism(DeterminismConfig(
-        rounds=2, streams=8, max_tokens=24, long_prompts=1, long_words=300, n_choices=2, kill_every=2,
+        draft_model=str(draft), rounds=2, streams=8, max_tokens=24, long_prompts=1, long_words=300, n_choices=2, kill_every=2,
         api_keys=True, startup_timeout_s=300), out=tmp_path / "determinism.json")
     _check(report, kills=1)
     assert report["greedy"]["resumed"] >= 1  # the kill hit streams in flight, which resumed on the other verifier
