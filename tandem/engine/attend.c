@@ -1,6 +1,14 @@
-/* Attention of a decode or verification block on a CPU: n new query rows (positions s .. s+n-1)
- * against one layer's KV cache holding positions 0 .. s+n-1, causal, with grouped KV heads (query
- * head h reads KV head h / (H / KV)).
+/* Attention of a block on a CPU (a decode step, a verification block or tree, a prompt piece of any
+ * length): n new query rows (positions s .. s+n-1) against one layer's KV cache holding positions
+ * 0 .. s+n-1, causal, with grouped KV heads (query head h reads KV head h / (H / KV)).
+ *
+ * Why every block comes here, prefill included: a row's result depends only on its own query and
+ * the keys up to its position, in a fixed order (runs of SPAN keys at fixed positions, merged in
+ * order), never on the rows beside it, the block's length or the thread count. So a position gets
+ * the same bits whether its prompt was prefilled whole, in pieces (chunked prefill under load),
+ * copied from another session's prefix, or stepped one token at a time, and greedy output is the
+ * same under any load (docs/design-notes.md, "One request, one answer"). torch's kernel gives a
+ * row other bits in a longer block.
  *
  * Why our own: torch's CPU flash attention splits its work by heads and query blocks and runs a
  * one-row query block as small GEMM calls per 512 keys. Measured on a 2-core Intel Xeon host for
@@ -19,7 +27,7 @@
  *   k, v key j of KV head g at k[(g * cap + j) * D]   (a layer of the [KV, cap, D] cache; with
  *        `half`, IEEE binary16 elements, widened exactly to floats a tile at a time)
  *   out  row t, head h at out[t * o_stride + h * D]   (the [n, H * D] input of the output projection)
- * D must be a multiple of 16 (one AVX-512 register of floats) and at most 256; the loader checks.
+ * D must be a multiple of 16 (one v16 of floats) and at most 256; the loader checks.
  *
  * Token trees: with `tree` non-NULL, row t sees the cache's keys 0 .. s-1 and the block's keys s + i
  * for the bits i set in tree[t] (itself and its ancestors; a block has at most 32 rows) instead of

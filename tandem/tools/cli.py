@@ -1053,6 +1053,7 @@ def determinism(
     strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated speculation strategies the streams rotate through.")] = ",".join(STRATEGIES_DEFAULT),
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per request.", min=1)] = 48,
     long_prompts: Annotated[int, typer.Option("--long-prompts", help="Another tenant's long prompts per round (chunked prefill beside the streams).", min=0)] = 2,
+    long_words: Annotated[int, typer.Option("--long-words", help="Words of each long prompt (~1.3 tokens a word).", min=1)] = 900,
     n_choices: Annotated[int, typer.Option("--n", help="One request with this many choices per round (1: none).", min=1, max=8)] = 2,
     sampled: Annotated[bool, typer.Option("--sampled/--greedy-only", help="Seeded sampled requests too (compared with their own idle run).")] = True,
     verifiers: Annotated[int, typer.Option("--verifiers", help="Verifiers in the stack.", min=1)] = 2,
@@ -1087,7 +1088,7 @@ def determinism(
         if not chosen:
             _fail("no strategy left to check")
     cfg = DeterminismConfig(model=model, draft_model=draft, rounds=rounds, streams=streams, strategies=chosen, max_tokens=max_tokens,
-                            long_prompts=long_prompts, n_choices=n_choices, sampled=sampled, verifiers=verifiers,
+                            long_prompts=long_prompts, long_words=long_words, n_choices=n_choices, sampled=sampled, verifiers=verifiers,
                             kill_every=kill_every, tls=tls, api_keys=api_keys, seed=seed)
     console.print(f"determinism: {streams} streams x {rounds} rounds ({', '.join(chosen)}), {verifiers} verifiers; "
                   "starting the stack ...")
