@@ -1,4 +1,4 @@
-/* Few-row GEMM on a panel-packed weight: y[n, m] = x[n, k] . W[m, k]^T, n <= 32, AVX-512.
+/* Few-row GEMM on a panel-packed weight: y[n, m] = x[n, k] . W[m, k]^T, n <= 32, AVX-512 or AVX2.
  *
  * Why a second kernel beside gemv.c: gemv.c takes dot products along k (one weight row against a
  * few activation rows, then a horizontal sum per output), which reads weights at the streaming
@@ -25,8 +25,9 @@
  * end, so a quarter of the bytes stream from memory; on the EPYC host 0.55-0.65x the time of torch's
  * weight-packed int8 matmul on every SmolLM2 shape at 1-9 rows.
  *
- * Built at first use by tandem/engine/panel.py like gemv.c. Without AVX-512 the library still
- * builds, and tandem_panel_available() says 0: the path is then not offered.
+ * Built at first use by tandem/engine/panel.py like gemv.c, for AVX-512 or (a form below with the
+ * same bits) AVX2 with FMA. Without either the library still builds, and tandem_panel_available()
+ * says 0: the path is then not offered.
  */
 #include <stddef.h>
 
@@ -192,7 +193,112 @@ void tandem_panel_rows_q8(const float *restrict x, const signed char *restrict p
     rows(x, packed, scales, y, n, m, k, threads, 1);
 }
 
-#else /* no AVX-512: the path is not offered (tandem_panel_available) */
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (AMD Zen 2 / Zen 3, older Intel): the same panels and the same arithmetic, each output one
+ * FMA chain in k order from zero, so the same bits as the AVX-512 form (a vector's width does not
+ * enter a lane's chain; tested where both run). A panel's 16 outputs are two 8-lane registers;
+ * with 16 registers a tile is one panel x up to 6 rows (12 accumulators, 2 weights, 1 broadcast). */
+#include <immintrin.h>
+#include <omp.h>
+#include <string.h>
+
+#define MAX_R2 6
+#define PF_BYTES 8192
+
+static inline __attribute__((always_inline)) void weights8x2(const void *restrict panels, size_t at, const int Q8,
+                                                             __m256 *lo, __m256 *hi) {
+    if (Q8) {
+        const signed char *q = (const signed char *)panels + at;
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
+    } else {
+        *lo = _mm256_loadu_ps((const float *)panels + at);
+        *hi = _mm256_loadu_ps((const float *)panels + at + 8);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile2(const float *restrict x, size_t ldx, const void *restrict panel,
+                                                        int k, const int R, float *restrict y, size_t ldy, int col,
+                                                        int m, const int Q8, const float *restrict scales) {
+    __m256 lo[MAX_R2], hi[MAX_R2];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int kk = 0; kk < k; kk++) {
+        if (!Q8 || kk % 4 == 0)
+            _mm_prefetch((const char *)panel + (size_t)kk * LANES * (Q8 ? 1 : 4) + PF_BYTES, _MM_HINT_T1);
+        __m256 wl, wh;
+        weights8x2(panel, (size_t)kk * LANES, Q8, &wl, &wh);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const __m256 xb = _mm256_set1_ps(x[r * ldx + kk]);
+            lo[r] = _mm256_fmadd_ps(xb, wl, lo[r]);
+            hi[r] = _mm256_fmadd_ps(xb, wh, hi[r]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) {
+        if (Q8) {
+            lo[r] = _mm256_mul_ps(lo[r], _mm256_loadu_ps(scales + col));
+            hi[r] = _mm256_mul_ps(hi[r], _mm256_loadu_ps(scales + col + 8));
+        }
+        if (col + LANES <= m) {
+            _mm256_storeu_ps(y + r * ldy + col, lo[r]);
+            _mm256_storeu_ps(y + r * ldy + col + 8, hi[r]);
+        } else if (col < m) { /* the last panel's real outputs only */
+            float buf[LANES];
+            _mm256_storeu_ps(buf, lo[r]);
+            _mm256_storeu_ps(buf + 8, hi[r]);
+            memcpy(y + r * ldy + col, buf, sizeof(float) * (size_t)(m - col));
+        }
+    }
+}
+
+#define TILE2_(R) tile2(xr, (size_t)k, wp, k, R, yr, (size_t)m, p * LANES, m, Q8, scales)
+
+int tandem_panel_available(void) { return 1; }
+
+static inline __attribute__((always_inline)) void rows2(const float *restrict x, const void *restrict packed,
+                                                        const float *restrict scales, float *restrict y,
+                                                        int n, int m, int k, int threads, const int Q8) {
+    const int panels = (m + LANES - 1) / LANES;
+    const size_t pstride = (size_t)k * LANES;
+    const int tiles = (n + MAX_R2 - 1) / MAX_R2;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int begin = (int)((long)panels * t / T), end = (int)((long)panels * (t + 1) / T);
+        for (int p = begin; p < end; p++) {
+            const void *wp = Q8 ? (const void *)((const signed char *)packed + (size_t)p * pstride)
+                                : (const void *)((const float *)packed + (size_t)p * pstride);
+            for (int j = 0, r0 = 0; j < tiles; j++) {
+                const int R = (n - r0) / (tiles - j);
+                const float *xr = x + (size_t)r0 * k;
+                float *yr = y + (size_t)r0 * m;
+                r0 += R;
+                switch (R) {
+                case 1: TILE2_(1); break;
+                case 2: TILE2_(2); break;
+                case 3: TILE2_(3); break;
+                case 4: TILE2_(4); break;
+                case 5: TILE2_(5); break;
+                default: TILE2_(6); break;
+                }
+            }
+        }
+    }
+}
+
+void tandem_panel_rows(const float *restrict x, const float *restrict packed, float *restrict y,
+                       int n, int m, int k, int threads) {
+    rows2(x, packed, 0, y, n, m, k, threads, 0);
+}
+
+void tandem_panel_rows_q8(const float *restrict x, const signed char *restrict packed, const float *restrict scales,
+                          float *restrict y, int n, int m, int k, int threads) {
+    rows2(x, packed, scales, y, n, m, k, threads, 1);
+}
+
+#else /* neither AVX-512 nor AVX2 with FMA: the path is not offered (tandem_panel_available) */
 
 int tandem_panel_available(void) { return 0; }
 

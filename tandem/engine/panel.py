@@ -1,7 +1,7 @@
-"""Loads panel.c (a few-row GEMM over a panel-packed weight, AVX-512), compiling it at first use.
+"""Loads panel.c (a few-row GEMM over a panel-packed weight, AVX-512 or AVX2), compiling it at first use.
 
 Built like gemv.c (tandem.engine.gemv.build: the host's compiler, `-march=native`, cached per source,
-flags and CPU). Where the CPU lacks AVX-512, no compiler works or the build fails, `library()` is
+flags and CPU). Where the CPU has neither AVX-512 nor AVX2 with FMA, no compiler works or the build fails, `library()` is
 None and the GEMM tuner does not offer the path (tandem.engine.gemm).
 """
 
@@ -28,14 +28,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     q8.restype = None
     lib.tandem_panel_available.restype = ctypes.c_int
     if not lib.tandem_panel_available():
-        raise OSError("built without AVX-512")
+        raise OSError("built without AVX-512 or AVX2")
 
 
-_kernel = gemv.Kernel(SOURCE, "panel GEMM kernel (AVX-512)", _bind)
+_kernel = gemv.Kernel(SOURCE, "panel GEMM kernel", _bind)
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot be built or has no AVX-512 here."""
+    """The compiled kernel, or None where it cannot be built or has neither AVX-512 nor AVX2 here."""
     return _kernel.library()
 
 
@@ -59,7 +59,7 @@ def panel_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     n <= MAX_ROWS. Threads: torch's intra-op count, in torch's own OpenMP pool."""
     lib = library()
     if lib is None:
-        raise RuntimeError("the panel GEMM kernel is not available on this host (needs AVX-512 and a C compiler)")
+        raise RuntimeError("the panel GEMM kernel is not available on this host (needs AVX-512 or AVX2 and a C compiler)")
     n, k = x.shape
     if (n > MAX_ROWS or packed.dim() != 3 or packed.shape[1] != k or packed.shape[2] != LANES
             or packed.shape[0] != -(-out_features // LANES) or x.dtype != torch.float32
@@ -83,7 +83,7 @@ class PackedWeight:
 
     def __init__(self, w: torch.Tensor):
         if library() is None:
-            raise RuntimeError("the panel GEMM kernel is not available on this host (needs AVX-512 and a C compiler)")
+            raise RuntimeError("the panel GEMM kernel is not available on this host (needs AVX-512 or AVX2 and a C compiler)")
         self.out_features, self.in_features = w.shape
         self.packed = pack(w.detach().float())  # [ceil(out/16), in, 16]
         self._fn = library().tandem_panel_rows
@@ -118,7 +118,7 @@ class PackedInt8Weight:
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         if library() is None:
-            raise RuntimeError("the panel GEMM kernel is not available on this host (needs AVX-512 and a C compiler)")
+            raise RuntimeError("the panel GEMM kernel is not available on this host (needs AVX-512 or AVX2 and a C compiler)")
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(f"PackedInt8Weight takes int8 q [out, in] and scale [out], got {q.dtype} "
                              f"{tuple(q.shape)} and {tuple(scale.shape)}")

@@ -45,6 +45,7 @@ log = logging.getLogger("tandem.tools.determinism")
 STRATEGIES = ("none", "ngram", "suffix", "hybrid")
 SYSTEM = "You are a helpful assistant. Answer clearly and concisely."
 TENANTS = ("replay", "other")  # the streams' tenant and the hostile one (with api_keys)
+HOSTILE_TOKENS = 8  # tokens each long prompt generates
 
 
 @dataclass
@@ -127,7 +128,8 @@ class Determinism:
             i += 1
         return "Summarize the following notes in one sentence.\n\n" + " ".join(words[: self.config.long_words])
 
-    def _send(self, stub, req: Request, session: str, key: str | None, round_: int = -1) -> Result:
+    def _send(self, stub, req: Request, session: str, key: str | None, round_: int = -1,
+              max_tokens: int | None = None) -> Result:
         import grpc
 
         from tandem.v1 import common_pb2, gateway_pb2
@@ -135,7 +137,8 @@ class Determinism:
         strategies = {"none": common_pb2.DRAFT_STRATEGY_NONE, "ngram": common_pb2.DRAFT_STRATEGY_NGRAM,
                       "suffix": common_pb2.DRAFT_STRATEGY_SUFFIX, "hybrid": common_pb2.DRAFT_STRATEGY_HYBRID,
                       "model": common_pb2.DRAFT_STRATEGY_MODEL}
-        sampling = common_pb2.SamplingParams(max_new_tokens=self.config.max_tokens, temperature=req.temperature)
+        sampling = common_pb2.SamplingParams(max_new_tokens=max_tokens or self.config.max_tokens,
+                                             temperature=req.temperature)
         if req.seed is not None:
             sampling.seed = req.seed
         msgs = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="system", content=SYSTEM),
@@ -246,7 +249,9 @@ class Determinism:
         threads = []
         for j, (r, session, kk) in enumerate(hostile):
             # the long prompts first, so the streams' prompts are prefilled beside their pieces
-            threads.append(threading.Thread(target=self._send, args=(stub, r, session, kk, k), daemon=True))
+            # a few tokens each: what they are for is their prefill, in pieces beside the streams
+            threads.append(threading.Thread(target=self._send, args=(stub, r, session, kk, k, HOSTILE_TOKENS),
+                                            daemon=True))
         for j, (r, session, kk) in enumerate(work):
             def one(j=j, r=r, session=session, kk=kk):
                 results[j] = self._send(stub, r, session, kk, k)
