@@ -185,3 +185,16 @@ def count_pooled_attention(monkeypatch) -> list:
 
     monkeypatch.setattr(llama, "_PooledAttention", Counting)
     return calls
+
+
+@pytest.fixture
+def measured_gemm():
+    """The float32 forward on the measured GEMM plan (`tandem --gemm auto`) for the test, the default
+    ("invariant") after it. Token trees run only where the forward is not batch-invariant (a tree
+    row's ancestors sit at other key slots, so its attention sums in another order than the chain's):
+    tests of trees on the tiny float32 model ask for this plan."""
+    from tandem.engine import gemm
+
+    gemm.GemmSettings.configure("auto", progress=False)
+    yield
+    gemm.GemmSettings.configure(gemm.INVARIANT)

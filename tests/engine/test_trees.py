@@ -123,6 +123,9 @@ def _branchy_store(engine: Engine, prompts: list[list[int]], max_new: int) -> Su
     return store
 
 
+# trees run where the forward is not batch-invariant: the measured plan (conftest.measured_gemm)
+pytestmark = pytest.mark.usefixtures("measured_gemm")
+
 PROMPTS = ["the answer is the answer is the answer is", "def return if else for while def return if",
            "cat dog bird fish cow"]
 

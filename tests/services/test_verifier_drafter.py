@@ -396,7 +396,7 @@ def _until(ok, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_token_trees_over_the_wire_commit_the_targets_text(tiny_loaded, monkeypatch):
+def test_token_trees_over_the_wire_commit_the_targets_text(tiny_loaded, monkeypatch, measured_gemm):
     """The drafter's store holds two answers to one prompt that fork: its suffix decoding sends
     token trees (DraftBlock.parents) to the verifier, which verifies them in one forward each;
     the text is the target's. With trees switched off on the drafter, chains only, same text."""
