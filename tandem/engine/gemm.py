@@ -1,4 +1,10 @@
-"""Which CPU GEMM path computes each linear layer: measured per machine, chosen per shape and rows.
+"""Which CPU GEMM path computes each linear layer of a float32 target.
+
+By default (`GemmSettings.mode` "invariant") every call goes through one of our row-invariant
+kernels (panel.c where it runs, else gemv.c; prefill in pieces of 32 rows), so a row's bits never
+depend on the rows beside it or the piece its prompt arrived in: the same request gives the same
+tokens idle and under load (docs/design-notes.md, "One request, one answer"). "auto", described
+below, trades that for speed: measured per machine, chosen per shape and rows.
 
 Why: a step of a small model on a CPU is a few dozen GEMMs of 1-17 rows against weights read from
 memory, and how close a GEMM gets to memory speed depends on the library path, the weight layout and

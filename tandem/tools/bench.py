@@ -763,7 +763,12 @@ def machine_info(engine: Engine) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
     plan = getattr(getattr(engine.runner.backend, "impl", None), "gemm_plan", None)
     if plan is not None:
-        info["gemm"] = plan.mode  # "auto" (measured on this machine) or the one path forced
+        from tandem.engine.gemm import INVARIANT, GemmSettings
+
+        # the setting ("invariant", "auto" or a forced path) and the path(s) it gave: "auto" (measured
+        # on this machine) or the one path every call takes
+        info["gemm"] = GemmSettings.mode if GemmSettings.mode == INVARIANT else plan.mode
+        info["gemm_plan"] = plan.mode
     return info
 
 

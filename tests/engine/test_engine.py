@@ -724,7 +724,7 @@ def _tree_draws(engine: Engine, ctx: list[int], draws: int):
 
 
 @pytest.mark.slow
-def test_sampled_tree_drafts_follow_the_target_distribution(sharp, contexts, monkeypatch) -> None:
+def test_sampled_tree_drafts_follow_the_target_distribution(sharp, contexts, monkeypatch, measured_gemm) -> None:
     """Trees verified by recursive rejection over siblings: the first two committed tokens follow
     the target's distribution (chi-square), drafts both accepted and rejected, every first step a
     4-node tree with two branches (counted at the real tree forward)."""
@@ -742,7 +742,7 @@ def test_sampled_tree_drafts_follow_the_target_distribution(sharp, contexts, mon
 
 
 @pytest.mark.slow
-def test_the_chi_square_test_catches_a_biased_tree_sampler(sharp, contexts, monkeypatch) -> None:
+def test_the_chi_square_test_catches_a_biased_tree_sampler(sharp, contexts, monkeypatch, measured_gemm) -> None:
     """Negative control: drawing the token after rejected siblings from p (not from p without
     them) must fail the same test at half the sample size."""
 

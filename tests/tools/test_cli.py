@@ -199,7 +199,7 @@ def test_bench_writes_the_documented_report(tiny_dir, tmp_path) -> None:
     assert cfg["dataset"] == str(dataset) and cfg["machine"]["torch_threads"] == 1
     # every report names its machine and carries the cost curve measured before the run
     curve = cfg["machine"]["cost_curve"]
-    assert cfg["machine"]["cpu"] == curve["cpu"] != "" and cfg["machine"]["gemm"] == "auto"
+    assert cfg["machine"]["cpu"] == curve["cpu"] != "" and cfg["machine"]["gemm"] == "invariant"
     assert set(curve["curve_ms"]) == {"100", "1000"} and curve["bound_ms"] > 0
 
 
