@@ -21,8 +21,9 @@ independent of how it arrived (docs/design-notes.md, "One request, one answer").
 
 Seeded sampled requests (`sampled`) are compared with their own idle run. Only their plain (`none`)
 form is required to replay under load; the report counts two others separately: with speculation a
-request's draws follow its verification blocks, and a block may be shorter under load when the
-drafter's proposal is late (a fallback step); and a request resumed on another verifier after a
+request's draws follow its verification blocks, which follow the drafter's state (suffix decoding's
+store learns every answer, so a later run drafts other blocks) and can be shortened under load when
+the drafter's proposal is late (a fallback step); and a request resumed on another verifier after a
 kill continues with a seed derived from the resume point (services/gateway/core.py), by design.
 """
 
