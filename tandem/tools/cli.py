@@ -997,6 +997,22 @@ def up(
                demo_request=False)
 
 
+def _report_table(console, title: str, ok: bool, rows: list[tuple[str, str]], out: Path) -> None:
+    """A soak's or check's summary as a two-column table, where its JSON went, and exit code 1 when
+    it failed."""
+    from rich.table import Table
+
+    t = Table(title=f"{title} ({'ok' if ok else 'FAILED'})")
+    t.add_column("")
+    t.add_column("")
+    for what, value in rows:
+        t.add_row(what, value)
+    console.print(t)
+    console.print(f"report: {out}")
+    if not ok:
+        raise typer.Exit(1)
+
+
 @app.command()
 def chaos(
     model: ModelOpt = "default",
@@ -1018,7 +1034,6 @@ def chaos(
     and leak checks. Exit code 1 if anything was lost, wrong or leaked."""
     _setup(None, "warning")
     from rich.console import Console
-    from rich.table import Table
 
     from tandem.tools.chaos import FAULTS, ChaosConfig, run_chaos, table
 
@@ -1033,15 +1048,7 @@ def chaos(
     console.print(f"chaos: {sessions} sessions for {duration:.0f} s, a fault every ~{fault_every:.0f} s (seed {seed}), "
                   f"{'network namespaces' if netns else 'loopback'}; starting the stack ...")
     report = run_chaos(cfg, on_event=lambda text: console.print(f"  {text}", highlight=False), out=out)
-    t = Table(title=f"tandem chaos ({'ok' if report['ok'] else 'FAILED'})")
-    t.add_column("")
-    t.add_column("")
-    for what, value in table(report):
-        t.add_row(what, value)
-    console.print(t)
-    console.print(f"report: {out}")
-    if not report["ok"]:
-        raise typer.Exit(1)
+    _report_table(console, "tandem chaos", report["ok"], table(report), out)
 
 
 @app.command()
@@ -1070,11 +1077,8 @@ def determinism(
     greedy output (or a seeded plain sampled one) differed or failed."""
     _setup(None, "warning")
     from rich.console import Console
-    from rich.table import Table
 
-    from tandem.tools.determinism import DeterminismConfig, run_determinism, table
-
-    from tandem.tools.determinism import find_draft
+    from tandem.tools.determinism import DeterminismConfig, find_draft, run_determinism, table
 
     chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
     unknown = sorted(set(chosen) - set(STRATEGIES_DEFAULT) - {"model"})
@@ -1093,17 +1097,9 @@ def determinism(
     console.print(f"determinism: {streams} streams x {rounds} rounds ({', '.join(chosen)}), {verifiers} verifiers; "
                   "starting the stack ...")
     report = run_determinism(cfg, on_event=lambda text: console.print(f"  {text}", highlight=False), out=out)
-    t = Table(title=f"tandem determinism ({'ok' if report['ok'] else 'FAILED'})")
-    t.add_column("")
-    t.add_column("")
-    for what, value in table(report):
-        t.add_row(what, value)
-    console.print(t)
     for d in report["differences"][:10]:
         console.print(f"  differs: {d}", highlight=False)
-    console.print(f"report: {out}")
-    if not report["ok"]:
-        raise typer.Exit(1)
+    _report_table(console, "tandem determinism", report["ok"], table(report), out)
 
 
 @app.command()

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from avx2_build import avx2_build
+
 from tandem.engine import attend
 
 needs_kernel = pytest.mark.skipif(attend.library() is None, reason="no AVX-512 or AVX2, or no C compiler here: torch's kernel serves")
@@ -179,18 +181,12 @@ def test_a_prompt_gives_the_same_bits_in_any_pieces(H, KV, D) -> None:
 
 
 @needs_kernel
-def test_avx2_and_native_builds_give_the_same_bits(tmp_path, monkeypatch) -> None:
+def test_avx2_and_native_builds_give_the_same_bits() -> None:
     """The kernel built for AVX2 (`-march=haswell`: an AMD Zen 2/3 or older Intel host) gives the bits
     of this host's build (AVX-512 where it has it), so a session failed over between two kinds of
     host resumes on the same numbers. Where this host has no AVX-512 both builds are AVX2 and the
     test checks only that the two compile to the same arithmetic."""
-    from tandem.engine import gemv
-
-    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
-    avx2 = gemv.build(attend.SOURCE, "attention kernel (AVX2)", march="haswell")
-    if avx2 is None:
-        pytest.skip("the compiler cannot build for haswell here")
-    attend._bind(avx2)
+    avx2 = avx2_build(attend, "CPU attention kernel")
     native = attend.library()
     gen = torch.Generator().manual_seed(3)
     for H, KV, D, start, n, half in ((9, 3, 64, 0, 120, False), (9, 3, 64, 1500, 9, True), (8, 2, 128, 300, 1, False),

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from avx2_build import avx2_build
+
 from tandem.engine import panel
 from tandem.engine.gemm import GemmPath, candidates
 
@@ -126,18 +128,12 @@ def test_int8_panels_refuse_what_they_cannot_read() -> None:
 
 
 @needs_kernel
-def test_avx2_and_native_builds_give_the_same_bits(tmp_path, monkeypatch) -> None:
+def test_avx2_and_native_builds_give_the_same_bits() -> None:
     """The kernel built for AVX2 (`-march=haswell`) gives the bits of this host's build (AVX-512 where
     it has it): each output is one FMA chain in k order, whatever the vector width, so a float32
     target computes the same numbers on an AMD Zen 3 and an Intel AVX-512 host (a session failed
     over between them resumes on the same numbers). Float32 and int8 panels, rows 1 to 33."""
-    from tandem.engine import gemv
-
-    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
-    avx2 = gemv.build(panel.SOURCE, "panel GEMM kernel (AVX2)", march="haswell")
-    if avx2 is None:
-        pytest.skip("the compiler cannot build for haswell here")
-    panel._bind(avx2)
+    avx2 = avx2_build(panel, "panel GEMM kernel")
     native = panel.library()
     gen = torch.Generator().manual_seed(9)
     for m, k in ((576, 576), (50, 96), (8192, 64)):
