@@ -74,7 +74,7 @@ class GemmPath(str, Enum):
     onednn_b16 = "onednn_b16"  # ... packed for 16-row calls
     gemv_rows = "gemv_rows"  # one GEMV per row (torch.mv): row-count invariant; for 1-2 rows only
     tandem_gemv = "tandem_gemv"  # our streaming few-row kernel (gemv.c, built at first use); up to 8 rows
-    tandem_panel = "tandem_panel"  # our register-tiled kernel on a panel-packed weight (panel.c, AVX-512); up to 32 rows
+    tandem_panel = "tandem_panel"  # our register-tiled kernel on a panel-packed weight (panel.c, AVX-512 or AVX2); up to 32 rows
 
 
 GEMV_MAX_ROWS = 2  # gemv_rows re-reads the weight per row: never a candidate above this
@@ -323,7 +323,7 @@ def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False
 # our kernels, built at first use: what forcing one needs where it is not offered
 _OUR_KERNELS = {
     GemmPath.tandem_gemv.value: ", which failed or is missing here",
-    GemmPath.tandem_panel.value: " for a CPU with AVX-512; the build failed, the compiler is missing or the CPU lacks AVX-512",
+    GemmPath.tandem_panel.value: " for a CPU with AVX-512 or AVX2; the build failed, the compiler is missing or the CPU lacks both",
 }
 
 
@@ -331,9 +331,9 @@ INVARIANT = "invariant"  # the default mode: every float32 GEMM on one of our ro
 
 
 def invariant_path() -> GemmPath | None:
-    """The kernel of the "invariant" mode here: the panel kernel where it runs (AVX-512: fast at
-    every row count), else the streaming kernel (any x86 or ARM host with a C compiler); None where
-    neither loads."""
+    """The kernel of the "invariant" mode here: the panel kernel where it runs (AVX-512 or AVX2, the
+    same bits on both; fast at every row count), else the streaming kernel (any host with a C
+    compiler; compute-bound beyond a few rows); None where neither loads."""
     paths = candidates()
     for path in (GemmPath.tandem_panel, GemmPath.tandem_gemv):
         if path in paths:
@@ -358,7 +358,7 @@ class GemmSettings:
     progress: bool = True
 
     @classmethod
-    def configure(cls, mode: str = "auto", *, cache: Path | None = None, progress: bool | None = None) -> None:
+    def configure(cls, mode: str = INVARIANT, *, cache: Path | None = None, progress: bool | None = None) -> None:
         if mode not in ("auto", INVARIANT) and mode not in GemmPath.__members__:
             raise ValueError(f"unknown GEMM mode {mode!r}: {INVARIANT}, auto or one of {', '.join(GemmPath.__members__)}")
         if mode.startswith("onednn") and not onednn_available():
