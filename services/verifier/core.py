@@ -556,10 +556,18 @@ class VerifierCore:
                 )
                 proposer.open(list(context_ids))  # the drafter starts while we prefill
             elif spec.strategy != DraftStrategy.none:
-                # No drafter: the strategies that need no model run here (suffix decoding over the
-                # session's own tokens only; the cross-session store lives on the drafters).
-                proposer = (self.engine.factory.build(spec)
-                            if spec.strategy in (DraftStrategy.ngram, DraftStrategy.suffix) else None)
+                # No drafter (none configured, or none offering the strategy at the gateway's last
+                # look, e.g. one restarting or too busy to answer): the strategies that need no model
+                # run here (suffix decoding over the session's own tokens only; the cross-session
+                # store lives on the drafters), and so does a draft model where this verifier has
+                # one. Without one, hybrid drafts with prompt lookup (its own fallback when the
+                # drafter is late) and model decodes plainly: the same text, never an error.
+                if spec.strategy in (DraftStrategy.ngram, DraftStrategy.suffix) or self.engine.factory.draft_model is not None:
+                    proposer = self.engine.factory.build(spec)
+                elif spec.strategy == DraftStrategy.hybrid:
+                    proposer = self.engine.factory.build(spec.model_copy(update={"strategy": DraftStrategy.ngram}))
+                else:
+                    spec = spec.model_copy(update={"strategy": DraftStrategy.none})
             with tracer.start_as_current_span("prefill") as span:
                 # Prefill and every step go through the runner's batch executor: the forwards of
                 # concurrent sessions run as one batch (continuous batching).

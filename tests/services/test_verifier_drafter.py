@@ -508,3 +508,19 @@ def test_a_slow_session_does_not_hold_back_the_others_on_the_shared_stream(tiny_
     finally:
         gate.set()
         server.stop(None)
+
+
+def test_without_a_drafter_hybrid_and_model_decode_the_targets_text(tiny_loaded):
+    """A request for hybrid or model that reaches a verifier without a drafter address (the gateway
+    saw no drafter offering it: one restarting, or too busy to answer its poll) and without a draft
+    model of its own is served, not refused: hybrid drafts with prompt lookup here, model decodes
+    plainly; the text is the target's either way."""
+    want = Engine(tiny_loaded).generate(CONTEXT, SamplingParams(max_new_tokens=32),
+                                        SpecConfig(strategy=DraftStrategy.none)).token_ids
+    core = _verifier(tiny_loaded)
+    assert core.engine.factory.draft_model is None
+    for strategy in (DraftStrategy.hybrid, DraftStrategy.model):
+        result = _run(core, "", strategy, session=f"no-drafter-{strategy.value}")
+        assert result.token_ids == want, strategy
+        if strategy == DraftStrategy.model:
+            assert result.stats.drafted == 0
