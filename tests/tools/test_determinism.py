@@ -4,7 +4,7 @@ requests and a verifier killed mid-stream, every speculation strategy; every gre
 seeded plain sampled ones) must equal its idle run token for token.
 
 On the tiny random Llama (float32, the default "invariant" GEMM mode) with TLS and two tenants'
-API keys, and on the embedded SmolLM2 at its default precision with a short mix: the reproduction
+API keys (3 rounds, a kill in the second), and on the embedded SmolLM2 at its default precision with a short mix: the reproduction
 of issue 54 (5 of 24 greedy outputs differed on the code before it, 3 rounds of this mix).
 """
 
@@ -40,11 +40,11 @@ def test_the_same_tokens_idle_and_under_a_hostile_mix_tiny(tiny_dir, tiny_draft_
     tiny_draft_loaded.model.save_pretrained(str(draft))
     tiny_draft_loaded.tokenizer.save_pretrained(str(draft))
     report = run_determinism(DeterminismConfig(
-        model=str(tiny_dir), draft_model=str(draft), rounds=4, streams=6, max_tokens=48, long_prompts=2, long_words=150, n_choices=2,
+        model=str(tiny_dir), draft_model=str(draft), rounds=3, streams=6, max_tokens=48, long_prompts=2, long_words=150, n_choices=2,
         kill_every=2, tls=True, api_keys=True, prompts=PROMPTS, verifier_threads=1, startup_timeout_s=120),
         out=out)
     assert json.loads(out.read_text())["greedy"] == report["greedy"]
-    _check(report, kills=2)
+    _check(report, kills=1)
 
 
 @pytest.mark.slow
