@@ -33,7 +33,9 @@ import json
 import logging
 import os
 import random
+import secrets
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -82,10 +84,6 @@ class Request:
     seed: int | None = None
     n: int = 1
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 @dataclass
 class Result:
@@ -133,11 +131,10 @@ class Determinism:
               max_tokens: int | None = None) -> Result:
         import grpc
 
+        from tandem.engine.config import DraftStrategy
+        from tandem.serving.protoconv import STRATEGY_TO_PB
         from tandem.v1 import common_pb2, gateway_pb2
 
-        strategies = {"none": common_pb2.DRAFT_STRATEGY_NONE, "ngram": common_pb2.DRAFT_STRATEGY_NGRAM,
-                      "suffix": common_pb2.DRAFT_STRATEGY_SUFFIX, "hybrid": common_pb2.DRAFT_STRATEGY_HYBRID,
-                      "model": common_pb2.DRAFT_STRATEGY_MODEL}
         sampling = common_pb2.SamplingParams(max_new_tokens=max_tokens or self.config.max_tokens,
                                              temperature=req.temperature)
         if req.seed is not None:
@@ -147,7 +144,7 @@ class Determinism:
         grpc_req = gateway_pb2.GenerateRequest(
             session_id=session if req.n == 1 else "",  # several continuations are no one session's
             messages=msgs, sampling=sampling, n=req.n,
-            speculation=common_pb2.SpeculationParams(strategy=strategies[req.strategy]))
+            speculation=common_pb2.SpeculationParams(strategy=STRATEGY_TO_PB[DraftStrategy(req.strategy)]))
         out = Result(req.name, req.strategy, [[] for _ in range(req.n)], [""] * req.n, round=round_)
         metadata = [("authorization", f"Bearer {key}")] if key else None
         try:
@@ -173,9 +170,12 @@ class Determinism:
     # -- the run --------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        import grpc
+        with tempfile.TemporaryDirectory(prefix="tandem-determinism-") as workdir:
+            return self._run(Path(workdir))
 
-        from tandem.tools.stack import Stack, StackConfig, free_port
+    def _run(self, workdir: Path) -> dict:
+        """The run, its certificates and key file in `workdir` (removed after it)."""
+        from tandem.tools.stack import Stack, StackConfig, free_port, grpc_channel
         from tandem.v1 import gateway_pb2_grpc
 
         c = self.config
@@ -186,9 +186,7 @@ class Determinism:
         if draft is None and set(c.strategies) & {"hybrid", "model"}:
             raise ValueError("strategies hybrid and model need a draft model: pass one, make the target's with "
                              "`tandem distill`, or leave them out")
-        workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-determinism-{os.getpid()}"
-        workdir.mkdir(parents=True, exist_ok=True)
-        keys = {t: f"sk-{t}-{random.Random(c.seed).getrandbits(64):016x}" for t in TENANTS} if c.api_keys else {}
+        keys = {t: f"sk-{t}-{secrets.token_hex(16)}" for t in TENANTS} if c.api_keys else {}
         keys_file = None
         if keys:
             keys_file = workdir / "keys.json"
@@ -207,10 +205,7 @@ class Determinism:
         stack.start()
         try:
             stack.supervise(lambda text: self._event(f"supervisor: {text}"))
-            ca = stack.ca
-            channel = grpc.insecure_channel(stack.grpc_address) if ca is None else grpc.secure_channel(
-                stack.grpc_address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
-            with channel:
+            with grpc_channel(stack.grpc_address, stack.ca) as channel:
                 stub = gateway_pb2_grpc.GatewayStub(channel)
                 key, other_key = keys.get(TENANTS[0]), keys.get(TENANTS[1])
                 self._event(f"idle: {len(chat)} greedy chat requests, one at a time (strategy none)")
@@ -248,9 +243,9 @@ class Determinism:
                    for j in range(c.long_prompts)]
         results: list[Result | None] = [None] * len(work)
         threads = []
-        for j, (r, session, kk) in enumerate(hostile):
-            # the long prompts first, so the streams' prompts are prefilled beside their pieces
-            # a few tokens each: what they are for is their prefill, in pieces beside the streams
+        for r, session, kk in hostile:
+            # the long prompts first, so the streams' prompts are prefilled beside their pieces; a
+            # few tokens each: what they are for is their prefill
             threads.append(threading.Thread(target=self._send, args=(stub, r, session, kk, k, HOSTILE_TOKENS),
                                             daemon=True))
         for j, (r, session, kk) in enumerate(work):

@@ -71,7 +71,7 @@ def _wait_until(what: str, healthy: Callable[[], bool], timeout_s: float, proc: 
         time.sleep(0.2)
 
 
-def _channel(address: str, ca: Path | None) -> grpc.Channel:
+def grpc_channel(address: str, ca: Path | None) -> grpc.Channel:
     """A channel to `address`; `ca`: the server speaks TLS with a certificate from this CA."""
     return grpc.insecure_channel(address) if ca is None else grpc.secure_channel(
         address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
@@ -85,7 +85,7 @@ def _verify(ca: Path | None):
 def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None, *,
                       ca: Path | None = None) -> None:
     """Wait for gRPC health SERVING; `ca`: the server speaks TLS with a certificate from this CA."""
-    with _channel(address, ca) as channel:
+    with grpc_channel(address, ca) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
 
         def serving() -> bool:
@@ -101,7 +101,7 @@ def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | N
 def grpc_alive(address: str, *, ca: Path | None = None, timeout_s: float = 2.0) -> bool:
     """Liveness, not readiness: the process answers a gRPC health check at all (a draining one
     answers NOT_SERVING and is alive)."""
-    with _channel(address, ca) as channel:
+    with grpc_channel(address, ca) as channel:
         try:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         except grpc.RpcError:
