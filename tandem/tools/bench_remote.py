@@ -28,6 +28,7 @@ import grpc
 
 from tandem.engine.config import DraftStrategy, SamplingParams
 from tandem.tools.datasets import PromptRecord, to_chat
+from tandem.tools.stack import grpc_channel
 from tandem.serving.protoconv import FINISH_FROM_PB, STRATEGY_TO_PB, sampling_to_proto, stats_from_proto
 from tandem.engine.spec import FinishReason, GenerationResult
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -74,8 +75,7 @@ class GatewayTarget:
             raise ValueError("give either one API key or a key per mode, not both")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(endpoint) if ca is None else grpc.secure_channel(
-            endpoint, grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes()))
+        self.channel = grpc_channel(endpoint, None if ca is None else Path(ca))
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.mode_metadata = {m: (("authorization", f"Bearer {k}"),) for m, k in (mode_keys or {}).items()}
         # run_bench: whether conversations are sessions (several turns, KV kept), or first turns only
