@@ -13,7 +13,7 @@
 5. the verifier's step loop (`VerifierCore`, as the gRPC server drives it, without the network) at 1
    and 16 concurrent sessions, plain decoding and prompt lookup: aggregate tokens/s, each level
    against one session (issue 14 asks 16 sessions for at least 4x one) and prompt lookup against
-   plain decoding at each level (scripts/loop_profile.py's run, on the GPU).
+   plain decoding at each level (benchmarks/loop_profile.py's run, on the GPU).
 
     .venv/bin/python scripts/gpu_check.py [--out docs/results/gpu/gpu_check.json] [--model PATH]
 
@@ -235,12 +235,12 @@ def short_bench(device, model, prompts: int = 4, max_new: int = 64) -> dict:
 
 
 def step_loop(device, model, levels=(1, 16), max_tokens: int = 64, repeat: int = 2) -> dict:
-    """scripts/loop_profile.py's levels on `device`: c sessions at once through one VerifierCore
+    """benchmarks/loop_profile.py's levels on `device`: c sessions at once through one VerifierCore
     (handlers are threads that only read, as the gRPC server's), each level's plain decoding and
     prompt lookup alternated `repeat` times; the best run of each is the figure (a GPU's runs
     differ by warm-up, not by neighbours), every run kept in the report. On a CPU the figures are
     not the verifier's: this process ran the other parts' forwards on its main thread, so the step
-    loop's thread starts a second OpenMP pool (tandem/engine/threads.py); scripts/loop_profile.py
+    loop's thread starts a second OpenMP pool (tandem/engine/threads.py); benchmarks/loop_profile.py
     measures a CPU."""
     import loop_profile  # beside this script
 

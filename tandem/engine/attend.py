@@ -38,7 +38,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                    + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
     fn.restype = ctypes.c_int
-    if hasattr(lib, "tandem_attend_many"):  # absent from older builds (scripts/prefetch_ab.py loads those)
+    if hasattr(lib, "tandem_attend_many"):  # absent from older builds
         many = lib.tandem_attend_many
         many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                          ctypes.c_int, ctypes.c_int]

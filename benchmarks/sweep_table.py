@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""A markdown table of `tandem loadtest` sweeps side by side (scripts/sweep_bench.sh's JSON files):
+"""A markdown table of `tandem loadtest` sweeps side by side (benchmarks/sweep_bench.sh's JSON files):
 tokens/s per run, speculation against plain per run, ITL p50/p99 and errors.
 
-    python scripts/sweep_table.py docs/results/epyc/sched/sweep_before.json docs/results/epyc/sched/sweep_after.json
+    python benchmarks/sweep_table.py docs/results/epyc/sched/sweep_before.json docs/results/epyc/sched/sweep_after.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Reports per mode the median over prompts of the per-token time ratio TLS / plain
 each, time to first token, and whether every output is identical token for token across the two
 stacks (TLS must change nothing but time).
 
-    .venv/bin/python scripts/bench_tls.py [--dataset humaneval] [--limit 10] [--max-new-tokens 64]
+    .venv/bin/python benchmarks/bench_tls.py [--dataset humaneval] [--limit 10] [--max-new-tokens 64]
 
 Writes docs/results/<cpu>/tls_overhead.json (and prints a table). Run it with nothing else busy.
 """

@@ -3,10 +3,10 @@
 # Suffix decoding with token trees (modes suffix, hybrid) against the same without them
 # (suffix-chain, hybrid-chain), warm, on the multi-session workloads, at the default block bound (8)
 # and at 16 (room for branches); then code_twice through a local stack whose drafter sends trees.
-# Writes docs/results/<host>/trees/*.json and prints the tables (scripts/suffix_table.py).
+# Writes docs/results/<host>/trees/*.json and prints the tables (benchmarks/suffix_table.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/stack.sh
+. benchmarks/stack.sh
 HOST=${HOST:-$(lscpu | grep -qi amd && echo epyc || echo intel)}
 OUT=docs/results/$HOST/trees
 mkdir -p "$OUT"
@@ -23,4 +23,4 @@ PORT=${PORT:-50161}
 stack_up $T $PORT "$OUT/stack_log.txt"
 $T bench --endpoint 127.0.0.1:$PORT -d code_twice -n "$N" --modes ar,ngram,suffix -o "$OUT/stack_code_twice.json" 2>>"$OUT/log.txt"
 stack_down
-.venv/bin/python scripts/suffix_table.py "$OUT" ngram,suffix,suffix-chain,hybrid,hybrid-chain
+.venv/bin/python benchmarks/suffix_table.py "$OUT" ngram,suffix,suffix-chain,hybrid,hybrid-chain

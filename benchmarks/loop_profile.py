@@ -10,7 +10,7 @@ TTFT is a request's start to its first streamed step.
 other rows of the last step committed; old: one token per other row, as before df36550), in one
 process, so machine drift falls on both alike. Nothing else CPU-heavy may run meanwhile.
 
-    .venv/bin/python scripts/loop_profile.py -c 1,8,16,32 --repeat 2 --out docs/results/epyc/sched/loop_profile.json
+    .venv/bin/python benchmarks/loop_profile.py -c 1,8,16,32 --repeat 2 --out docs/results/epyc/sched/loop_profile.json
 """
 
 from __future__ import annotations

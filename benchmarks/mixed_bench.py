@@ -12,8 +12,8 @@ Stacks in turn on the embedded SmolLM2, the same build, the same machine:
 For each: `tandem loadtest --mixed` at the given concurrencies (short MT-bench chats, alone, then
 while 4k-7.5k-token prompts arrive one after another). Nothing else may run meanwhile.
 
-    .venv/bin/python scripts/mixed_bench.py [--concurrency 1,4] [--duration 75] [--configs one-piece,chunked] [--out docs/results/intel/mixed.json]
-    .venv/bin/python scripts/mixed_bench.py --table docs/results/intel/mixed/mixed.json   # the markdown table
+    .venv/bin/python benchmarks/mixed_bench.py [--concurrency 1,4] [--duration 75] [--configs one-piece,chunked] [--out docs/results/intel/mixed.json]
+    .venv/bin/python benchmarks/mixed_bench.py --table docs/results/intel/mixed/mixed.json   # the markdown table
 """
 
 from __future__ import annotations

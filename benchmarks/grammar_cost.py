@@ -3,7 +3,7 @@
 position's mask) plus Constraint.mask (apply it to the [k+1, vocab] logits) on SmolLM2's vocabulary,
 for plain steps (k = 0) and blocks of 4 and 8 drafts.
 
-    .venv/bin/python scripts/grammar_cost.py
+    .venv/bin/python benchmarks/grammar_cost.py
 """
 import json, time, statistics, torch
 from tandem.engine.models import load_tokenizer

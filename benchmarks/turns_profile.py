@@ -2,12 +2,12 @@
 """The stack's load-test workload in process: `c` workers, each `--conversations` two-turn MT-Bench
 conversations one after another (turn 2 = turn 1, its reply, the next question; same session, so its
 KV is reused), through one VerifierCore's step loop, speculation off and on in the order given.
-Unlike scripts/loop_profile.py (one burst of prompts), arrivals spread out and steps carry prompt
+Unlike benchmarks/loop_profile.py (one burst of prompts), arrivals spread out and steps carry prompt
 pieces beside decoding rows, as through `tandem up`. Per run: tokens/s, acceptance, rows and tokens
 a step; `--out DIR` also writes each run's steps (rows, tokens, committed, prompt tokens, forward s,
 plan s) and the cost curve the planner read at its end. Nothing else CPU-heavy may run meanwhile.
 
-    .venv/bin/python scripts/turns_profile.py -c 64 --modes off,on,off,on --out docs/results/epyc/cost-curve
+    .venv/bin/python benchmarks/turns_profile.py -c 64 --modes off,on,off,on --out docs/results/epyc/cost-curve
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ kernel of ours for every GEMM) and `--gemm auto` (the fastest library path per s
 both models built in one process and timed alternately, so host drift falls on both alike. Medians
 of 5 rounds (each step the median of 8). Nothing else CPU-heavy may run meanwhile.
 
-    .venv/bin/python scripts/invariance_cost.py --out docs/results/determinism/f32_cost.json
+    .venv/bin/python benchmarks/invariance_cost.py --out docs/results/determinism/f32_cost.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ drafter, verifier, gateway as separate processes), then
    with the in-process figures of scripts/bench_docs.py;
 2. `tandem loadtest` (concurrent multi-turn sessions, speculation off and on).
 
-    .venv/bin/python scripts/bench_stack.py [--limit 10] [--skip-bench] [--skip-loadtest]
+    .venv/bin/python benchmarks/bench_stack.py [--limit 10] [--skip-bench] [--skip-loadtest]
 
 Results: docs/results/stack_<set>.json, docs/results/loadtest.json and docs/results/loadtest.png.
 """
@@ -50,7 +50,7 @@ def render(results: Path, reading: str = "") -> str:
     lines = [KEEP[0], "## Distributed: the same modes through a local stack", "",
              "`tandem bench --endpoint` through `tandem up` (Valkey, drafter, verifier and gateway as separate "
              "processes on this machine, gRPC between them), against the in-process figures of the same prompts "
-             "(the first N of the in-process run above). Regenerate: `.venv/bin/python scripts/bench_stack.py`.", "",
+             "(the first N of the in-process run above). Regenerate: `.venv/bin/python benchmarks/bench_stack.py`.", "",
              "| dataset | prompts | ngram speedup, stack | ngram speedup, in process | tok/step, stack | lossless, stack |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, _ in SETS:

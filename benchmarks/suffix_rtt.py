@@ -8,7 +8,7 @@ through the gateway runs plain decoding and suffix decoding on `code_twice` (eac
 asked again, renamed, in a later session: the drafter's store serves the second ask), interleaved per
 prompt. Run it from two checkouts, alternately, to compare builds (each imports its own code):
 
-    sudo .venv/bin/python scripts/suffix_rtt.py --rtt-ms 5 --out docs/results/<host>/suffix-rtt/new1.json
+    sudo .venv/bin/python benchmarks/suffix_rtt.py --rtt-ms 5 --out docs/results/<host>/suffix-rtt/new1.json
 
 Needs root (namespaces). Nothing else CPU-heavy may run meanwhile.
 """

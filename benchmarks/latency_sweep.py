@@ -9,7 +9,7 @@ prompt lookup (ngram) and the hybrid (prompt lookup + the distilled draft model 
 interleaved per prompt, on the same deployment: ratios are against plain decoding of the same run.
 The whole sweep runs twice, draft-ahead on (`tandem drafter`, default) and off (`--no-lookahead`).
 
-    sudo .venv/bin/python scripts/latency_sweep.py [--limit 8] [--max-new-tokens 64]
+    sudo .venv/bin/python benchmarks/latency_sweep.py [--limit 8] [--max-new-tokens 64]
 
 Results: docs/results/<cpu>/latency_sweep.json and latency_sweep.png (ratio against round trip).
 Needs root (namespaces), the default model and its distilled draft (`make draft`).
@@ -111,7 +111,7 @@ def main() -> int:
     data = {"config": {"cpu": cpu, "dataset": args.dataset, "prompts": len(records), "max_new_tokens": args.max_new_tokens,
                        "rtts_ms": list(RTTS_MS), "jitter": "rtt / 10", "modes": list(MODES),
                        "gateway_verifier_rtt_ms": 0, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "command": "scripts/latency_sweep.py " + " ".join(sys.argv[1:])},
+                       "command": "benchmarks/latency_sweep.py " + " ".join(sys.argv[1:])},
             "rows": []}
     for lookahead in (True, False):
         data["rows"] += sweep(lookahead, records, args.max_new_tokens, str(draft), lambda s: print(s, flush=True))

@@ -4,10 +4,10 @@
 #      mode, and cold with the suffix modes;
 #   2. the multi-session workloads (agent_tools, two turns; code_twice), warm;
 #   3. code_twice through a local stack (`tandem up`), whose drafter's store warms itself.
-# Writes docs/results/<host>/suffix/*.json and prints the tables (scripts/suffix_table.py).
+# Writes docs/results/<host>/suffix/*.json and prints the tables (benchmarks/suffix_table.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/stack.sh
+. benchmarks/stack.sh
 HOST=${HOST:-$(lscpu | grep -qi amd && echo epyc || echo intel)}
 OUT=docs/results/$HOST/suffix
 mkdir -p "$OUT"
@@ -30,4 +30,4 @@ PORT=${PORT:-50151}
 stack_up $T $PORT "$OUT/stack_log.txt"
 $T bench --endpoint 127.0.0.1:$PORT -d code_twice -n "$N" --modes ar,ngram,suffix -o "$OUT/stack_code_twice.json" 2>>"$OUT/log.txt"
 stack_down
-.venv/bin/python scripts/suffix_table.py "$OUT"
+.venv/bin/python benchmarks/suffix_table.py "$OUT"

@@ -2,15 +2,15 @@
 # Concurrency sweep through a local stack (issue 14): `tandem loadtest` at 1, 8, 16, 32 and 64
 # sessions, speculation off and on, MT-Bench, 2 turns of 64 tokens. Nothing else may run meanwhile.
 #
-#   scripts/sweep_bench.sh              # this checkout: docs/results/<host>/mixed/sweep.json (+ .png; OUT=dir elsewhere)
-#   BEFORE=c603e97 scripts/sweep_bench.sh
+#   benchmarks/sweep_bench.sh              # this checkout: docs/results/<host>/mixed/sweep.json (+ .png; OUT=dir elsewhere)
+#   BEFORE=c603e97 benchmarks/sweep_bench.sh
 #       before/after in one sitting: the stack built from BEFORE (a git worktree with its own
 #       editable install, sharing this checkout's packages), then this checkout's, the same client
 #       (this checkout's loadtest) for both: sweep_before.json and sweep_after.json. REPEAT=2 runs
 #       each build's sweep twice, alternating (sweep_after_2.json ...), to see the noise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/stack.sh
+. benchmarks/stack.sh
 HOST=${HOST:-$(lscpu | grep -qi amd && echo epyc || echo intel)}
 OUT=${OUT:-docs/results/$HOST/mixed}
 mkdir -p "$OUT"

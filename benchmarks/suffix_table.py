@@ -1,8 +1,8 @@
-"""Markdown tables of suffix decoding's benchmark records (scripts/suffix_bench.sh writes them):
+"""Markdown tables of suffix decoding's benchmark records (benchmarks/suffix_bench.sh writes them):
 per prompt set, each mode's speedup over plain decoding in the same run (median over prompts),
 acceptance, tokens per target forward and lossless count; warm and cold side by side.
 
-    python scripts/suffix_table.py DIR [MODES]   # MODES: comma-separated columns (default: ORDER)"""
+    python benchmarks/suffix_table.py DIR [MODES]   # MODES: comma-separated columns (default: ORDER)"""
 
 from __future__ import annotations
 
