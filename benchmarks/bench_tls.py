@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.engine.config import SamplingParams  # noqa: E402
-from tandem.engine.gemm import cpu_model  # noqa: E402
+from tandem.contract.params import SamplingParams  # noqa: E402
+from tandem.engine.native.build import cpu_model  # noqa: E402
 from tandem.tools.bench_remote import GatewayTarget  # noqa: E402
 from tandem.tools.datasets import load_prompts, resolve_dataset  # noqa: E402
 from tandem.tools.stack import Stack, StackConfig, free_port  # noqa: E402

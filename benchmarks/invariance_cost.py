@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine import gemm
-from tandem.engine.llama import NativeLlama
-from tandem.engine.models import load_model
+from tandem.engine.model import gemm
+from tandem.engine.model.llama import NativeLlama
+from tandem.engine.model.loading import load_model
 
 
 def main() -> None:

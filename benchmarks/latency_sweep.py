@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.engine.gemm import cpu_model  # noqa: E402
+from tandem.engine.native.build import cpu_model  # noqa: E402
 from tandem.tools.bench import run_bench  # noqa: E402
 from tandem.tools.bench_remote import GatewayTarget  # noqa: E402
 from tandem.tools.datasets import dev_set, load_prompts  # noqa: E402
@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None, help="results directory (default docs/results/<cpu>)")
     args = ap.parse_args()
-    from tandem.engine.models import find_default_draft, resolve_model_path
+    from tandem.engine.model.paths import find_default_draft, resolve_model_path
 
     draft = find_default_draft(resolve_model_path("default")[0])
     if draft is None:

@@ -33,10 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("tandem") is None:  # not installed: run from the checkout
     sys.path.insert(0, str(ROOT))
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig  # noqa: E402
-from tandem.engine.models import apply_chat_template, load_model  # noqa: E402
-from tandem.engine.spec import Generation  # noqa: E402
-from tandem.engine.threads import in_passing_thread  # noqa: E402
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig  # noqa: E402
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.model.loading import load_model  # noqa: E402
+from tandem.engine.scheduler.generate import Generation  # noqa: E402
+from tandem.engine.native.threads import in_passing_thread  # noqa: E402
 from tandem.services.verifier.core import VerifierCore  # noqa: E402
 from tandem.services.verifier.settings import VerifierSettings  # noqa: E402
 from tandem.tools.datasets import load_prompts, dev_set, to_chat  # noqa: E402
@@ -70,7 +71,7 @@ def run_level(core: VerifierCore, prompts: list[list[int]], c: int, spec: SpecCo
     def session(i: int) -> None:
         from tandem.serving.grpc_server import handler_thread
 
-        handler_thread()  # as a gRPC handler: no OpenMP pool of its own (tandem.engine.threads)
+        handler_thread()  # as a gRPC handler: no OpenMP pool of its own (tandem.engine.native.threads)
         barrier.wait()
         for j in range(i, total, c):  # worker i runs prompts i, i + c, ... one after another
             start = time.perf_counter()
@@ -124,7 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads or torch.get_num_threads())
     console = Console()
-    # As the verifier's serve() does: no model work on this thread (tandem.engine.threads)
+    # As the verifier's serve() does: no model work on this thread (tandem.engine.native.threads)
     core = in_passing_thread(lambda: VerifierCore(VerifierSettings(verifier_id="profile", port=0, max_sessions=256,
                                                                    kv_capacity_tokens=10**7), load_model()))
     loaded = core.target

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.engine.gemm import cpu_model  # noqa: E402
+from tandem.engine.native.build import cpu_model  # noqa: E402
 from tandem.tools.datasets import dev_set, load_prompts  # noqa: E402
 from tandem.tools.loadtest import run_mixed  # noqa: E402
 from tandem.tools.stack import Stack, StackConfig, free_port  # noqa: E402

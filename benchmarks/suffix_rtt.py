@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.engine.gemm import cpu_model  # noqa: E402
+from tandem.engine.native.build import cpu_model  # noqa: E402
 from tandem.tools.bench import run_bench  # noqa: E402
 from tandem.tools.bench_remote import GatewayTarget  # noqa: E402
 from tandem.tools.datasets import records_for  # noqa: E402

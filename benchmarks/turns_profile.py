@@ -23,9 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig  # noqa: E402
-from tandem.engine.models import apply_chat_template, load_model  # noqa: E402
-from tandem.engine.threads import in_passing_thread  # noqa: E402
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig  # noqa: E402
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.model.loading import load_model  # noqa: E402
+from tandem.engine.native.threads import in_passing_thread  # noqa: E402
 from tandem.services.verifier.core import VerifierCore  # noqa: E402
 from tandem.services.verifier.settings import VerifierSettings  # noqa: E402
 from tandem.tools.datasets import dev_set, load_prompts  # noqa: E402

@@ -143,7 +143,7 @@ def check_tree(
     num_drafts: torch.Tensor,  # [B] int64
 ) -> None:
     """The tree contract, row by row (a host loop: callers on a GPU check their Python lists
-    instead, see tandem.engine.proposers.check_tree): node i's parent is -1 (the pending token) or
+    instead, see tandem.engine.speculation.proposers.check_tree): node i's parent is -1 (the pending token) or
     an earlier node, and siblings carry distinct tokens (the sampled rule tests each token once)."""
     B, K = draft_ids.shape
     for b in range(B):

@@ -162,7 +162,7 @@ def render(results: list[dict], old: str = "", *, plots_rel: Path | str = "plots
         "the fraction of drafted tokens the target accepted, **tok/step** the tokens committed per target "
         "forward; **lossless** counts the prompts whose output equals the baseline's token for token "
         "(greedy). Times include the prefill. On a shared CPU only ratios measured side by side mean "
-        "something (DESIGN.md, Measuring).",
+        "something (docs/design.md, Measuring).",
         "",
         *curve_section(machine),
         "## Summary",

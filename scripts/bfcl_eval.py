@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tool-calling accuracy on the BFCL dev sets (../shared/data/bfcl), with and without speculation,
+"""Tool-calling accuracy on the BFCL dev sets (bundled in tandem/tools/prompts/bfcl), with and without speculation,
 through a local stack (`tandem up`: Valkey, drafter, verifier, gateway) and the official `openai`
 client: each question is asked with its functions as `tools` and `tool_choice: "required"` (the
 call grammar is active), greedy, in modes none / ngram / hybrid (hybrid when the distilled draft
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.engine.gemm import cpu_model  # noqa: E402
+from tandem.engine.native.build import cpu_model  # noqa: E402
 from tandem.tools.stack import Stack, StackConfig, free_port  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "bfcl"
@@ -93,7 +93,7 @@ def main() -> None:
     import openai
     from rich.progress import track
 
-    from tandem.engine.models import ModelError, find_default_draft, resolve_model_path
+    from tandem.engine.model.paths import ModelError, find_default_draft, resolve_model_path
 
     try:
         draft = find_default_draft(resolve_model_path("default")[0])

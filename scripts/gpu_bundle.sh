@@ -33,7 +33,7 @@ mkdir -p "$W"
 for pkg in numpy torch nvidia_ triton sympy networkx mpmath jinja2 markupsafe fsspec filelock pyyaml PyYAML tqdm setuptools; do
   rm -f "$W"/"$pkg"*.whl
 done
-model=$("$PY" -c "from tandem.engine.models import embedded_gguf_path; print(embedded_gguf_path())")
+model=$("$PY" -c "from tandem.engine.model.paths import embedded_gguf_path; print(embedded_gguf_path())")
 rm -f .gpu/model.part-*
 # part 1 beside the wheels within one carry's 64 MiB, part 2 the rest
 head -c $((44 << 20)) "$model" > .gpu/model.part-1

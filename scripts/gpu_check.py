@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("tandem") is None:  # not installed: run from the checkout
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # loop_profile, the step loop benchmark this check reruns
 
 from tandem import kernels  # noqa: E402
 from tandem.kernels import reference  # noqa: E402
@@ -54,7 +55,7 @@ def _to(args: tuple, device) -> tuple:
 @functools.cache
 def _load(device, model):
     """The target, loaded once for every part that runs it (a failed load is not cached)."""
-    from tandem.engine.models import load_model
+    from tandem.engine.model.loading import load_model
 
     return load_model(model, device=device, progress=False)
 
@@ -90,11 +91,11 @@ def _time(fn, device, repeats: int = 30) -> float:
 
 
 def step_shares(device, model, batches=(1, 8, 32), k: int = 8, context: int = 512) -> list[dict]:
-    from tandem.engine.config import SamplingParams
-    from tandem.engine.proposers import Draft
-    from tandem.engine.runner import TargetRunner
-    from tandem.engine.sampling import make_generator
-    from tandem.engine.verify import Check, verify_rows
+    from tandem.contract.params import SamplingParams
+    from tandem.engine.speculation.draft import Draft
+    from tandem.engine.scheduler.runner import TargetRunner
+    from tandem.engine.speculation.sampling import make_generator
+    from tandem.engine.speculation.verify import Check, verify_rows
 
     loaded = _load(device, model)
     runner = TargetRunner(loaded)
@@ -161,7 +162,7 @@ def pool_vs_own(device, model, batches=(1, 8, 32), k: int = 8, context: int = 51
     and one attention call a layer for the whole batch) against caches of their own (per-sequence
     calls): B rows of 1 token (plain decoding of B sessions) and of K + 1 (B verification blocks),
     and the largest logit difference between the two."""
-    from tandem.engine.llama import NativeLlama
+    from tandem.engine.model.llama import NativeLlama
 
     loaded = _load(device, model)
     # on a GPU the default (a pool); on a CPU, where the default is none, one asked for
@@ -205,9 +206,9 @@ def pool_vs_own(device, model, batches=(1, 8, 32), k: int = 8, context: int = 51
 
 
 def short_bench(device, model, prompts: int = 4, max_new: int = 64) -> dict:
-    from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-    from tandem.engine.models import apply_chat_template
-    from tandem.engine.spec import Engine
+    from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+    from tandem.engine.model.tokenizer import apply_chat_template
+    from tandem.engine.scheduler.generate import Engine
     from tandem.tools.datasets import dev_set, load_prompts
 
     loaded = _load(device, model)
@@ -240,13 +241,13 @@ def step_loop(device, model, levels=(1, 16), max_tokens: int = 64, repeat: int =
     prompt lookup alternated `repeat` times; the best run of each is the figure (a GPU's runs
     differ by warm-up, not by neighbours), every run kept in the report. On a CPU the figures are
     not the verifier's: this process ran the other parts' forwards on its main thread, so the step
-    loop's thread starts a second OpenMP pool (tandem/engine/threads.py); benchmarks/loop_profile.py
+    loop's thread starts a second OpenMP pool (tandem/engine/native/threads.py); benchmarks/loop_profile.py
     measures a CPU."""
-    import loop_profile  # beside this script
+    import loop_profile  # benchmarks/
 
-    from tandem.engine.config import DraftStrategy, SpecConfig
-    from tandem.engine.models import apply_chat_template
-    from tandem.engine.threads import in_passing_thread
+    from tandem.contract.params import DraftStrategy, SpecConfig
+    from tandem.engine.model.tokenizer import apply_chat_template
+    from tandem.engine.native.threads import in_passing_thread
     from tandem.services.verifier.core import VerifierCore
     from tandem.services.verifier.settings import VerifierSettings
     from tandem.tools.datasets import dev_set, load_prompts, to_chat

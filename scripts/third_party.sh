@@ -2,7 +2,7 @@
 # Third-party clients against a local stack (docs/benchmarks.md, "Third-party clients"):
 #   guidellm (load: concurrency 1, 2, 4 on MT-Bench first turns, speculation off and on),
 #   tandem loadtest on the same prompts and concurrencies, for comparison,
-#   lm-eval (GSM8K from ../shared/data through local-chat-completions, speculation off and on).
+#   lm-eval (GSM8K from the bundled prompt set tandem/tools/prompts/ through local-chat-completions, speculation off and on).
 # The clients go into their own virtualenv ($CLIENTS_VENV, default .venv-clients) with the CPU torch
 # wheel first (lm-eval depends on torch; a plain index would bring the CUDA build). Minutes each;
 # nothing else CPU-heavy may run meanwhile. Results land in docs/results/<host>/third_party/.
@@ -24,11 +24,11 @@ if [ ! -x "$VENV/bin/guidellm" ] || [ ! -x "$VENV/bin/lm_eval" ]; then
   "$VENV/bin/pip" install -q torch==2.13.0   # the CPU wheel on these machines
   "$VENV/bin/pip" install -q "guidellm==0.8.1" "lm-eval[api]==0.4.13"
 fi
-TOK=$($PY -c "from tandem.engine.models import convert_gguf, embedded_gguf_path; print(convert_gguf(embedded_gguf_path(), progress=False))")
+TOK=$($PY -c "from tandem.engine.model.loading import convert_gguf; from tandem.engine.model.paths import embedded_gguf_path; print(convert_gguf(embedded_gguf_path(), progress=False))")
 $PY - <<'PYEOF'
 import json
 with open("/tmp/tandem_mt_bench_prompts.jsonl", "w") as f:
-    for line in open("../shared/data/mt_bench_question.jsonl"):
+    for line in open("tandem/tools/prompts/mt_bench_question.jsonl"):
         f.write(json.dumps({"prompt": json.loads(line)["turns"][0]}) + "\n")
 PYEOF
 lscpu | grep "Model name" | tee "$OUT/cpu.txt"

@@ -10,11 +10,11 @@ import pytest
 
 
 def avx2_build(module, label: str) -> ctypes.CDLL:
-    """`module`'s kernel (tandem.engine.attend, panel or quant: its SOURCE and _bind) built for
+    """`module`'s kernel (tandem.engine.native.attend, panel or quant: its SOURCE and _bind) built for
     haswell, bound; the test is skipped where the compiler cannot build for it."""
-    from tandem.engine import gemv
+    from tandem.engine.native import build
 
-    lib = gemv.build(module.SOURCE, f"{label}, AVX2 form", march="haswell")
+    lib = build.build(module.SOURCE, f"{label}, AVX2 form", march="haswell")
     if lib is None:
         pytest.skip("the compiler cannot build for haswell here")
     module._bind(lib)

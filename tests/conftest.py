@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from tandem.engine.models import LoadedModel
+from tandem.engine.model.loading import LoadedModel
 
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the threads' hand-offs
 # made a forward of the 2-layer model 40x slower (80 ms instead of 2 ms). One thread keeps the
@@ -157,9 +157,9 @@ def redis_url():
 @pytest.fixture(params=[0, 4096, 700], ids=["own-caches", "kv-pool", "kv-pool-runs-out"])
 def kv_pool(request, monkeypatch) -> list:
     """The verifier's target with caches of their own (a CPU's default), or in a KV pool as on a
-    GPU (tandem.engine.llama.KVPool), one big enough and one that runs out. Returns a list: the
+    GPU (tandem.engine.model.llama.KVPool), one big enough and one that runs out. Returns a list: the
     pool's size, then the shape of each pooled attention call made during the test."""
-    from tandem.engine import llama
+    from tandem.engine.model import llama
     from tandem.services.verifier import core
 
     monkeypatch.setattr(llama, "default_kv_pool_slots", lambda device, per_slot: request.param)
@@ -172,8 +172,8 @@ def kv_pool(request, monkeypatch) -> list:
 
 def count_pooled_attention(monkeypatch) -> list:
     """A list that gets the shape (B, Q, T) of every pooled attention a forward builds from now on
-    (tandem.engine.llama._PooledAttention)."""
-    from tandem.engine import llama
+    (tandem.engine.model.llama._PooledAttention)."""
+    from tandem.engine.model import llama
 
     calls: list = []
     real = llama._PooledAttention
@@ -193,7 +193,7 @@ def measured_gemm():
     ("invariant") after it. Token trees run only where the forward is not batch-invariant (a tree
     row's ancestors sit at other key slots, so its attention sums in another order than the chain's):
     tests of trees on the tiny float32 model ask for this plan."""
-    from tandem.engine import gemm
+    from tandem.engine.model import gemm
 
     gemm.GemmSettings.configure("auto", progress=False)
     yield

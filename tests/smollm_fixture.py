@@ -15,7 +15,7 @@ import copy
 
 import pytest
 
-from tandem.engine.models import LoadedModel, load_model
+from tandem.engine.model.loading import LoadedModel, load_model
 
 DRAFT_LAYERS = 4
 
@@ -29,7 +29,7 @@ def smollm() -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm_draft(smollm) -> LoadedModel:
     """A real draft model sharing SmolLM2's tokenizer: SmolLM2 cut to its first 4 decoder layers (the
-    final norm and LM head kept). It agrees with the full model on few tokens (DESIGN.md), which
+    final norm and LM head kept). It agrees with the full model on few tokens (docs/design.md), which
     makes it a good test of rejection and rollback, not a fast drafter."""
     model = copy.deepcopy(smollm.model)
     model.model.layers = model.model.layers[:DRAFT_LAYERS]

@@ -4,7 +4,13 @@
   nor protobuf nor the generated stubs (tandem.v1), nor protoconv, which converts to them; what
   they exchange with other services are the dataclasses of tandem.serving.messages;
 - nothing but tools imports tandem.tools (a service never depends on the CLI, bench or distill);
-- the engine does not import the serving layer or the services (it is the layer below them).
+- the engine does not import the serving layer or the services (it is the layer below them);
+- the contract (tandem.contract), the vocabulary every tier shares, imports no torch, grpc or
+  transformers, and nothing of the project but itself;
+- the engine's layers import only downward: native (C kernels, their build) < model (loading, the
+  forward) < speculation (proposers, verification) < scheduler (sequences, the step loop);
+- no import cycles anywhere in the product;
+- the gateway process imports no torch (checked in a subprocess that serves a request).
 
 A rule is broken also when a module reaches a forbidden one through another project module, so
 a core cannot launder grpc through a helper.
@@ -100,7 +106,7 @@ def hits(reached: dict[str, str], forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_tree_maps_to_modules() -> None:
     names = all_modules()
-    assert "tandem.engine.spec" in names and "tandem.services.verifier.core" in names
+    assert "tandem.engine.scheduler.generate" in names and "tandem.services.verifier.core" in names
     assert "tandem.kernels.triton_verify" in names and "tandem.tools.cli" in names
     assert module_path("tandem.services.gateway.core") == ROOT / "services/gateway/core.py"
 
@@ -118,6 +124,85 @@ def test_engine_and_kernels_import_no_wire_services_or_tools(name: str) -> None:
 @pytest.mark.parametrize("name", [n for n in all_modules() if not n.startswith("tandem.tools")])
 def test_only_tools_import_tools(name: str) -> None:
     assert hits(reach(name), ("tandem.tools",)) == []
+
+
+LAYERS = ("native", "model", "speculation", "scheduler")  # bottom first
+
+
+def layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if parts[:2] == ["tandem", "engine"] and len(parts) > 2 and parts[2] in LAYERS:
+        return LAYERS.index(parts[2])
+    return None
+
+
+def edges(name: str) -> set[str]:
+    """Project modules `name` imports, less its own parent packages (importing a submodule runs
+    its package's __init__ first, which is no dependency of the design)."""
+    parents = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
+    return {m for m in imports_of(name) if module_path(m) is not None and not m.startswith("tandem.v1")
+            and m != name and m not in parents}
+
+
+@pytest.mark.parametrize("name", [n for n in all_modules() if n.startswith("tandem.contract")])
+def test_the_contract_is_torch_grpc_and_transformers_free(name: str) -> None:
+    forbidden = ("torch", "grpc", "transformers", "tandem.engine", "tandem.kernels", "tandem.serving",
+                 "tandem.services", "tandem.tools", "tandem.v1")
+    assert hits(reach(name), forbidden) == []
+
+
+def test_every_engine_module_sits_in_a_layer() -> None:
+    loose = [n for n in all_modules() if n.startswith("tandem.engine.") and layer_of(n) is None]
+    assert loose == []
+
+
+@pytest.mark.parametrize("name", [n for n in all_modules() if layer_of(n) is not None])
+def test_engine_layers_import_only_downward(name: str) -> None:
+    up = sorted(m for m in edges(name) if (layer_of(m) or -1) > layer_of(name))
+    assert up == [], f"{name} (layer {LAYERS[layer_of(name)]}) imports a layer above it"
+
+
+def cycles(modules: list[str]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), any import counted."""
+    graph = {m: edges(m) & set(modules) for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            if comp:
+                found.append(sorted([v, *comp]))
+
+    for v in modules:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_in_the_product() -> None:
+    assert cycles(all_modules()) == []
+
+
+def test_the_cycle_check_finds_one(tmp_path, monkeypatch) -> None:
+    pkg = tmp_path / "services"
+    (pkg / "x").mkdir(parents=True)
+    (pkg / "x" / "a.py").write_text("from tandem.services.x import b\n")
+    (pkg / "x" / "b.py").write_text("def f():\n    from tandem.services.x.a import g\n")
+    monkeypatch.setitem(ROOTS, "tandem.services", pkg)
+    assert cycles(["tandem.services.x.a", "tandem.services.x.b"]) == [["tandem.services.x.a", "tandem.services.x.b"]]
 
 
 def test_the_rule_catches_a_violation(tmp_path, monkeypatch) -> None:
@@ -152,10 +237,10 @@ def test_the_wheel_carries_every_file_the_code_reads(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = tmp_path.glob("tandem_spec-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tandem" / "engine").glob("*.c"))
+    sources = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tandem" / "engine").rglob("*.c"))
     assert sources and all(s in names for s in sources), sorted(set(sources) - names)
     assert any(n.startswith("tandem/tools/prompts/") and n.endswith(".jsonl") for n in names)
-    assert "tandem/kernels/reference.py" in names and "tandem/services/gateway/tools.py" in names
+    assert "tandem/kernels/reference.py" in names and "tandem/services/gateway/tool_calls.py" in names
 
 
 def test_the_kernels_folder_does_not_shadow_a_package_of_that_name() -> None:
@@ -179,3 +264,48 @@ def test_the_kernels_folder_does_not_shadow_a_package_of_that_name() -> None:
         assert not first.startswith(str(ROOT / "kernels")) and second == "tandem.kernels True"
     else:
         assert res.returncode != 0 and "imported as tandem.kernels" in res.stderr
+
+
+def test_the_gateway_process_imports_no_torch(tiny_dir) -> None:
+    """A real gateway process (`tandem gateway`, as `tandem up` starts it) loads its model's
+    tokenizer, answers a chat request (503 here: its one verifier is not there) and stops on
+    SIGTERM, and torch was never imported: the gateway tier needs no torch, its start stays quick."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    http_port, grpc_port, dead = port(), port(), port()
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('TORCH', 'torch' in sys.modules, flush=True))\n"
+            "from tandem.tools.cli import app\n"
+            "app()\n")
+    args = ["gateway", "--model", str(tiny_dir), "--verifier", f"127.0.0.1:{dead}", "--http-port", str(http_port),
+            "--grpc-port", str(grpc_port), "--metrics-port", "0"]
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        url = f"http://127.0.0.1:{http_port}"
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code in (200, 503):
+                    break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.2)
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                           json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hello there"}]})
+        assert reply.status_code == 503, reply.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "TORCH False" in out, out[-3000:]

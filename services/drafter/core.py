@@ -45,11 +45,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.config import DraftStrategy, SamplingParams
-from tandem.engine.proposers import Draft, DraftModelProposer, HybridProposer, NgramProposer, Proposer
-from tandem.engine.sampling import make_generator
-from tandem.engine.suffix import SuffixProposer, SuffixStores
-from tandem.engine.threads import ComputeThread
+from tandem.contract.params import DraftStrategy, SamplingParams
+from tandem.engine.speculation.draft import Draft, Proposer
+from tandem.engine.speculation.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from tandem.engine.speculation.sampling import make_generator
+from tandem.engine.speculation.suffix import SuffixProposer, SuffixStores
+from tandem.engine.native.threads import ComputeThread
 from tandem.serving.messages import DraftBlock, DrafterInfo
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.serving.telemetry import tracer
@@ -166,7 +167,7 @@ class DrafterCore:
         self._lock = threading.Lock()  # guards _sessions
         self._sessions: dict[SessionKey, _Session] = {}
         # The draft model's forwards all run on one thread (which also serialises them: the model
-        # is not thread safe), not on whichever worker drafts: tandem.engine.threads.
+        # is not thread safe), not on whichever worker drafts: tandem.engine.native.threads.
         self._model_thread = ComputeThread("draft-model") if settings.draft_model is not None else None
         self._stats_lock = threading.Lock()
         self._stats = DrafterStats()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health
 
-from tandem.engine.config import DraftStrategy, SamplingParams
+from tandem.contract.params import DraftStrategy, SamplingParams
 from tandem.serving.logs import session_context
 from tandem.serving.messages import DraftBlock
 from tandem.serving.metrics import DrafterMetrics
@@ -94,7 +94,7 @@ _WAKE = object()  # a stream's reader or a lane ended: the sender checks whether
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, core: DrafterCore):
         self.core = core
-        # (no OpenMP pools on the workers: the draft model runs on its own thread, tandem.engine.threads)
+        # (no OpenMP pools on the workers: the draft model runs on its own thread, tandem.engine.native.threads)
         self._pool = ThreadPoolExecutor(max_workers=core.settings.draft_workers, thread_name_prefix="draft",
                                         initializer=handler_thread)
 

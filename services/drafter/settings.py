@@ -7,8 +7,8 @@ import socket
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
 
-from tandem.engine.models import LoadedModel
-from tandem.engine.proposers import DraftModelProposer
+from tandem.engine.model.loading import LoadedModel
+from tandem.engine.speculation.proposers import DraftModelProposer
 from tandem.serving.tlsconfig import TlsConfig
 
 

@@ -46,14 +46,14 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from pydantic import ValidationError
 
-from tandem.engine.config import DraftStrategy, Grammar, SamplingParams, SpecConfig
+from tandem.contract.params import DraftStrategy, Grammar, SamplingParams, SpecConfig
 from tandem.serving.logs import log_prompts_enabled, session_id_var
 from tandem.serving.metrics import GatewayMetrics, status_of
-from tandem.engine.models import apply_chat_template
+from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
 from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingPolicy, RoutingReason
-from tandem.services.gateway import tools
+from tandem.services.gateway import tool_calls
 from tandem.services.gateway.auth import OPEN, KeyringFile, Tenant, TenantLimiter, bearer_key
 from tandem.services.gateway.errors import (
     DeadlineExceeded,
@@ -70,9 +70,9 @@ from tandem.services.gateway.errors import (
     VerifierUnreachable,
 )
 from tandem.services.gateway.settings import GatewaySettings
-from tandem.engine.ids import common_prefix_len
-from tandem.engine.text import Detokenizer
-from tandem.engine.spec import FinishReason, SpecStats, TokenLogprob
+from tandem.contract.ids import common_prefix_len
+from tandem.contract.text import Detokenizer
+from tandem.contract.results import FinishReason, SpecStats, TokenLogprob
 from tandem.serving.telemetry import tracer
 
 log = logging.getLogger("tandem.gateway")
@@ -132,15 +132,20 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     top_logprobs: int | None = None  # logprobs with this many alternatives; None = none
     grammar: Grammar | None = None  # structured output (response_format, or a regex / EBNF)
-    # Tools the model may call (services/gateway/tools.py), already checked; rendered into the prompt.
+    # Tools the model may call (services/gateway/tool_calls.py), already checked; rendered into the prompt.
     tool_functions: tuple = ()
     # Internal (n > 1): route to this verifier, which holds the prompt's KV from a warm-up turn.
     prefer_verifier: str | None = None
-    strategy: str | None = None  # "none" | "ngram" | "model" | "hybrid"
+    strategy: str | None = None  # a DraftStrategy value; None = the gateway's default_speculation
     max_draft_tokens: int | None = None
     adaptive: bool | None = None
     timeout_s: float | None = None  # the client's deadline, if shorter than the gateway's
     tenant: Tenant = OPEN  # who asked (GatewayCore.authenticate): owns the session and its caches
+
+
+# GenerationRequest's fields that are SamplingParams' own, under the same names (max_tokens is the
+# request's cap, checked against the context window before it becomes max_new_tokens).
+REQUEST_SAMPLING = tuple(name for name in SamplingParams.model_fields if name != "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -323,8 +328,8 @@ class GatewayCore:
         self._vocab = len(tokenizer)
         self._clients = clients
         # How requests with tools are rendered; said once here and in each such response
-        self.tool_support = tools.detect(tokenizer)
-        if self.tool_support.renderer == tools.GATEWAY:
+        self.tool_support = tool_calls.detect(tokenizer)
+        if self.tool_support.renderer == tool_calls.GATEWAY:
             log.warning("the chat template of %s %s: requests with tools %s", self.model_name, self.tool_support.why,
                         "get the gateway's Hermes-style <tool_call> convention (tandem.tool_format: gateway/hermes "
                         "in each response)" if settings.tool_fallback else "are refused (--no-tool-fallback)")
@@ -373,7 +378,7 @@ class GatewayCore:
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings, clients: Upstream) -> "GatewayCore":
-        from tandem.engine.models import load_tokenizer
+        from tandem.engine.model.tokenizer import load_tokenizer
 
         model_id, tokenizer, max_context = load_tokenizer(settings.model)
         return cls(settings, tokenizer, model_id=model_id, max_context_tokens=max_context, clients=clients)
@@ -699,23 +704,8 @@ class GatewayCore:
         if bad:
             raise InvalidRequest(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {self._vocab})")
         try:
-            sampling = SamplingParams(
-                temperature=0.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
-                seed=req.seed,
-                max_new_tokens=max_new,
-                stop_token_ids=tuple(req.stop_token_ids),
-                ignore_eos=req.ignore_eos,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=tuple(req.logit_bias),
-                min_p=req.min_p or 0.0,
-                stop=tuple(req.stop),
-                top_logprobs=req.top_logprobs,
-                grammar=req.grammar,
-            )
+            sampling = SamplingParams.from_given(
+                max_new_tokens=max_new, **{name: getattr(req, name) for name in REQUEST_SAMPLING})
         except ValidationError as exc:
             raise InvalidRequest(_describe(exc)) from None
         overrides = {
@@ -754,12 +744,12 @@ class GatewayCore:
                 if not isinstance(m.get("content"), str):
                     raise InvalidRequest(f"messages[{i}].content must be a string")
             uses_tools = req.tool_functions or any(m.get("tool_calls") or m.get("role") == "tool" for m in req.messages)
-            if uses_tools and self.tool_support.renderer == tools.GATEWAY and not self.settings.tool_fallback:
+            if uses_tools and self.tool_support.renderer == tool_calls.GATEWAY and not self.settings.tool_fallback:
                 raise InvalidRequest(
                     f"the chat template of {self.model_name} {self.tool_support.why}, and this gateway does not fall "
                     "back to its <tool_call> convention (started with --no-tool-fallback): send the request without tools")
             try:
-                context = (tools.render(self.tokenizer, req.messages, list(req.tool_functions), apply_chat_template,
+                context = (tool_calls.render(self.tokenizer, req.messages, list(req.tool_functions), apply_chat_template,
                                         self.tool_support)
                            if uses_tools else apply_chat_template(self.tokenizer, req.messages))
             except Exception as exc:  # the template's own checks (role order, unknown roles)

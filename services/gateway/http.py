@@ -35,7 +35,7 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
   0 (greedy, deterministic), not OpenAI's 1. `max_completion_tokens` and `max_tokens` are synonyms.
 - `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's), and the extensions
   `repetition_penalty` and `min_p`: applied by the verifier at every position, drafted or not, so
-  speculation leaves the output as plain decoding would make it (tandem.engine.sampling).
+  speculation leaves the output as plain decoding would make it (tandem.engine.speculation.sampling).
 - `stop` strings (up to 8): the verifier stops at the token whose text completes one (matched across
   token boundaries, the same token with speculation as without); the text ends before the string.
 - `logprobs` (chat: `logprobs` + `top_logprobs` up to 20; completions: `logprobs` up to 5): each
@@ -44,12 +44,12 @@ Tandem's extensions and choices (everything else as in OpenAI's API reference):
 - Structured output: `response_format` `{"type": "json_object"}` or `{"type": "json_schema",
   "json_schema": {"name", "schema", "strict"}}` (always strict), or Tandem's `grammar`:
   `{"type": "regex" | "ebnf", "value": ...}`. The verifier masks the target to the grammar at every
-  position, drafted or not (tandem.engine.grammar): output as constrained plain decoding makes it.
+  position, drafted or not (tandem.engine.speculation.grammar): output as constrained plain decoding makes it.
 - `n` (up to 8, streamed or not): the prompt is prefilled once and the choices copy its KV on one
   verifier; a seeded request gives choice i the seed + i. Streamed, the choices' chunks interleave
   (each carries its `index`), and `stream_options.include_usage` sends one usage chunk for all.
 - `tools`, `tool_choice` (auto / none / required / a named function), `parallel_tool_calls`
-  (services/gateway/tools.py), parsed in the model family's dialect: calls in `message.tool_calls`,
+  (services/gateway/tool_calls.py), parsed in the model family's dialect: calls in `message.tool_calls`,
   finish_reason "tool_calls"; a stream sends text as content up to where a call may begin, holds
   the rest, and sends `delta.tool_calls` when the calls are complete.
 - Refused with 400 and a message saying so, rather than silently ignored: any other field this
@@ -93,11 +93,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.serving.logs import session_id_var
 from tandem.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tandem.engine.config import Grammar
+from tandem.contract.params import Grammar
 from tandem.services.gateway.auth import Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest, clip
 from tandem.services.gateway import errors
-from tandem.services.gateway import tools as tools_mod
+from tandem.services.gateway import tool_calls
 from tandem.serving.telemetry import instrument_http_app
 
 SESSION_HEADER = "X-Session-Id"
@@ -232,12 +232,12 @@ class _CommonBody(_Strict):
     response_format: ResponseFormat | None = None
     grammar: GrammarOption | None = None  # Tandem's extension
 
-    def grammar_constraint(self, plan: "tools_mod.ToolPlan" = tools_mod.NO_TOOLS) -> Grammar | None:
+    def grammar_constraint(self, plan: "tool_calls.ToolPlan" = tool_calls.NO_TOOLS) -> Grammar | None:
         rf = self.response_format
         if plan.mode == "required":
             if (rf is not None and rf.type != "text") or self.grammar is not None:
                 raise errors.InvalidRequest("a required tool call is its own grammar: drop response_format / grammar")
-            return tools_mod.call_grammar(list(plan.fns), plan.dialect)
+            return tool_calls.call_grammar(list(plan.fns), plan.dialect)
         if rf is not None and rf.type != "text" and self.grammar is not None:
             raise errors.InvalidRequest("give response_format or grammar, not both")
         if self.grammar is not None:
@@ -273,12 +273,12 @@ class ChatCompletionBody(_CommonBody):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # false: the first call the model writes, no more
 
-    def tool_plan(self, support: "tools_mod.ToolSupport") -> "tools_mod.ToolPlan":
+    def tool_plan(self, support: "tool_calls.ToolSupport") -> "tool_calls.ToolPlan":
         """What this request may call and how its calls are parsed, for the gateway's model."""
         if not self.tools and self.tool_choice in (None, "none", "auto"):
-            return tools_mod.NO_TOOLS
-        fns, mode = tools_mod.chosen(self.tools or [], self.tool_choice)
-        return tools_mod.ToolPlan(tuple(fns), mode, support.dialect, self.parallel_tool_calls is not False)
+            return tool_calls.NO_TOOLS
+        fns, mode = tool_calls.chosen(self.tools or [], self.tool_choice)
+        return tool_calls.ToolPlan(tuple(fns), mode, support.dialect, self.parallel_tool_calls is not False)
 
     def logprob_count(self) -> int | None:
         """OpenAI's chat form: logprobs true, with top_logprobs alternatives (0 to 20)."""
@@ -388,7 +388,7 @@ def _timeout(request: Request) -> float | None:
 
 
 def _domain_request(request: Request, body: _CommonBody, tenant: Tenant, *,
-                    plan: "tools_mod.ToolPlan" = tools_mod.NO_TOOLS, **input_fields) -> GenerationRequest:
+                    plan: "tool_calls.ToolPlan" = tool_calls.NO_TOOLS, **input_fields) -> GenerationRequest:
     max_tokens = body.max_tokens
     extra_max = getattr(body, "max_completion_tokens", None)
     if extra_max is not None:
@@ -459,7 +459,7 @@ class _Format:
     """OpenAI's shapes for one endpoint: chat.completion(.chunk) or text_completion."""
 
     def __init__(self, chat: bool, model: str, session_id: str | None, include_usage: bool, tokenizer=None,
-                 tools: "tools_mod.ToolPlan" = tools_mod.NO_TOOLS):
+                 tools: "tool_calls.ToolPlan" = tool_calls.NO_TOOLS):
         self.chat, self.model, self.session_id, self.include_usage = chat, model, session_id, include_usage
         self.tools = tools  # with tools, the text is parsed for calls
         self._text: list[str] = []  # a stream's text so far (with tools)
@@ -543,7 +543,7 @@ class _Format:
             logprobs = self._logprobs([t for c in chunks for t in c.logprobs or ()], text) if asked else None
             choice = self._choice(text, chunks[-1].finish_reason.value, stream=False, logprobs=logprobs)
             if self.tools.mode != "none":
-                content, calls = tools_mod.parse(text, self.tools)
+                content, calls = tool_calls.parse(text, self.tools)
                 if calls:
                     choice["message"] = {"role": "assistant", "content": content,
                                          "tool_calls": [_call_dict(c) for c in calls]}
@@ -601,8 +601,8 @@ class _Format:
                 out.append(self._envelope([self._choice(text[self._sent:safe], None, stream=True)], stream=True))
                 self._sent = safe
             return out
-        spans, calls = tools_mod.calls_in(text, self.tools)
-        content = tools_mod.without(text, spans, self._sent) if calls else text[self._sent:]
+        spans, calls = tool_calls.calls_in(text, self.tools)
+        content = tool_calls.without(text, spans, self._sent) if calls else text[self._sent:]
         if calls:  # as the whole response's content is: without the space the calls leave
             content = content.rstrip() if self._sent else content.strip()
         if content:
@@ -627,7 +627,7 @@ def choices_usage(lasts: list[Chunk]) -> dict:
     return usage
 
 
-def _call_dict(call: "tools_mod.ToolCall") -> dict:
+def _call_dict(call: "tool_calls.ToolCall") -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
@@ -659,7 +659,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, body: _CommonBody, chat: bool,
-                   tools: "tools_mod.ToolPlan" = tools_mod.NO_TOOLS) -> Response:
+                   tools: "tool_calls.ToolPlan" = tool_calls.NO_TOOLS) -> Response:
     fmt = _Format(chat, core.model_name, req.session_id, bool(body.stream_options and body.stream_options.include_usage),
                   core.tokenizer, tools)
     if tools.fns:

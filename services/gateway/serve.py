@@ -7,6 +7,7 @@ error event, or UNAVAILABLE on gRPC), never a silent truncation; then the server
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import socket
@@ -108,4 +109,11 @@ def serve(settings: GatewaySettings) -> None:
         core = GatewayCore.from_settings(settings, RpcClients(settings.tls))
         await run_gateway(core, settings, stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except OSError as exc:  # a port taken: one line that says which, not a traceback
+        if exc.errno != errno.EADDRINUSE and "bind" not in str(exc):
+            raise
+        where = f"HTTP {settings.http_host}:{settings.http_port}, gRPC {settings.grpc_host}:{settings.grpc_port}"
+        raise SystemExit(f"error: the gateway cannot listen ({where}): {exc.strerror or exc}; stop what holds "
+                         "the port or choose another with --http-port / --grpc-port") from None

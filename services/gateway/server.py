@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.serving.tls import server_credentials
-from tandem.services.gateway import tools
+from tandem.services.gateway import tool_calls
 from tandem.services.gateway.auth import OPEN, Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
 from tandem.services.gateway import errors
@@ -58,10 +58,10 @@ def _grammar(s):
         raise errors.InvalidRequest(f"sampling.grammar: {exc}") from None
 
 
-def tool_plan(msg: gateway_pb2.GenerateRequest, support: tools.ToolSupport) -> tools.ToolPlan:
+def tool_plan(msg: gateway_pb2.GenerateRequest, support: tool_calls.ToolSupport) -> tool_calls.ToolPlan:
     """What a request may call and how its calls are parsed, for the gateway's model."""
     if not msg.tools and not msg.HasField("tool_choice"):
-        return tools.NO_TOOLS
+        return tool_calls.NO_TOOLS
     listed = []
     for i, t in enumerate(msg.tools):
         try:
@@ -73,13 +73,13 @@ def tool_plan(msg: gateway_pb2.GenerateRequest, support: tools.ToolSupport) -> t
     which = msg.tool_choice.WhichOneof("choice") if msg.HasField("tool_choice") else None
     choice = (None if which is None else msg.tool_choice.mode if which == "mode"
               else {"type": "function", "function": {"name": msg.tool_choice.function}})
-    fns, mode = tools.chosen(listed, choice)
+    fns, mode = tool_calls.chosen(listed, choice)
     parallel = not msg.HasField("parallel_tool_calls") or msg.parallel_tool_calls
-    return tools.ToolPlan(tuple(fns), mode, support.dialect, parallel)
+    return tool_calls.ToolPlan(tuple(fns), mode, support.dialect, parallel)
 
 
 def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | None,
-                   tenant: Tenant = OPEN, plan: tools.ToolPlan = tools.NO_TOOLS) -> GenerationRequest:
+                   tenant: Tenant = OPEN, plan: tool_calls.ToolPlan = tool_calls.NO_TOOLS) -> GenerationRequest:
     which = msg.WhichOneof("input")
     fields: dict = {
         "session_id": msg.session_id or None,
@@ -121,7 +121,7 @@ def unpack_request(msg: gateway_pb2.GenerateRequest, time_remaining: float | Non
         if plan.mode == "required":
             if fields.get("grammar") is not None:
                 raise errors.InvalidRequest("a required tool call is its own grammar: drop sampling.grammar")
-            fields["grammar"] = tools.call_grammar(list(plan.fns), plan.dialect)
+            fields["grammar"] = tool_calls.call_grammar(list(plan.fns), plan.dialect)
     if msg.HasField("speculation"):
         p = msg.speculation
         if p.strategy and p.strategy not in STRATEGY_FROM_PB:
@@ -219,7 +219,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 msg.choice = i
                 texts[i].append(chunk.text)
                 if chunk.finish_reason is not None and plan.mode != "none":
-                    _, calls = tools.parse("".join(texts[i]), plan)
+                    _, calls = tool_calls.parse("".join(texts[i]), plan)
                     msg.tool_calls.extend(gateway_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments)
                                           for c in calls)
                 yield msg

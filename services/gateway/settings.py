@@ -1,4 +1,4 @@
-"""The gateway's typed configuration: built once at the edge (`python -m tandem.services.gateway`
+"""The gateway's typed configuration: built once at the edge (`tandem gateway`
 flags, or a test) and passed down; nothing below re-reads the environment."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tandem.engine.config import DraftStrategy, SpecConfig
+from tandem.contract.params import DraftStrategy, SpecConfig
 from tandem.serving.tlsconfig import TlsConfig
 
 
@@ -87,7 +87,7 @@ class GatewaySettings(BaseModel):
     max_input_tokens: int | None = Field(None, ge=1)  # per request, every tenant (a tenant may set less)
     grpc_reflection: bool = False  # reflection on the public gRPC port reveals the whole API surface
     # A model whose chat template has no tool support (or writes calls in a dialect the gateway
-    # does not parse, services/gateway/tools.py): True = requests with tools get the gateway's
+    # does not parse, services/gateway/tool_calls.py): True = requests with tools get the gateway's
     # Hermes-style <tool_call> convention (said in every such response, `tandem.tool_format`);
     # False = they are refused with a clear 400 / INVALID_ARGUMENT.
     tool_fallback: bool = True

@@ -22,13 +22,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 from tandem.serving.logs import session_context
 from tandem.serving.metrics import VerifierMetrics, status_of
-from tandem.engine.models import LoadedModel
-from tandem.engine.runner import PrefillPolicy, Sequence
-from tandem.engine.spec import Engine, FinishReason, GenerationResult, StepOutput, trees_allowed
-from tandem.engine.suffix import scope_of
+from tandem.engine.model.loading import LoadedModel
+from tandem.engine.scheduler.prefill import PrefillPolicy
+from tandem.engine.scheduler.runner import Sequence
+from tandem.engine.scheduler.generate import Engine, trees_allowed
+from tandem.contract.results import GenerationResult, StepOutput
+from tandem.contract.results import FinishReason
+from tandem.engine.speculation.suffix import scope_of
 from tandem.serving.telemetry import tracer
 
 from .drafting import DrafterConnector, RemoteProposer
@@ -537,7 +540,7 @@ class VerifierCore:
             self._share_prefix(sess, list(context_ids))
             # Prompt lookup runs here, drafter or not: the same algorithm on the same ids in tens of
             # microseconds, where a drafter would add a round trip and messages every step (see
-            # docs/design-notes.md, "prompt lookup on the verifier").
+            # docs/history.md, "prompt lookup on the verifier").
             remote = spec.strategy not in (DraftStrategy.none, DraftStrategy.ngram)
             if remote and drafter_address and self.connector is not None:
                 proposer = RemoteProposer(
@@ -628,7 +631,7 @@ class VerifierCore:
             self._release(session_id, sess, keep and gen_ok(sess))
 
     def _observe(self, span, step: StepOutput, faults_before: tuple[int, int], batch_size: int, proposer) -> None:
-        """One verify step to the metrics and its span (in DESIGN.md's terms); a drafter fallback
+        """One verify step to the metrics and its span (in docs/design.md's terms); a drafter fallback
         or rejected blocks during the step become span events."""
         self.metrics.step(step.drafted, step.accepted, len(step.tokens), batch_size, step.proposer)
         if not span.is_recording():

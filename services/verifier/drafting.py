@@ -7,7 +7,7 @@ arrived for the current position (waiting a bounded time for one), `propose` han
 gRPC, tests may implement it in-process).
 
 Nothing a drafter sends can change the output, only the speed: a block is used only if it is based
-at or before the committed length and its overlap equals the committed tokens (DESIGN.md: stale
+at or before the committed length and its overlap equals the committed tokens (docs/design.md: stale
 blocks are dropped and counted), its ids lie in the vocabulary, and its proposal distributions are
 well formed. Everything else is counted in `rejected_blocks` and ignored. A drafter that dies or
 stalls does not stop speculation: a step without a usable block in time (counted in
@@ -17,7 +17,7 @@ stalls does not stop speculation: a step without a usable block in time (counted
 Suffix decoding drafts from two indexes: the session's own tokens and the drafter's store of other
 sessions' answers. The verifier keeps the first itself (`local_first`): the same index over the
 same ids gives the drafter's own-index draft in microseconds, where waiting for the drafter costs
-a round trip (1-2 ms on a loaded 2-core host, the network's on separate hosts: docs/design-notes.md,
+a round trip (1-2 ms on a loaded 2-core host, the network's on separate hosts: docs/history.md,
 "Suffix decoding through the stack"). So a step waits for the drafter only while its blocks come
 from the store (STORE_BUCKET and up), and at the first step; otherwise it drafts from the own index
 or decodes plainly at once. A fresh block that is already there is always used, being the
@@ -36,9 +36,9 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.proposers import Draft, Offer, Proposer, check_tree
-from tandem.engine.suffix import STORE_BUCKET
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.speculation.draft import Draft, Offer, Proposer, check_tree
+from tandem.engine.speculation.suffix import STORE_BUCKET
 from tandem.serving.messages import DraftBlock, DraftSessionOpen
 
 # Suffix decoding asks its drafter for blocks this many times a step's drafts. A store-served block

@@ -7,8 +7,8 @@ import logging
 
 import grpc
 
-from tandem.engine.config import SpecConfig
-from tandem.engine.spec import GenerationResult
+from tandem.contract.params import SpecConfig
+from tandem.contract.results import GenerationResult
 from tandem.serving.grpc_server import build_server as _build, wait_for_termination
 from tandem.serving.protoconv import (
     result_to_proto,
@@ -111,8 +111,8 @@ def serve(settings) -> None:
     cut what is left with UNAVAILABLE (gateways resume those streams elsewhere), deregister."""
     import torch
 
-    from tandem.engine.models import load_model, resolve_device
-    from tandem.engine.threads import in_passing_thread
+    from tandem.engine.model.loading import load_model, resolve_device
+    from tandem.engine.native.threads import in_passing_thread
 
     torch.set_num_threads(settings.threads or torch.get_num_threads())
     publisher = None
@@ -127,7 +127,7 @@ def serve(settings) -> None:
         return VerifierCore(settings, target, publisher=publisher, connector=GrpcDrafterConnector(tls=settings.tls))
 
     # The main thread runs no model work: the step loop's thread is the only one with an OpenMP
-    # pool while serving (tandem.engine.threads: a second pool halves the step's speed).
+    # pool while serving (tandem.engine.native.threads: a second pool halves the step's speed).
     core = in_passing_thread(build)
     target = core.target
     if settings.metrics_port is not None:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tandem.engine.config import DraftStrategy
+from tandem.contract.params import DraftStrategy
 from tandem.serving.residency import ResidencyConfig
 from tandem.serving.tlsconfig import TlsConfig
 

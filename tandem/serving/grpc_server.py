@@ -44,7 +44,7 @@ class _WithHealthPort:
 def handler_thread() -> None:
     """A gRPC worker thread runs torch ops (if at all) on itself alone: with more than one thread it
     would grow an OpenMP pool of its own, and a second pool beside the step loop's throttles every
-    region of every step (tandem.engine.threads; measured: the verifier's one-token step 9.7 ms
+    region of every step (tandem.engine.native.threads; measured: the verifier's one-token step 9.7 ms
     with a handler's pool vs 6.7 ms without). Services without torch are not made to import it."""
     torch = sys.modules.get("torch")
     if torch is not None:

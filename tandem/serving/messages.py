@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.spec import FinishReason, SpecStats, TokenLogprob
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.contract.results import FinishReason, SpecStats, TokenLogprob
 
 
 @dataclass(frozen=True)

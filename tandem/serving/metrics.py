@@ -27,7 +27,7 @@ Worked example: a verify step that drafted 4 tokens of which the first 2 were ac
 drafted, 2 to accepted, 1 to recovered, 1 to drafted_by_position{1..4}, 1 to
 accepted_by_position{1,2}, and observes 3 (= accepted + 1 committed tokens) in accepted_length.
 So acceptance rate = accepted / drafted, and accepted_length's sum / count is the mean accepted
-length (committed tokens per target step, DESIGN.md).
+length (committed tokens per target step, docs/design.md).
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class VerifierMetrics(ServiceMetrics):
         self._batch.observe(batch_size)
 
     def loop_step(self, phases) -> None:
-        """One step of the step loop (tandem.engine.runner.StepPhases)."""
+        """One step of the step loop (tandem.engine.scheduler.runner.StepPhases)."""
         for name, child in self._phases.items():
             child.observe(getattr(phases, name))
 

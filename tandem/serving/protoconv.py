@@ -14,8 +14,9 @@ import time
 
 from pydantic import ValidationError
 
-from tandem.engine.config import DraftStrategy, Grammar, SamplingParams, SpecConfig
-from tandem.engine.spec import FinishReason, GenerationResult, SpecStats, StepOutput, TokenLogprob
+from tandem.contract.params import DraftStrategy, Grammar, SamplingParams, SpecConfig
+from tandem.contract.results import FinishReason, SpecStats, TokenLogprob
+from tandem.contract.results import GenerationResult, StepOutput
 from tandem.serving.messages import (
     CommittedTokens,
     DraftBlock,

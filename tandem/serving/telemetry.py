@@ -30,7 +30,7 @@ completion:
           verify_step ...                     block_len, drafted, accepted, recovered|bonus, batch_size;
                                               events drafter_fallback, draft_blocks_rejected
 
-Attribute names use DESIGN.md's terms under the `tandem.` prefix (tandem.drafted, tandem.accepted,
+Attribute names use docs/design.md's terms under the `tandem.` prefix (tandem.drafted, tandem.accepted,
 tandem.recovered, tandem.bonus).
 """
 

@@ -1,4 +1,4 @@
-"""Side-by-side benchmark of decoding modes on one engine, as DESIGN.md's "Measuring" asks.
+"""Side-by-side benchmark of decoding modes on one engine, as docs/design.md's "Measuring" asks.
 
 Every prompt runs in every mode in this one process, interleaved: prompt 1 in ar, ngram, model;
 prompt 2 in ngram, model, ar; ... The order rotates so that no mode always runs first (right after
@@ -66,13 +66,15 @@ import torch
 from rich import box
 from rich.table import Table
 
-from tandem.engine.adaptive import AcceptanceCounts
-from tandem.engine.config import DraftStrategy, SamplingParams
-from tandem.engine.gemm import cpu_model
+from tandem.engine.speculation.adaptive import AcceptanceCounts
+from tandem.contract.params import DraftStrategy, SamplingParams
+from tandem.engine.native.build import cpu_model
 from tandem.tools.datasets import PromptRecord, to_chat
-from tandem.engine.models import apply_chat_template
-from tandem.engine.progress import progress_bar
-from tandem.engine.spec import Engine, FinishReason, GenerationResult, SpecStats
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.native.progress import progress_bar
+from tandem.engine.scheduler.generate import Engine
+from tandem.contract.results import GenerationResult
+from tandem.contract.results import FinishReason, SpecStats
 
 MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "suffix": DraftStrategy.suffix,
          "model": DraftStrategy.model, "hybrid": DraftStrategy.hybrid,
@@ -239,12 +241,12 @@ class EngineTarget:
         if self.tools != "prompt" and rec.functions:
             # the record's functions as the API's tools, rendered as the gateway renders them (the
             # template's tool support, or its Hermes-style convention), instead of its tool list text
-            from tandem.services.gateway import tools as tools_mod
+            from tandem.services.gateway import tool_calls
 
             rest = messages[1:] if rec.system else messages
             head = [{"role": "system", "content": rec.system_without_tools}] if rec.system_without_tools else []
-            ids = tools_mod.render(self.tokenizer, head + rest, rec.functions, apply_chat_template,
-                                   tools_mod.detect(self.tokenizer))
+            ids = tool_calls.render(self.tokenizer, head + rest, rec.functions, apply_chat_template,
+                                   tool_calls.detect(self.tokenizer))
         else:
             ids = apply_chat_template(self.tokenizer, messages)
         if len(ids) >= self.engine.target.max_context:
@@ -267,10 +269,10 @@ class EngineTarget:
         call object of its functions, as `tool_choice: required` at the gateway)."""
         if self.tools != "required" or not rec.functions:
             return sampling
-        from tandem.services.gateway import tools as tools_mod
+        from tandem.services.gateway import tool_calls
 
-        return sampling.model_copy(update={"grammar": tools_mod.call_grammar(
-            rec.functions, tools_mod.detect(self.tokenizer).dialect)})
+        return sampling.model_copy(update={"grammar": tool_calls.call_grammar(
+            rec.functions, tool_calls.detect(self.tokenizer).dialect)})
 
     def new_proposer(self, mode: str):
         """A proposer for one conversation in one of our modes (None: plain decoding)."""
@@ -448,7 +450,7 @@ def run_bench(
     defaults to greedy; its max_new_tokens is replaced by `max_new_tokens`; a sampled run without a
     seed gets seed 0, and every generation then its own seed (`run_seed`), the same in all modes
     (a seeded generation of ours picks block lengths from nominal costs so that it replays: see
-    `tandem.engine.spec.Generation`).
+    `tandem.engine.scheduler.generate.Generation`).
     With repeats > 1 each prompt runs that many times per mode and each turn's figures are those of
     its median-time repeat; equality with the baseline is required of every repeat.
     `suffix_warm`: suffix decoding's cross-session store (modes suffix and hybrid) is fed with the
@@ -463,7 +465,7 @@ def run_bench(
     if suffix_warm:
         if not isinstance(engine, Engine):
             raise ValueError("suffix_warm runs in process: through a stack the drafters' stores warm themselves")
-        from tandem.engine.suffix import SuffixStore
+        from tandem.engine.speculation.suffix import SuffixStore
 
         store = SuffixStore()
     target = (
@@ -763,7 +765,7 @@ def machine_info(engine: Engine) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
     plan = getattr(getattr(engine.runner.backend, "impl", None), "gemm_plan", None)
     if plan is not None:
-        from tandem.engine.gemm import INVARIANT, GemmSettings
+        from tandem.engine.model.gemm import INVARIANT, GemmSettings
 
         # the setting ("invariant", "auto" or a forced path) and the path(s) it gave: "auto" (measured
         # on this machine) or the one path every call takes

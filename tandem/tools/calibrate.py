@@ -2,7 +2,7 @@
 
 A speculative step pays off when a forward over k+1 tokens costs little more than over one, and a
 one-token forward of a small model is bound by reading its weights. So we report, for the target as
-the engine runs it (tuned GEMM paths, tandem.engine.gemm):
+the engine runs it (tuned GEMM paths, tandem.engine.model.gemm):
 - the forward time at 1, 2, 3, 5, 9 and 17 new tokens on top of a 100 / 1,000 / 4,000-token cache;
 - the memory bandwidth (a streaming read and a copy of a 256 MB buffer, with the process's threads);
 - the bandwidth bound of a one-token step (the bytes of the weights a step reads / read bandwidth)
@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from tandem.engine.gemm import GemmPlan, cpu_model, median_seconds, shape_key
+from tandem.engine.model.gemm import GemmPlan, median_seconds, shape_key
+from tandem.engine.native.build import cpu_model
 
 ROWS = (1, 2, 3, 5, 9, 17)
 CONTEXTS = (100, 1000, 4000)
@@ -72,7 +73,7 @@ def bandwidth() -> tuple[float, float]:
 def weight_bytes(native) -> int:
     """Bytes of the weights a one-token step of a NativeLlama reads: every linear layer, the norms
     and the LM head (the input embedding contributes one row per token and is left out)."""
-    def size(lin) -> int:  # a quantized weight (tandem.engine.quant) says its own size
+    def size(lin) -> int:  # a quantized weight (tandem.engine.native.quant) says its own size
         return lin.nbytes if hasattr(lin, "nbytes") else lin.w.numel() * lin.w.element_size()
 
     total = sum(size(c) for c in native.head_chunks)
@@ -90,16 +91,16 @@ def kv_bytes(native, context: int) -> int:
 
 def measure(native, *, contexts=CONTEXTS, rows=ROWS, reps: int = 7, progress: bool = True) -> MachineCurve:
     """The cost curve of a NativeLlama on this machine (a few seconds per context)."""
-    from tandem.engine.progress import progress_bar
+    from tandem.engine.native.progress import progress_bar
 
     read, copy = bandwidth()
     wbytes = weight_bytes(native)
     curve = MachineCurve(cpu=cpu_model(), threads=torch.get_num_threads(), torch_version=torch.__version__,
                          read_gbs=0.0, copy_gbs=round(copy, 1), weight_mb=round(wbytes / 1e6, 3), bound_ms=0.0)
-    from tandem.engine import attend
+    from tandem.engine.native import attend
 
     kernel = attend.serves(1, native.head_dim, native.dtype, native.device)
-    curve.attention = "tandem_attend (tandem/engine/attend.c)" if kernel else "torch scaled_dot_product_attention"
+    curve.attention = "tandem_attend (tandem/engine/native/attend.c)" if kernel else "torch scaled_dot_product_attention"
     curve.kv_mb = {str(ctx): round(kv_bytes(native, ctx) / 1e6, 3) for ctx in contexts}
     plan: GemmPlan | None = native.gemm_plan
     if plan is not None:
@@ -191,7 +192,7 @@ def format_plan(plan: GemmPlan):
     """Which path serves each weight shape, by row count (runs of equal choices merged)."""
     from rich.table import Table
 
-    from tandem.engine.gemm import SLOTS
+    from tandem.engine.model.gemm import SLOTS
 
     table = Table(title=f"GEMM paths ({plan.mode}" + (f", measured in {plan.tuned_s} s)" if plan.mode == "auto" else ")"))
     table.add_column("weight [out x in]")

@@ -38,7 +38,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tandem.engine.gemm import cpu_model
+from tandem.engine.native.build import cpu_model
 
 log = logging.getLogger("tandem.tools.chaos")
 
@@ -114,11 +114,11 @@ class Chaos:
     # -- the run --------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        from tandem.engine.models import apply_chat_template, load_tokenizer
+        from tandem.engine.model.tokenizer import apply_chat_template, load_tokenizer
         from tandem.tools.datasets import dev_set, load_prompts
         from tandem.tools.stack import Stack, StackConfig, Topology, free_port
 
-        from tandem.engine.gemm import GemmSettings
+        from tandem.engine.model.gemm import GemmSettings
 
         c = self.config
         try:
@@ -399,9 +399,9 @@ class Chaos:
     def _check_greedy(self) -> int:
         """Every completed response against plain decoding of the same context in this process;
         marks each outcome and returns the number of mismatches."""
-        from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-        from tandem.engine.models import load_model
-        from tandem.engine.spec import Engine
+        from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+        from tandem.engine.model.loading import load_model
+        from tandem.engine.scheduler.generate import Engine
 
         engine = Engine(load_model(self.config.model))
         cache: dict[tuple[int, ...], list[int]] = {}

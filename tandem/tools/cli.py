@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 
 app = typer.Typer(
     name="tandem",
@@ -33,6 +33,7 @@ log = logging.getLogger("tandem.tools.cli")
 
 @app.callback()
 def _global(
+    ctx: typer.Context,
     gemm: Annotated[
         str,
         typer.Option("--gemm", envvar="TANDEM_GEMM", show_default=True,
@@ -49,13 +50,16 @@ def _global(
     ] = "invariant",
 ) -> None:
     """Options that apply to every command (set before the command: `tandem --gemm onednn_b4 bench ...`)."""
-    from tandem.engine.gemm import GemmSettings
+    if ctx.invoked_subcommand in TORCH_FREE:
+        return  # runs no model: the process never imports torch (tests/test_layout.py)
+    from tandem.engine.model.gemm import GemmSettings
 
     try:
         GemmSettings.configure(gemm)
     except ValueError as exc:
         _fail(str(exc))
 
+TORCH_FREE = ("gateway",)  # commands whose process never runs a model
 STRATEGIES_DEFAULT = ("none", "ngram", "suffix", "hybrid")  # tandem determinism's rotation
 
 ModelOpt = Annotated[
@@ -123,11 +127,10 @@ MetricsPortOpt = Annotated[
 
 
 def _setup(threads: int | None, log_level: str = "info", *, service: str | None = None,
-           log_json: bool | None = None) -> None:
+           log_json: bool | None = None, runs_model: bool = True) -> None:
     """Logging for this process; for a service (`service` = "verifier", ...) also tracing, on when
-    the OTEL_* environment asks for it (tandem.serving.telemetry)."""
-    import torch
-
+    the OTEL_* environment asks for it (tandem.serving.telemetry). `runs_model` False: a process
+    that runs no model (the gateway), which then never imports torch."""
     from tandem.serving.logs import setup_logging
 
     setup_logging(log_level, log_json)
@@ -135,7 +138,10 @@ def _setup(threads: int | None, log_level: str = "info", *, service: str | None 
         from tandem.serving.telemetry import setup_tracing
 
         setup_tracing(f"tandem-{service}")
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    if runs_model:
+        import torch
+
+        torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
 def _fail(message: str) -> None:
@@ -157,7 +163,8 @@ def _report(record: dict, out: Path | None, as_json: bool) -> None:
 def _load(model: str, draft_model: str | None, *, needs_draft: bool = False, precision: str = "auto"):
     """Target and draft. A command that needs a draft and got none takes the target's distilled
     draft from the cache (`tandem distill` writes it there), saying so."""
-    from tandem.engine.models import ModelError, check_same_tokenizer, find_default_draft, load_model
+    from tandem.engine.model.loading import check_same_tokenizer, load_model
+    from tandem.engine.model.paths import ModelError, find_default_draft
 
     try:
         target = load_model(model, precision=precision)
@@ -209,8 +216,8 @@ def generate(
     _setup(threads)
     from rich.console import Console
 
-    from tandem.engine.models import apply_chat_template
-    from tandem.engine.spec import Engine
+    from tandem.engine.model.tokenizer import apply_chat_template
+    from tandem.engine.scheduler.generate import Engine
 
     try:
         sampling = SamplingParams(
@@ -225,7 +232,7 @@ def generate(
     engine = Engine(target, draft_lm, spec)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     context = apply_chat_template(target.tokenizer, messages)
-    from tandem.engine.text import Detokenizer
+    from tandem.contract.text import Detokenizer
 
     stream = Detokenizer(target.tokenizer)
 
@@ -272,7 +279,8 @@ def convert(
 ) -> None:
     """Convert a GGUF model (default: the embedded SmolLM2) into the local safetensors cache, once."""
     _setup(None)
-    from tandem.engine.models import ModelError, convert_gguf, resolve_model_path
+    from tandem.engine.model.loading import convert_gguf
+    from tandem.engine.model.paths import ModelError, resolve_model_path
 
     try:
         _, path = resolve_model_path(model)
@@ -302,7 +310,7 @@ def calibrate(
     _setup(threads)
     from rich.console import Console
 
-    from tandem.engine.llama import NativeLlama, Unsupported
+    from tandem.engine.model.llama import NativeLlama, Unsupported
     from tandem.tools.calibrate import format_curve, format_plan, measure
 
     try:
@@ -366,7 +374,7 @@ def bench(
 
     from tandem.tools.bench import PEER_MODES, TOOL_MODES, format_category_table, format_table, run_bench
     from tandem.tools.datasets import records_for
-    from tandem.engine.spec import Engine
+    from tandem.engine.scheduler.generate import Engine
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     try:
@@ -470,7 +478,8 @@ def distill(
     from tandem.tools.datasets import PROMPTS_DIR
     from tandem.tools.distill import DistillConfig, dev_prompt_files
     from tandem.tools.distill import distill as run_distill
-    from tandem.engine.models import ModelError, default_draft_path, load_model
+    from tandem.engine.model.loading import load_model
+    from tandem.engine.model.paths import ModelError, default_draft_path
 
     try:
         cfg = DistillConfig(
@@ -870,8 +879,9 @@ def drafter(
 
     draft = None
     if draft_model:
-        from tandem.engine.models import ModelError, load_model
-        from tandem.engine.threads import in_passing_thread
+        from tandem.engine.model.loading import load_model
+        from tandem.engine.model.paths import ModelError
+        from tandem.engine.native.threads import in_passing_thread
 
         try:
             draft = in_passing_thread(load_model, draft_model)  # no model work on the main thread
@@ -929,7 +939,7 @@ def gateway(
     """Run the gateway: OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models,
     SSE streaming) and gRPC Generate; routes each session to the verifier holding its KV cache.
     With --api-keys, each key's tenant owns its sessions and caches (docs/security.md)."""
-    _setup(1, log_level, service="gateway", log_json=log_json)
+    _setup(None, log_level, service="gateway", log_json=log_json, runs_model=False)
     from pydantic import ValidationError
 
     from tandem.services.gateway.serve import serve
@@ -986,7 +996,7 @@ def up(
 
     tls_dir = None
     if tls:
-        from tandem.engine.models import cache_dir
+        from tandem.engine.native.build import cache_dir
 
         tls_dir = certs_dir or cache_dir() / "certs"
     _run_stack(StackConfig(model=model, draft_model=draft_model, redis_url=redis_url, host=host, http_port=http_port,
@@ -1122,14 +1132,14 @@ def _grammar_option(value: str | None):
     """--response-format: None, 'json_object', or a JSON schema file."""
     if value is None:
         return None
-    from tandem.engine.config import Grammar
+    from tandem.contract.params import Grammar
 
     if value == "json_object":
         return Grammar(kind="json_object")
     path = Path(value)
     if not path.is_file():
         raise ValueError(f"--response-format is 'json_object' or a JSON schema file; {value!r} is neither")
-    from tandem.engine.grammar import parse_json_schema
+    from tandem.engine.speculation.grammar import parse_json_schema
 
     return Grammar(kind="json_schema", value=parse_json_schema(path.read_text()))
 
@@ -1154,14 +1164,14 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
     from rich.console import Console
 
     from tandem.serving.residency import redact_url
-    from tandem.tools.stack import Stack
+    from tandem.tools.stack import PortTaken, Stack
 
     console = Console(stderr=True)
     failed = False
     if cfg.draft_model is None:
         # The target's distilled draft (`tandem distill`), when one exists, serves strategies model
         # and hybrid; without one the drafter offers prompt lookup only.
-        from tandem.engine.models import ModelError, find_default_draft, resolve_model_path
+        from tandem.engine.model.paths import ModelError, find_default_draft, resolve_model_path
 
         try:
             found = find_default_draft(resolve_model_path(cfg.model)[0])
@@ -1174,6 +1184,8 @@ def _run_stack(cfg, *, demo_request: bool) -> None:
         stack = Stack(cfg)
         try:
             stack.start()
+        except PortTaken as exc:
+            _fail(str(exc))
         except (RuntimeError, TimeoutError) as exc:
             _fail(f"the stack did not come up: {exc}")
     try:

@@ -17,7 +17,7 @@ runs them), then:
 The chat requests share a system prompt, so their prompts share a prefix: its KV is computed once
 and copied between sessions, and each prompt is prefilled in whatever pieces the load allows,
 which is what made chat output differ under load before every position's bits were made
-independent of how it arrived (docs/design-notes.md, "One request, one answer").
+independent of how it arrived (docs/history.md, "One request, one answer").
 
 Seeded sampled requests (`sampled`) are compared with their own idle run. Only their plain (`none`)
 form is required to replay under load; the report counts two others separately: with speculation a
@@ -41,7 +41,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tandem.engine.gemm import cpu_model
+from tandem.engine.native.build import cpu_model
 
 log = logging.getLogger("tandem.tools.determinism")
 
@@ -131,7 +131,7 @@ class Determinism:
               max_tokens: int | None = None) -> Result:
         import grpc
 
-        from tandem.engine.config import DraftStrategy
+        from tandem.contract.params import DraftStrategy
         from tandem.serving.protoconv import STRATEGY_TO_PB
         from tandem.v1 import common_pb2, gateway_pb2
 
@@ -339,7 +339,7 @@ class Determinism:
 
 def find_draft(model: str) -> str | None:
     """The target's distilled draft where `tandem distill` made one (the stack's own rule), else None."""
-    from tandem.engine.models import ModelError, find_default_draft, resolve_model_path
+    from tandem.engine.model.paths import ModelError, find_default_draft, resolve_model_path
 
     try:
         found = find_default_draft(resolve_model_path(model)[0])

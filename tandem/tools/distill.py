@@ -4,7 +4,7 @@ Why it works on a CPU in minutes, for a target nobody made a draft for:
 - The draft shares the target's tokenizer and width: its input embeddings are the target's (frozen,
   so the optimizer never touches 28 M parameters), its layers start as copies of target layers and
   its LM head as the target's head rows. Training moves a good starting point, not random weights
-  (untrained, such a truncated model agrees with the target almost never; see DESIGN.md).
+  (untrained, such a truncated model agrees with the target almost never; see docs/design.md).
 - The head covers only the `vocab_top` ids most frequent in the training text (prompts and the
   target's replies). The full 49,152-row head is a fifth of SmolLM2-135M's cost per token; 8,192
   rows cover nearly all of what the target writes. An id outside is never proposed: verification
@@ -38,8 +38,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.tools.datasets import DEV_SETS, PromptRecord, load_prompts, to_chat
-from tandem.engine.models import DRAFT_MANIFEST, LoadedModel, apply_chat_template
-from tandem.engine.progress import progress_bar
+from tandem.engine.model.loading import LoadedModel
+from tandem.engine.model.paths import DRAFT_MANIFEST
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.native.progress import progress_bar
 
 log = logging.getLogger("tandem.tools.distill")
 
@@ -136,7 +138,7 @@ def write_prompts(target: LoadedModel, cfg: DistillConfig, *, progress: bool = T
     `self_prompt_tokens`), `gen_batch` at a time. An instruction-tuned target has seen many users:
     what it writes there is a spread of requests (advice, stories, code, e-mails) in the proportions
     of its own training, needing no dataset at all. Deterministic with the seed."""
-    from tandem.engine.llama import NativeLlama
+    from tandem.engine.model.llama import NativeLlama
 
     if cfg.self_prompts == 0:
         return []
@@ -196,7 +198,7 @@ def generate_teacher(target: LoadedModel, prompts, cfg: DistillConfig, *, progre
     after) until `cfg.tokens` reply tokens exist, `gen_batch` sequences at a time in one batched
     forward (continuous: a finished sequence's slot takes the next prompt). Every position keeps
     the target's top-K next-token probabilities (temperature 1: the target's own distribution)."""
-    from tandem.engine.llama import NativeLlama
+    from tandem.engine.model.llama import NativeLlama
 
     native = NativeLlama(target.model)
     eos = set(target.eos_token_ids)
@@ -297,7 +299,7 @@ def build_draft(target: LoadedModel, head_vocab: torch.Tensor, cfg: DistillConfi
     target (same width) or from a projection of its embeddings (narrower)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tandem.engine.llama import rope_theta
+    from tandem.engine.model.llama import rope_theta
 
     tcfg = target.model.config
     t_hidden = tcfg.hidden_size

@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from tandem.engine.config import SamplingParams
-from tandem.engine.spec import FinishReason, GenerationResult
+from tandem.contract.params import SamplingParams
+from tandem.contract.results import FinishReason
+from tandem.contract.results import GenerationResult
 
 LOOKUP_TOKENS = 10  # LlamaPromptLookupDecoding's default num_pred_tokens
 

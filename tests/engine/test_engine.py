@@ -1,6 +1,6 @@
 """The speculative core on tiny random Llamas: its output must be the target's own.
 
-What is checked is the mathematics of DESIGN.md's "Lossless verification":
+What is checked is the mathematics of docs/design.md's "Lossless verification":
 - greedy: speculative output == plain decoding == Hugging Face `generate`, token for token, for every
   proposer and block-length policy, with drafts that really get accepted (else nothing is tested);
 - sampling: the committed tokens follow the target distribution (chi-square against the exact
@@ -27,14 +27,19 @@ from scipy.stats import chisquare
 
 from conftest import EOS_ID, make_tiny_llama
 from tandem import kernels
-from tandem.engine.adaptive import AcceptanceCounts, BlockLengthController
-from tandem.engine.config import SamplingParams, SpecConfig
-from tandem.engine.models import LoadedModel, apply_chat_template
-from tandem.engine.proposers import Draft, DraftModelProposer, NgramProposer, Proposer
-from tandem.engine.runner import ForwardCosts, TargetRunner
-from tandem.engine.llama import NativeLlama
-from tandem.engine.sampling import exp_noise, logits_to_probs, make_generator
-from tandem.engine.spec import Engine, FinishReason, plain_generate
+from tandem.engine.speculation.adaptive import AcceptanceCounts, BlockLengthController
+from tandem.contract.params import SamplingParams, SpecConfig
+from tandem.engine.model.loading import LoadedModel
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.speculation.draft import Draft, Proposer
+from tandem.engine.speculation.proposers import DraftModelProposer, NgramProposer
+from tandem.engine.model.backends import ForwardCosts
+from tandem.engine.scheduler.runner import TargetRunner
+from tandem.engine.model.llama import NativeLlama
+from tandem.engine.speculation.sampling import exp_noise, logits_to_probs, make_generator
+from tandem.engine.scheduler.generate import Engine
+from tandem.contract.results import FinishReason
+from oracle import plain_generate
 
 GREEDY_TOKENS = 40
 GREEDY40 = SamplingParams(max_new_tokens=GREEDY_TOKENS)
@@ -136,7 +141,7 @@ REPETITIVE = ("code", "json")
 
 
 class CpuCostCurve(ForwardCosts):
-    """DESIGN.md's measured CPU shape (a block of 9 tokens costs 1.4 single steps), ignoring timings:
+    """docs/design.md's measured CPU shape (a block of 9 tokens costs 1.4 single steps), ignoring timings:
     on tiny models, timing noise alone decides whether speculation pays, and a test that asserts drafts
     were accepted must not depend on it."""
 
@@ -473,7 +478,7 @@ def test_a_draft_stops_where_the_draft_model_hesitates(tiny_draft_loaded, contex
     """Adaptive drafting stops a block at the first position (after the first) where the draft
     model's probability for its own token is below `stop_below`; the tokens are a prefix of its
     greedy continuation, and the first draft's probability is the block's confidence bucket."""
-    from tandem.engine.proposers import confidence_bucket
+    from tandem.engine.speculation.draft import confidence_bucket
 
     ids = contexts["prose"]
     full = greedy_oracle(tiny_draft_loaded.model, ids, 6)
@@ -699,7 +704,7 @@ def _tree_draws(engine: Engine, ctx: list[int], draws: int):
     """`draws` sampled generations of 5 tokens (room for a 4-node tree) drafted from a store whose two answers fork at once:
     the target's two likeliest first tokens, each followed by its likeliest second token, so the
     tree has two branches of two. The store holds its answers (never grows): draws stay i.i.d."""
-    from tandem.engine.suffix import SuffixProposer, SuffixStore
+    from tandem.engine.speculation.suffix import SuffixProposer, SuffixStore
 
     p1, joint = exact_first_two(engine.target.model, ctx, TOP_K, 1.0)
     t1, t2 = sorted(p1, key=p1.get, reverse=True)[:2]
@@ -728,7 +733,7 @@ def test_sampled_tree_drafts_follow_the_target_distribution(sharp, contexts, mon
     """Trees verified by recursive rejection over siblings: the first two committed tokens follow
     the target's distribution (chi-square), drafts both accepted and rejected, every first step a
     4-node tree with two branches (counted at the real tree forward)."""
-    from tandem.engine.runner import Sequence
+    from tandem.engine.scheduler.runner import Sequence
 
     calls = []
     real = Sequence.tree_rows  # every token tree a step verifies, in process or in the step loop

@@ -1,4 +1,4 @@
-"""The GEMM tuner (tandem.engine.gemm): what it chooses, that it is cached, and that whatever it
+"""The GEMM tuner (tandem.engine.model.gemm): what it chooses, that it is cached, and that whatever it
 chooses keeps speculation lossless.
 
 The lossless rule under test: a weight's path depends on its shape and the call's row count only, so
@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from smollm_fixture import smollm  # noqa: F401 - fixture
-from tandem.engine import gemm
-from tandem.engine.config import SamplingParams, SpecConfig
-from tandem.engine.gemm import GemmPath, GemmSettings, SLOTS, TunedLinear, candidates, forced_plan, slot_of
-from tandem.engine.llama import NativeLlama
-from tandem.engine.models import apply_chat_template
-from tandem.engine.spec import Engine
+from tandem.engine.model import gemm
+from tandem.contract.params import SamplingParams, SpecConfig
+from tandem.engine.model.gemm import GemmPath, GemmSettings, SLOTS, TunedLinear, candidates, forced_plan, slot_of
+from tandem.engine.model.llama import NativeLlama
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.scheduler.generate import Engine
 
 PATHS = [p.value for p in candidates()]
 
@@ -207,7 +207,7 @@ def test_timing_rotates_through_enough_weights_to_leave_the_cache(monkeypatch) -
 
 
 def _invariant_kernels() -> bool:
-    from tandem.engine import attend, gemv, rowops
+    from tandem.engine.native import attend, gemv, rowops
 
     return gemv.library() is not None and attend.library() is not None and rowops.library() is not None
 
@@ -225,7 +225,7 @@ def test_on_our_kernels_a_block_computes_each_row_as_plain_decoding_does(kernel,
     verification block's logits are the logits of the same tokens fed one at a time, bit for bit,
     and the KV it writes is the same: the forward is batch-invariant. The measured plan may mix
     paths by row count and then is not (it is lossless by the shared-path rule instead)."""
-    from tandem.engine.llama import NativeLlama
+    from tandem.engine.model.llama import NativeLlama
 
     GemmSettings.configure(kernel)
     native = NativeLlama(tiny_loaded.model)
@@ -260,7 +260,7 @@ def test_on_our_kernels_a_block_computes_each_row_as_plain_decoding_does(kernel,
 def test_a_plan_mixing_our_two_kernels_is_not_called_batch_invariant(tiny_loaded) -> None:
     """Each kernel is row-invariant, but they sum in different orders: a block on the panel kernel
     and a one-token step on the streaming kernel give different bits."""
-    from tandem.engine.llama import NativeLlama
+    from tandem.engine.model.llama import NativeLlama
 
     shapes = sorted({tuple(lin.shape) for lin in _tuned_linears(tiny_loaded)})
     plan = forced_plan(GemmPath.tandem_panel, shapes)
@@ -271,7 +271,7 @@ def test_a_plan_mixing_our_two_kernels_is_not_called_batch_invariant(tiny_loaded
 
 
 def _tuned_linears(loaded):
-    from tandem.engine.llama import NativeLlama
+    from tandem.engine.model.llama import NativeLlama
 
     native = NativeLlama(loaded.model)
     return [w[k] for w in native.layers for k in native._LINEAR] + native.head_chunks
@@ -282,15 +282,15 @@ def _tuned_linears(loaded):
 def test_on_our_kernels_logprobs_equal_plain_decodings_bit_for_bit(strategy, tiny_loaded, contexts) -> None:
     """The logprobs of tokens committed by verification blocks are plain decoding's to the last bit
     (the measured plan gives them within ~1e-6: tests/engine/test_sampling_controls.py)."""
-    from tandem.engine.config import SamplingParams
-    from tandem.engine.spec import Engine
+    from tandem.contract.params import SamplingParams
+    from tandem.engine.scheduler.generate import Engine
 
     GemmSettings.configure("tandem_gemv")
     draft = None
     if strategy == "model":
         import copy
 
-        from tandem.engine.models import LoadedModel
+        from tandem.engine.model.loading import LoadedModel
 
         model = copy.deepcopy(tiny_loaded.model)
         with torch.no_grad():
@@ -322,7 +322,7 @@ def test_logprobs_requests_equal_plain_decodings_bit_for_bit_on_any_plan(path, t
     decoding's exactly, batched with other sessions or not. Without logprobs the same plan's block
     rows differ from one-token steps in the last bits (the witness that rows_alone is what makes
     them equal)."""
-    from tandem.engine.config import SamplingParams
+    from tandem.contract.params import SamplingParams
 
     GemmSettings.configure(path, cache=None, progress=False)
     native = NativeLlama(tiny_loaded.model)

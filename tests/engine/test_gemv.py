@@ -1,4 +1,4 @@
-"""Our streaming few-row GEMM (tandem/engine/gemv.c) against its reference, torch's F.linear.
+"""Our streaming few-row GEMM (tandem/engine/native/gemv.c) against its reference, torch's F.linear.
 
 It is built with the host's C compiler at first use; where that is impossible the path is simply
 not offered, which is tested too (the tuner then picks among the library paths).
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.engine import gemv
-from tandem.engine.gemm import GemmPath, GemmSettings, TunedLinear, candidates, forced_plan
+from tandem.engine.native import gemv
+from tandem.engine.model.gemm import GemmPath, GemmSettings, TunedLinear, candidates, forced_plan
 
 needs_kernel = pytest.mark.skipif(gemv.library() is None, reason="no C compiler here: the path is not offered")
 
@@ -74,9 +74,9 @@ def test_without_a_compiler_the_path_is_not_offered(tmp_path) -> None:
     """In a fresh process with no usable compiler and an empty cache: no crash, no candidate, and
     forcing the path says why."""
     code = (
-        "from tandem.engine import gemv, gemm, panel, quant, rowops\n"
+        "from tandem.engine.native import gemv, panel, quant, rowops\nfrom tandem.engine.model import gemm\n"
         "import torch\n"
-        "from tandem.engine.llama import _Int8Weight\n"
+        "from tandem.engine.model.llama import _Int8Weight\n"
         "assert gemv.library() is None\n"
         "assert quant.library() is None  # a GGUF target is then dequantized (tests/engine/test_quant.py)\n"
         "assert _Int8Weight(torch.randn(32, 64)).kernel == 'torch'  # a draft's int8 on torch's kernel\n"

@@ -1,4 +1,4 @@
-"""Structured output inside verification (tandem.engine.grammar, xgrammar): the grammar's mask is
+"""Structured output inside verification (tandem.engine.speculation.grammar, xgrammar): the grammar's mask is
 applied to the target at every verified position, drafted or not.
 
 - greedy speculation (prompt lookup, a draft model, k = 1/4/8) equals constrained plain decoding
@@ -15,9 +15,9 @@ import json
 import pytest
 import torch
 
-from tandem.engine.config import Grammar, SamplingParams, SpecConfig
-from tandem.engine.grammar import Constraint, GrammarError, compile_grammar
-from tandem.engine.spec import Engine
+from tandem.contract.params import Grammar, SamplingParams, SpecConfig
+from tandem.engine.speculation.grammar import Constraint, GrammarError, compile_grammar
+from tandem.engine.scheduler.generate import Engine
 
 from test_engine import DRAWS, P_MIN, chi_square_p_values, full_logits, run_draws  # noqa: F401
 from test_engine import contexts, near, sharp  # noqa: F401
@@ -122,7 +122,7 @@ def test_a_draft_model_drafts_inside_the_grammar(kind, sharp, near, contexts, mo
     block it proposes is in the grammar (without the mask, some are not), drafting ahead past an
     uncommitted guess and back included; greedy output stays constrained plain decoding's, and more
     drafts are accepted than without the mask."""
-    from tandem.engine.proposers import DraftModelProposer
+    from tandem.engine.speculation.proposers import DraftModelProposer
 
     grammar = GRAMMARS[kind]
     sampling = SamplingParams(max_new_tokens=48, grammar=grammar)

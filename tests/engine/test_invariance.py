@@ -15,14 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine import attend, quant
-from tandem.engine.llama import NativeLlama
-from tandem.engine.models import apply_chat_template, load_model
-from tandem.engine.runner import NativeBackend
+from tandem.engine.native import attend, quant
+from tandem.engine.model.llama import NativeLlama
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.model.loading import load_model
+from tandem.engine.model.backends import NativeBackend
 
 needs_kernels = pytest.mark.skipif(
     attend.library() is None or not quant.int8_activations_available(),
-    reason="no C compiler or no AVX2 here: the default path is not batch-invariant (docs/design-notes.md)")
+    reason="no C compiler or no AVX2 here: the default path is not batch-invariant (docs/history.md)")
 
 SYSTEM = "You are a helpful assistant. Answer clearly and concisely."
 

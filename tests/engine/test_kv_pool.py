@@ -1,4 +1,4 @@
-"""The KV pool (tandem.engine.llama.KVPool) and the pooled attention of a batched forward.
+"""The KV pool (tandem.engine.model.llama.KVPool) and the pooled attention of a batched forward.
 
 On a GPU every sequence's cache is a region of one pool, so a forward writes and reads the KV of
 all its blocks with a fixed number of calls a layer. The same code runs on a CPU when a pool is
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import count_pooled_attention, make_tiny_llama
-from tandem.engine.llama import POOLED_MAX_ROWS, KVPool, NativeLlama
+from tandem.engine.model.llama import POOLED_MAX_ROWS, KVPool, NativeLlama
 
 
 def _owned(regions: dict[int, int]) -> set[int]:

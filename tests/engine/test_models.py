@@ -15,20 +15,15 @@ import torch
 
 from conftest import EOS_ID, SPECIAL_TOKENS
 from smollm_fixture import smollm, smollm_draft  # noqa: F401  (fixtures)
-from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.contract.params import SamplingParams, SpecConfig
 from tandem.tools.datasets import PROMPTS_DIR, load_prompts, to_chat
-from tandem.engine.models import (
-    EMBEDDED_ID,
-    LoadedModel,
-    ModelError,
-    apply_chat_template,
-    check_same_tokenizer,
-    convert_gguf,
-    embedded_gguf_path,
-    load_model,
-    resolve_model_path,
-)
-from tandem.engine.spec import Engine, FinishReason, plain_generate
+from tandem.engine.model import paths
+from tandem.engine.model.loading import LoadedModel, check_same_tokenizer, convert_gguf, load_model
+from tandem.engine.model.paths import EMBEDDED_ID, ModelError, embedded_gguf_path, resolve_model_path
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.scheduler.generate import Engine
+from tandem.contract.results import FinishReason
+from oracle import plain_generate
 
 DATA = PROMPTS_DIR
 
@@ -208,7 +203,7 @@ def test_greedy_speculation_on_smollm2_equals_plain_decoding(smollm, smollm_draf
     verifies drafts that are mostly wrong: rejection and rollback at nearly every step) == suffix
     decoding (fixed blocks, a store fed by the earlier prompts' answers) == the hybrid of all three."""
     check_same_tokenizer(smollm, smollm_draft)
-    from tandem.engine.suffix import SuffixStore
+    from tandem.engine.speculation.suffix import SuffixStore
 
     engine = Engine(smollm, smollm_draft)
     engine.factory.suffix_store = SuffixStore()  # suffix and hybrid: later prompts draft from earlier answers too
@@ -243,31 +238,30 @@ def test_greedy_speculation_on_smollm2_equals_plain_decoding(smollm, smollm_draf
 def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) -> None:
     """The same GGUF file in two virtualenvs (two paths) converts once; another file does not
     share its cache. The digest is remembered, and recomputed when the file changes."""
-    from tandem.engine import models
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
     a, b, c = (tmp_path / d / "m.gguf" for d in ("venv1", "venv2", "venv3"))
     for path, data in ((a, b"same weights"), (b, b"same weights"), (c, b"other weights")):
         path.parent.mkdir()
         path.write_bytes(data)
-    assert models._gguf_cache_for(a) == models._gguf_cache_for(b) != models._gguf_cache_for(c)
-    assert models._gguf_cache_for(a).parent == tmp_path / "cache" / "models"
-    before = models._gguf_cache_for(a)
+    assert paths.gguf_cache_for(a) == paths.gguf_cache_for(b) != paths.gguf_cache_for(c)
+    assert paths.gguf_cache_for(a).parent == tmp_path / "cache" / "models"
+    before = paths.gguf_cache_for(a)
     a.write_bytes(b"new weights, new size")
-    assert models._gguf_cache_for(a) != before
+    assert paths.gguf_cache_for(a) != before
 
 
 def test_a_prebuilt_conversion_is_used_without_converting(tmp_path, monkeypatch) -> None:
     """TANDEM_PREBUILT (the image's read-only cache): a conversion of the same content there is
     what loads, the writable cache stays empty; another file's conversion is not taken for it."""
-    from tandem.engine import models
+    from tandem.engine.model import loading as models
 
     gguf = tmp_path / "venv" / "m.gguf"
     gguf.parent.mkdir()
     gguf.write_bytes(b"weights")
     prebuilt = tmp_path / "prebuilt"
     monkeypatch.setenv("TANDEM_CACHE", str(prebuilt))  # as at build time: convert into it
-    name = models._gguf_cache_for(gguf).name
+    name = paths.gguf_cache_for(gguf).name
     (prebuilt / "models" / name).mkdir(parents=True)
     for f in ("config.json", "model.safetensors"):
         (prebuilt / "models" / name / f).write_text("{}")
@@ -277,4 +271,4 @@ def test_a_prebuilt_conversion_is_used_without_converting(tmp_path, monkeypatch)
     assert not (tmp_path / "pod-cache" / "models" / name).exists()
     other = tmp_path / "venv" / "other.gguf"
     other.write_bytes(b"other weights")
-    assert models._gguf_cache_for(other).parent == tmp_path / "pod-cache" / "models"
+    assert paths.gguf_cache_for(other).parent == tmp_path / "pod-cache" / "models"

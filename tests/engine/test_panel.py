@@ -1,4 +1,4 @@
-"""Our register-tiled GEMM on panel-packed weights (tandem/engine/panel.c) against its reference,
+"""Our register-tiled GEMM on panel-packed weights (tandem/engine/native/panel.c) against its reference,
 torch's F.linear, and the property the lossless rule leans on: a row's result does not depend on
 the rows beside it, their number, or the thread count.
 
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from avx2_build import avx2_build
 
-from tandem.engine import panel
-from tandem.engine.gemm import GemmPath, candidates
+from tandem.engine.native import panel
+from tandem.engine.model.gemm import GemmPath, candidates
 
 needs_kernel = pytest.mark.skipif(panel.library() is None, reason="no C compiler or neither AVX-512 nor AVX2 here: the path is not offered")
 

@@ -1,4 +1,4 @@
-"""Our row-wise CPU kernels (tandem/engine/rowops.c) against their reference, transformers' RMSNorm.
+"""Our row-wise CPU kernels (tandem/engine/native/rowops.c) against their reference, transformers' RMSNorm.
 
 Built with the host's C compiler at first use; where that is impossible the forward keeps torch's
 fused op (tested with the other kernels in tests/engine/test_gemv.py).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine import rowops
+from tandem.engine.native import rowops
 
 needs_kernel = pytest.mark.skipif(rowops.library() is None, reason="no C compiler here: torch's ops serve")
 
@@ -63,7 +63,7 @@ def test_rope_store_equals_the_torch_ops_bit_for_bit(heads, kv_heads, head_dim) 
     """The fused rotary embedding and cache write computes what the forward's torch ops computed
     (x * cos + roll(x, D/2) * signed_sin, then strided copies into the cache), to the last bit: a
     block on the fused path and one beside a prefill (torch's ops) get the same numbers."""
-    from tandem.engine.llama import NativeLlama
+    from tandem.engine.model.llama import NativeLlama
 
     gen = torch.Generator().manual_seed(heads)
     H, KV, D, n, start, cap = heads, kv_heads, head_dim, 7, 40, 64

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.spec import Engine
-from tandem.engine.suffix import PROMPT_TAIL, SuffixIndex, SuffixProposer, SuffixStore, SuffixStores
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.scheduler.generate import Engine
+from tandem.engine.speculation.suffix import PROMPT_TAIL, SuffixIndex, SuffixProposer, SuffixStore, SuffixStores
 
 
 def _brute_match(seqs: dict[int, list[int]], firsts: dict[int, int], pattern: list[int], cap: int):
@@ -247,7 +247,7 @@ def test_a_prompt_answered_twice_is_drafted_from_the_first_answer(tiny_loaded) -
 
 def test_hash_collisions_cost_a_comparison_never_a_wrong_match(monkeypatch) -> None:
     """Grams are keyed by their hash: with every gram on one key, matches still equal brute force."""
-    import tandem.engine.suffix as suffix_mod
+    import tandem.engine.speculation.suffix as suffix_mod
 
     monkeypatch.setattr(suffix_mod, "hash", lambda gram: 7, raising=False)
     rng = random.Random(9)
@@ -297,7 +297,8 @@ def test_the_hybrid_offers_suffix_decoding_in_prompt_lookups_place(tiny_loaded) 
     holds the same matches; two proposers over the same evidence let the choice follow whichever
     acceptance count is luckier). A long match in the session's own tokens wins outright; one in
     the store leaves the model its look. Without suffix decoding, prompt lookup offers as before."""
-    from tandem.engine.proposers import STORE_BUCKET, DraftModelProposer, HybridProposer, NgramProposer
+    from tandem.engine.speculation.draft import STORE_BUCKET
+    from tandem.engine.speculation.proposers import DraftModelProposer, HybridProposer, NgramProposer
 
     model = DraftModelProposer(tiny_loaded)
     text = list(range(100, 130))

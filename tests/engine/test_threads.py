@@ -1,4 +1,4 @@
-"""Which threads run model work (tandem.engine.threads): the verifier's step loop and the drafter's
+"""Which threads run model work (tandem.engine.native.threads): the verifier's step loop and the drafter's
 model thread use the OpenMP thread count they were configured with, model work runs on them and
 not on whichever thread asked, and a passing thread's result or error comes back to its caller.
 (The speed this is for is measured in docs/benchmarks.md, never asserted here.)"""
@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.proposers import DraftModelProposer
-from tandem.engine.threads import ComputeThread, in_passing_thread
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.speculation.proposers import DraftModelProposer
+from tandem.engine.native.threads import ComputeThread, in_passing_thread
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings

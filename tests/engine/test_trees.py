@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.llama import NativeLlama
-from tandem.engine.proposers import Draft, check_tree
-from tandem.engine.runner import Sequence, TargetRunner
-from tandem.engine.spec import Engine
-from tandem.engine.suffix import SuffixIndex, SuffixProposer, SuffixStore
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.model.llama import NativeLlama
+from tandem.engine.speculation.draft import Draft, check_tree
+from tandem.engine.scheduler.runner import Sequence, TargetRunner
+from tandem.engine.scheduler.generate import Engine
+from tandem.engine.speculation.suffix import SuffixIndex, SuffixProposer, SuffixStore
 
 
 def _brute_paths(seqs: list[list[int]], where, depth: int) -> dict[tuple[int, ...], int]:

@@ -1,4 +1,4 @@
-"""Batched verification (tandem.engine.verify.verify_rows): every row of a step in one kernel call
+"""Batched verification (tandem.engine.speculation.verify.verify_rows): every row of a step in one kernel call
 per kind, each row's outcome exactly what verifying it alone gives (random draws included)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tandem import kernels
-from tandem.engine.config import SamplingParams
-from tandem.engine.proposers import Draft
-from tandem.engine.sampling import make_generator
-from tandem.engine.verify import Check, verify_rows
+from tandem.contract.params import SamplingParams
+from tandem.engine.speculation.draft import Draft
+from tandem.engine.speculation.sampling import make_generator
+from tandem.engine.speculation.verify import Check, verify_rows
 
 V = 64
 GREEDY = SamplingParams(max_new_tokens=8)

@@ -13,13 +13,14 @@ import pytest
 import redis
 import torch
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.llama import NativeLlama
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.model.llama import NativeLlama
 from tandem.serving.residency import ResidencyPublisher
 from tandem.services.verifier.core import Overloaded, VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.engine.spec import Engine, GenerationResult
+from tandem.engine.scheduler.generate import Engine
+from tandem.contract.results import GenerationResult
 
 
 def _contexts(n: int, seed: int = 0) -> list[list[int]]:
@@ -64,16 +65,16 @@ def test_batched_forward_equals_per_session_forwards(tiny_loaded):
 def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
     """Drafts run with int8 weights on a CPU (memory-bound steps); the numbers move by rounding
     only, and the target's own forward is never quantised."""
-    from tandem.engine.proposers import _DraftLM
+    from tandem.engine.speculation.proposers import _DraftLM
 
     exact, quant = NativeLlama(tiny_loaded.model), NativeLlama(tiny_loaded.model, int8=True)
     if not quant.int8:
         pytest.skip("no int8 kernel here, ours or torch's (drafts then run in float32)")
-    from tandem.engine import panel
-    from tandem.engine.llama import _Int8Weight
+    from tandem.engine.native import panel
+    from tandem.engine.model.llama import _Int8Weight
 
     kernels = {w.kernel for layer in quant.layers for w in (layer[k] for k in NativeLlama._LINEAR)}
-    from tandem.engine import quant as quant_kernels
+    from tandem.engine.native import quant as quant_kernels
 
     assert kernels <= {"panel", "blocks", "torch"}
     if panel.library() is None and not quant_kernels.int8_activations_available():
@@ -87,7 +88,7 @@ def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
     assert _DraftLM(tiny_loaded).native.int8, "the draft proposer uses the int8 forward"
     assert not _DraftLM(tiny_loaded, int8=False).native.int8
-    from tandem.engine.runner import TargetRunner
+    from tandem.engine.scheduler.runner import TargetRunner
 
     target_impl = getattr(TargetRunner(tiny_loaded).backend, "impl", None)
     assert target_impl is not None and not target_impl.int8

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from tandem.engine.config import DraftStrategy, SpecConfig
+from tandem.contract.params import DraftStrategy, SpecConfig
 from tandem.v1 import common_pb2
 
 from test_gateway import FakeVerifier, Gateway

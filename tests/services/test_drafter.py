@@ -20,8 +20,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tandem.engine.config import DraftStrategy, SamplingParams
-from tandem.engine.proposers import DraftModelProposer, NgramProposer
+from tandem.contract.params import DraftStrategy, SamplingParams
+from tandem.engine.speculation.proposers import DraftModelProposer, NgramProposer
 from tandem.services.drafter.core import DrafterCore, InvalidRequest, Overloaded
 from tandem.services.drafter.server import build_server, serve
 from tandem.services.drafter.settings import DrafterSettings
@@ -196,8 +196,8 @@ def test_model_blocks_follow_the_requests_grammar(model_drafter, tiny_draft_load
     """The verifier passes the request's grammar in OpenSession.sampling: the drafter's model masks
     its drafts by it, so its regular block and the block it drafts ahead (after the regular
     block's drafts) are both inside the grammar, and after a commit the next block continues it."""
-    from tandem.engine.config import Grammar
-    from tandem.engine.grammar import Constraint
+    from tandem.contract.params import Grammar
+    from tandem.engine.speculation.grammar import Constraint
 
     core, channel = model_drafter
     regex = r"(yes|no|maybe)(,(yes|no|maybe)){2,6}"
@@ -456,7 +456,7 @@ def test_serve_runs_until_stopped() -> None:
 
 def _count_feeds(monkeypatch) -> list[int]:
     """The token counts of the draft model's feeds from now on (every proposer's, in this process)."""
-    from tandem.engine import proposers
+    from tandem.engine.speculation import proposers
 
     fed: list[int] = []
     real = proposers._DraftLM.feed

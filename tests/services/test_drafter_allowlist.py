@@ -1,4 +1,4 @@
-"""The verifier connects only to drafters on its allowlist (DESIGN.md, trust boundaries): a caller
+"""The verifier connects only to drafters on its allowlist (docs/design.md, trust boundaries): a caller
 of Generate names a drafter, but cannot make the verifier dial anything else, TCP or unix socket,
 however the address is spelled. Real gRPC over sockets; the "attacker's" listeners count every
 connection they see."""
@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.spec import Engine
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.scheduler.generate import Engine
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings

@@ -18,9 +18,9 @@ import redis
 
 from tandem.tools.bench import run_bench
 from tandem.tools.bench_remote import GatewayTarget
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 from tandem.tools.datasets import PromptRecord
-from tandem.engine.models import apply_chat_template
+from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.serving.residency import ResidencyPublisher
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
@@ -29,7 +29,7 @@ from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.server import build_server as build_verifier
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.engine.spec import Engine
+from tandem.engine.scheduler.generate import Engine
 from tandem.v1 import common_pb2, gateway_pb2
 
 from test_gateway import Gateway
@@ -363,9 +363,9 @@ def test_stop_strings_through_the_stack(chain, tiny_loaded):
 def test_logprobs_through_the_stack_with_the_openai_client(chain, tiny_loaded):
     """Chat logprobs (top 3) and completions logprobs (top 2), streamed and not, every strategy: the
     same tokens, and logprobs equal to plain decoding's to the bit (a request with logprobs has its
-    blocks computed with each row's one-token bits, tandem.engine.gemm.rows_alone; on a machine
+    blocks computed with each row's one-token bits, tandem.engine.model.gemm.rows_alone; on a machine
     where our kernels do not load, within float rounding)."""
-    from tandem.engine.runner import NativeBackend
+    from tandem.engine.model.backends import NativeBackend
 
     exact = NativeBackend(tiny_loaded.model).rows_alone
     gw, _ = chain

@@ -34,10 +34,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY_VOCAB, make_tiny_llama
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.models import LoadedModel
-from tandem.engine.proposers import DraftModelProposer, NgramProposer
-from tandem.engine.spec import Engine
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.model.loading import LoadedModel
+from tandem.engine.speculation.proposers import DraftModelProposer, NgramProposer
+from tandem.engine.scheduler.generate import Engine
 from tandem.serving.grpc_server import build_server as build_grpc_server
 from tandem.serving.protoconv import sampling_from_proto
 from tandem.services.drafter.core import DrafterCore

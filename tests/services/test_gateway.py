@@ -515,7 +515,7 @@ def test_detokenizer_deltas_concatenate_to_the_decoded_text() -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tandem.engine.text import Detokenizer
+    from tandem.contract.text import Detokenizer
 
     corpus = ["naïve café déjà vu", "日本語 テキスト", "emoji 🎉🎉 party", "def f(x):\n    return x ** 2"]
     bpe = Tokenizer(models.BPE())

@@ -24,9 +24,9 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.models import apply_chat_template
-from tandem.engine.spec import Engine
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.scheduler.generate import Engine
 from tandem.serving.residency import ResidencyPublisher, VerifierRecord
 from tandem.serving.tls import VERIFIER_NAME, channel_credentials, channel_options, server_credentials, write_dev_certs
 from tandem.services.drafter.core import DrafterCore

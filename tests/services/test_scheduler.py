@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from tandem import kernels
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.runner import PieceBudget, PrefillPolicy
-from tandem.engine.spec import Engine, GenerationResult
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.scheduler.prefill import PieceBudget, PrefillPolicy
+from tandem.engine.scheduler.generate import Engine
+from tandem.contract.results import GenerationResult
 from tandem.services.verifier.core import Cancelled, Overloaded, VerifierCore
 from tandem.services.verifier.settings import VerifierSettings
 
@@ -121,7 +122,7 @@ def test_piece_budget_reads_step_times_against_the_rows_that_ran_beside_the_piec
     16-row step keeps every layer and the budget grows; read against the old load's steps (no
     curve: what the budget did before), the same steps look 2.75x "the decoding step" and the
     prompt crawls at one layer a step (measured: a 137-token prompt took 58 steps)."""
-    from tandem.engine.runner import ForwardCosts
+    from tandem.engine.model.backends import ForwardCosts
 
     policy = PrefillPolicy(max_piece=256, min_piece=4, cost_factor=2.0)
     costs = ForwardCosts()
@@ -234,7 +235,8 @@ def test_a_short_prompt_started_in_a_full_step_goes_whole_at_its_next(tiny_loade
     first goes whole, the second gets the oldest's min_piece because the step is full, the third
     waits. At the next step the second's rest goes whole like any short prompt (it is no long
     prompt's tail, which would stay in the budget: 4 tokens a step here), and the third starts."""
-    from tandem.engine.runner import Sequence, _Job
+    from tandem.engine.scheduler.runner import Sequence
+    from tandem.engine.scheduler.batching import _Job
 
     core = _core(tiny_loaded, prefill_chunk_tokens=16, prefill_min_tokens=4)
     ex, runner = core.executor, core.engine.runner
@@ -327,7 +329,7 @@ def test_every_sessions_step_runs_on_the_step_loop_thread(tiny_loaded, monkeypat
     """No thread per session: the request handlers only read steps. Every plan and every commit of
     six concurrent sessions runs on the one step-loop thread, their rows share steps, and each
     output is the target alone's."""
-    from tandem.engine.spec import Generation
+    from tandem.engine.scheduler.generate import Generation
 
     where: list[str] = []
     real_plan, real_finish = Generation.plan_step, Generation.finish_step
@@ -360,7 +362,7 @@ def test_a_reader_that_stops_reading_holds_only_its_own_session(tiny_loaded):
     """A client that stops reading its stream: its session runs a few steps ahead (the loop's
     bound), then waits for it, while another session runs to the end; read again, it finishes
     with the target alone's output."""
-    from tandem.engine.runner import BatchExecutor
+    from tandem.engine.scheduler.batching import BatchExecutor
 
     core = _core(tiny_loaded)
     ctx_slow, ctx_fast = _ids(20, 50), _ids(20, 51)
@@ -398,7 +400,7 @@ def test_a_client_leaving_mid_stream_keeps_a_consistent_session(tiny_loaded):
 def test_one_sessions_failing_step_fails_it_alone(tiny_loaded, monkeypatch):
     """A step that fails in planning (a proposer's or a grammar's bug) fails its own session with
     the error; the sessions in the same steps finish normally."""
-    from tandem.engine.spec import Generation
+    from tandem.engine.scheduler.generate import Generation
 
     real_plan = Generation.plan_step
     broken = {"n": 0}
@@ -430,7 +432,7 @@ def test_one_sessions_failing_step_fails_it_alone(tiny_loaded, monkeypatch):
 def test_in_process_prefill_in_pieces_equals_one_piece(tiny_loaded):
     """TargetRunner without an executor runs a long prompt in prefill_chunk pieces; the next step's
     logits match the one-piece prefill's (same greedy token, rounding-level differences only)."""
-    from tandem.engine.runner import TargetRunner
+    from tandem.engine.scheduler.runner import TargetRunner
 
     ctx = _ids(300, 8)
     whole, pieces = TargetRunner(tiny_loaded, prefill_chunk=1000), TargetRunner(tiny_loaded, prefill_chunk=32)

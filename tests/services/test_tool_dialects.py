@@ -12,8 +12,8 @@ import json
 import grpc
 import pytest
 
-from tandem.engine.models import load_tokenizer
-from tandem.services.gateway import tools
+from tandem.engine.model.tokenizer import load_tokenizer
+from tandem.services.gateway import tool_calls
 from tandem.v1 import gateway_pb2
 
 from test_gateway import EOS_ID, FakeVerifier, Gateway
@@ -72,9 +72,9 @@ def _family(tokenizer, family: str):
 
 @pytest.mark.parametrize("family", sorted(TEMPLATES))
 def test_each_familys_template_is_detected(smol_tokenizer, family):
-    support = tools.detect(_family(smol_tokenizer, family))
-    assert (support.renderer, support.dialect.name) == (tools.TEMPLATE, family)
-    assert tools.detect(smol_tokenizer).renderer == tools.GATEWAY  # SmolLM2's own template has no tool support
+    support = tool_calls.detect(_family(smol_tokenizer, family))
+    assert (support.renderer, support.dialect.name) == (tool_calls.TEMPLATE, family)
+    assert tool_calls.detect(smol_tokenizer).renderer == tool_calls.GATEWAY  # SmolLM2's own template has no tool support
 
 
 @pytest.mark.parametrize("family", sorted(TEMPLATES))
@@ -152,7 +152,7 @@ def test_a_template_with_an_unknown_call_format_falls_back_and_says_why(smol_tok
     tok = copy.deepcopy(smol_tokenizer)
     tok.chat_template = ("{% if tools %}Tools: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
                          + smol_tokenizer.chat_template)
-    support = tools.detect(tok)
+    support = tool_calls.detect(tok)
     assert support.label == "gateway/hermes" and "does not parse" in support.why
     v = FakeVerifier("va", tok)
     gw = Gateway(tok, verifiers=(v.address,), tool_fallback=False)

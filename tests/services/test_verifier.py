@@ -9,8 +9,8 @@ import pytest
 from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.server import build_server
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.spec import Engine
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.scheduler.generate import Engine
 from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 
@@ -123,7 +123,7 @@ def test_a_verifier_sizes_its_kv_pool_from_its_budget(tiny_loaded, monkeypatch):
     """Where caches live in a KV pool (a GPU; here the model is told it is on one), the verifier
     sizes the pool from its KV budget, not the model's default share of memory, before the first
     cache; generation through the pool is the target's."""
-    from tandem.engine import llama
+    from tandem.engine.model import llama
 
     want = _reference(tiny_loaded, CONTEXT, 8)  # caches of their own (a CPU's default)
     monkeypatch.setattr(llama, "default_kv_pool_slots", lambda device, per_slot: 123)

@@ -8,15 +8,16 @@ import time
 import grpc
 import pytest
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.engine.spec import Engine, GenerationResult
-from tandem.engine.suffix import scope_of
+from tandem.engine.scheduler.generate import Engine
+from tandem.contract.results import GenerationResult
+from tandem.engine.speculation.suffix import scope_of
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
 CONTEXT = [5, 17, 42, 99, 17, 42, 7, 250, 17, 42, 99, 3, 11, 5, 17, 42]
@@ -209,7 +210,7 @@ def test_a_paused_drafter_is_not_waited_for_and_local_lookup_still_drafts(tiny_l
     """When the verifier asks for no drafts (Commit.next_block_len = 0: a compute-bound batch), the
     drafter sends nothing; the verifier neither waits nor counts a fallback, and its own prompt
     lookup still offers a match."""
-    from tandem.engine.proposers import NgramProposer
+    from tandem.engine.speculation.proposers import NgramProposer
     from tandem.services.verifier.drafting import RemoteProposer
 
     dcore, server, address = _drafter()
@@ -240,7 +241,7 @@ def test_a_suffix_session_drafts_its_own_repeats_here_and_waits_only_for_the_sto
     drafter's blocks come from the session's own tokens, a step drafts them here, or decodes
     plainly where they have nothing, without waiting; when the drafter's newest block came from its
     store (other sessions' answers, which only it holds), the next step waits for the drafter."""
-    from tandem.engine.suffix import STORE_BUCKET, SuffixProposer
+    from tandem.engine.speculation.suffix import STORE_BUCKET, SuffixProposer
     from tandem.services.verifier.drafting import RemoteProposer
 
     dcore, server, address = _drafter()
@@ -320,7 +321,7 @@ def test_a_store_block_runs_past_one_step_and_its_rest_is_used_without_waiting(t
     """A suffix session asks its drafter for STORE_LOOKAHEAD times a step's drafts: a block that
     follows another session's answer in the store carries more than one step verifies, and the next
     steps take its rest at once instead of waiting a round trip for the next block."""
-    from tandem.engine.suffix import STORE_BUCKET, SuffixProposer
+    from tandem.engine.speculation.suffix import STORE_BUCKET, SuffixProposer
     from tandem.services.verifier.drafting import STORE_LOOKAHEAD, RemoteProposer
 
     dcore, server, address = _drafter()
@@ -400,7 +401,7 @@ def test_token_trees_over_the_wire_commit_the_targets_text(tiny_loaded, monkeypa
     """The drafter's store holds two answers to one prompt that fork: its suffix decoding sends
     token trees (DraftBlock.parents) to the verifier, which verifies them in one forward each;
     the text is the target's. With trees switched off on the drafter, chains only, same text."""
-    from tandem.engine.runner import Sequence
+    from tandem.engine.scheduler.runner import Sequence
 
     calls = []
     real = Sequence.tree_rows  # every token tree a step verifies, in process or in the step loop

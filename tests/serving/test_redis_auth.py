@@ -1,4 +1,4 @@
-"""Redis authentication and TLS for residency (DESIGN.md: Redis requires authentication), against a
+"""Redis authentication and TLS for residency (docs/design.md: Redis requires authentication), against a
 real Valkey: the embedded one `tandem up` starts requires a random password; a wrong or missing
 password leaves the verifier's publisher and the gateway's index without Redis (counted, never
 raised); rediss:// with a CA and a client certificate works (through a TLS terminator in front of

@@ -24,11 +24,13 @@ from tandem.tools.bench import (
     speedup_ratios,
     steps_by_accepted,
 )
-from tandem.engine.config import SamplingParams, SpecConfig
+from tandem.contract.params import SamplingParams, SpecConfig
 from tandem.tools.datasets import PromptRecord, load_prompts, to_chat
-from tandem.engine.models import apply_chat_template
-from tandem.engine.ids import common_prefix_len
-from tandem.engine.spec import Engine, FinishReason, GenerationResult, SpecStats
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.contract.ids import common_prefix_len
+from tandem.engine.scheduler.generate import Engine
+from tandem.contract.results import GenerationResult
+from tandem.contract.results import FinishReason, SpecStats
 
 MODE_KEYS = {
     "tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_len", "lossless",
@@ -457,7 +459,7 @@ def test_a_conversations_later_turns_keep_its_proposer(tiny_loaded, tiny_draft_l
     """A conversation keeps its proposer across turns as it keeps its sequence: the draft model's
     second turn reads the turn's new tokens, not the whole conversation again (as the drafter's
     parked sessions do through the stack); the output still equals plain decoding's."""
-    from tandem.engine import proposers
+    from tandem.engine.speculation import proposers
 
     rec = PromptRecord(id="mt", dataset="mt", category=None, system="be kind",
                        turns=["the cat and the dog and the cat " * 6, "one two one two one two"])

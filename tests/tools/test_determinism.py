@@ -54,7 +54,7 @@ def test_the_embedded_model_gives_the_same_tokens_idle_and_under_load(tmp_path) 
     hybrid is SmolLM2 cut to its first 4 layers (a real draft with the target's tokenizer)."""
     from smollm_fixture import DRAFT_LAYERS
 
-    from tandem.engine.models import load_model
+    from tandem.engine.model.loading import load_model
 
     loaded = load_model("default", progress=False, precision="float32")
     model = loaded.model

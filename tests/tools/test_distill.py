@@ -16,11 +16,13 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from tandem.engine.config import DraftStrategy, SamplingParams, SpecConfig
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 from tandem.tools.distill import DistillConfig, build_draft, choose_head_vocab, distill, spread_layers
-from tandem.engine.models import DRAFT_MANIFEST, LoadedModel, apply_chat_template, check_same_tokenizer, load_model
-from tandem.engine.proposers import DraftModelProposer, HybridProposer
-from tandem.engine.spec import Engine
+from tandem.engine.model.loading import LoadedModel, check_same_tokenizer, load_model
+from tandem.engine.model.paths import DRAFT_MANIFEST
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.speculation.proposers import DraftModelProposer, HybridProposer
+from tandem.engine.scheduler.generate import Engine
 
 from smollm_fixture import smollm  # noqa: F401  (session fixture)
 
@@ -120,7 +122,7 @@ def test_hybrid_chooses_by_measured_value(distilled, tiny_loaded) -> None:
     """With the context matches (suffix decoding's, in prompt lookup's place) measured as always
     right and the model always wrong, the hybrid drafts from the match where the context matches;
     with the opposite record, with the model."""
-    from tandem.engine.adaptive import AcceptanceCounts
+    from tandem.engine.speculation.adaptive import AcceptanceCounts
 
     _, draft = distilled
     engine = Engine(tiny_loaded, draft, SpecConfig(strategy=DraftStrategy.hybrid, max_draft_tokens=4))
@@ -245,7 +247,7 @@ def test_a_reduced_head_draft_keeps_smollm2_exact(smollm) -> None:
     """Greedy output with a reduced-vocabulary draft built from SmolLM2 (untrained: its acceptance is
     low, which exercises rejection) equals plain decoding, for the model and hybrid proposers."""
     from tandem.tools.datasets import dev_set, load_prompts, to_chat
-    from tandem.engine.models import apply_chat_template
+    from tandem.engine.model.tokenizer import apply_chat_template
 
     head_vocab = torch.arange(0, 49152, 6)  # every sixth id: many of the target's tokens are outside
     cfg = DistillConfig(layers=2)

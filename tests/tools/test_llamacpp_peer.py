@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.config import SamplingParams
-from tandem.engine.spec import Engine
+from tandem.contract.params import SamplingParams
+from tandem.engine.scheduler.generate import Engine
 from tandem.tools import llamacpp
 from tandem.tools.bench import run_bench
 from tandem.tools.datasets import PromptRecord
@@ -51,7 +51,7 @@ def test_llamacpp_runs_beside_our_modes_on_the_same_file() -> None:
     """Both llama.cpp modes run on the same prompt ids as ours; the report carries the like-for-like
     ratio to llama.cpp's plain decoding and how often its greedy text equals ours (it need not:
     other kernels, other rounding), and says which llama.cpp ran."""
-    from tandem.engine.models import load_model
+    from tandem.engine.model.loading import load_model
 
     target = load_model("default", progress=False)
     engine = Engine(target)

@@ -1,7 +1,7 @@
 import time, torch, statistics
 torch.set_num_threads(2)
-from tandem.engine import models
-from tandem.engine.llama import NativeLlama, _Int8Weight
+from tandem.engine.model import loading as models
+from tandem.engine.model.llama import NativeLlama, _Int8Weight
 d = models.load_model("/root/.cache/tandem/drafts/SmolLM2-135M-Instruct-draft", progress=False)
 ids = torch.randint(0, 49152, (400,)).tolist()
 def step_ms(nat, reps=40):

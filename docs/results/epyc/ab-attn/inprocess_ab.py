@@ -1,7 +1,8 @@
 import ctypes, time, statistics, torch
 torch.set_num_threads(2)
-from tandem.engine import attend, models
-from tandem.engine.llama import NativeLlama
+from tandem.engine.native import attend
+from tandem.engine.model import loading as models
+from tandem.engine.model.llama import NativeLlama
 new = attend.library(); old = ctypes.CDLL("/tmp/attn/old_attend.so"); attend._bind(old)
 m = models.load_model(progress=False); nat = NativeLlama(m.model)
 ids = torch.randint(0, nat.vocab, (8200,)).tolist()

@@ -3,9 +3,10 @@ layer (slices, views and a buffer per layer, as before) against _FusedAttention 
 calls after), swapped per step, 100 steps each, medians; argv[1] the precision."""
 import statistics, time, sys, torch
 torch.set_num_threads(2)
-from tandem.engine import llama, rowops, attend
-from tandem.engine.models import load_model
-from tandem.engine.llama import NativeLlama
+from tandem.engine.model import llama
+from tandem.engine.native import rowops, attend
+from tandem.engine.model.loading import load_model
+from tandem.engine.model.llama import NativeLlama
 fast = llama._FusedAttention.__call__
 def checked(self, li, qkv):  # the previous code: checked wrappers, slices and views every layer
     att = torch.empty_like(self.att)  # it allocated per layer too

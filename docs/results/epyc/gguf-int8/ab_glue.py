@@ -5,9 +5,9 @@ import statistics, sys, time
 import torch
 import torch.nn.functional as F
 torch.set_num_threads(2)
-from tandem.engine import llama
-from tandem.engine.models import load_model
-from tandem.engine.llama import NativeLlama
+from tandem.engine.model import llama
+from tandem.engine.model.loading import load_model
+from tandem.engine.model.llama import NativeLlama
 new_add, new_gated = NativeLlama._add_rms, NativeLlama._gated
 def old_add(self, x, o, w):
     if o is None:

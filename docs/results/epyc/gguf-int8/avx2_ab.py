@@ -6,8 +6,9 @@ import ctypes
 
 import torch
 
-from tandem.engine import gemm, gemv, quant
-from tandem.engine.quant import QuantizedWeight, QuantRows
+from tandem.engine.model import gemm
+from tandem.engine.native import gemv, quant
+from tandem.engine.native.quant import QuantizedWeight, QuantRows
 
 hsw = gemv.build(quant.SOURCE, "quantized GEMM kernel, AVX2 form", march="haswell")
 quant._bind(hsw)

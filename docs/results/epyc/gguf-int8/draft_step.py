@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from tandem.engine import models
-from tandem.engine.llama import NativeLlama, _Int8Weight
+from tandem.engine.model import loading as models
+from tandem.engine.model.llama import NativeLlama, _Int8Weight
 
 torch.set_num_threads(2)
 d = models.load_model("/root/.cache/tandem/drafts/SmolLM2-135M-Instruct-draft", progress=False)

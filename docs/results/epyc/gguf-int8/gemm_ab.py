@@ -2,8 +2,8 @@
 the model's shapes and kinds (Q4_1 layers, the Q8_0 head), medians of 50 calls."""
 import torch
 
-from tandem.engine import gemm
-from tandem.engine.quant import QuantizedWeight, QuantRows
+from tandem.engine.model import gemm
+from tandem.engine.native.quant import QuantizedWeight, QuantRows
 
 torch.manual_seed(0)
 print("kind   out x in      rows   int8 ms  float ms  ratio")

@@ -2,8 +2,8 @@
 head), called in sequence with one row each, median of 60 passes; and one call's fixed cost on a tiny weight."""
 import statistics, time, torch, sys
 torch.set_num_threads(2)
-from tandem.engine.models import load_model
-from tandem.engine.llama import NativeLlama
+from tandem.engine.model.loading import load_model
+from tandem.engine.model.llama import NativeLlama
 t = load_model("default", progress=False, precision="gguf")
 nat = NativeLlama(t.model, quantized=t.quantized)
 weights = [l[k] for l in nat.layers for k in NativeLlama._LINEAR] + list(nat.head_chunks)
@@ -17,7 +17,7 @@ for _ in range(60):
 m = statistics.median(ts)
 print(f"{len(weights)} GEMMs, one row: {m*1e3:.2f} ms, {nbytes/1e6:.1f} MB read -> {nbytes/m/1e9:.1f} GB/s")
 # empty-call overhead: a 16 x 32 weight
-from tandem.engine.quant import QuantizedWeight, QuantRows
+from tandem.engine.native.quant import QuantizedWeight, QuantRows
 tiny = QuantizedWeight(QuantRows.quantize(torch.randn(16, 32), "Q4_1"), "int8")
 x = torch.randn(1, 32)
 ts = []

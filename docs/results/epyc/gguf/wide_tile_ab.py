@@ -1,7 +1,8 @@
 import ctypes, time, statistics, torch
 torch.set_num_threads(2)
-from tandem.engine import quant, models
-from tandem.engine.llama import NativeLlama
+from tandem.engine.native import quant
+from tandem.engine.model import loading as models
+from tandem.engine.model.llama import NativeLlama
 new = quant.library(); old = ctypes.CDLL("/tmp/q_old.so"); quant._bind(old)
 m = models.load_model(progress=False); nat = NativeLlama(m.model, quantized=m.quantized)
 lins = [l[k] for l in nat.layers for k in NativeLlama._LINEAR] + nat.head_chunks

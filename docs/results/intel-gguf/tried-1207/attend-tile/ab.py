@@ -1,6 +1,6 @@
 import time, statistics, torch, sys
 from pathlib import Path
-from tandem.engine import gemv, attend
+from tandem.engine.native import gemv, attend
 torch.set_num_threads(2)
 libs = {}
 for name in sys.argv[1].split(","):

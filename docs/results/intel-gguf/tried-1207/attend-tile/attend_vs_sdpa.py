@@ -1,5 +1,5 @@
 import time, statistics, torch, torch.nn.functional as F
-from tandem.engine import attend
+from tandem.engine.native import attend
 torch.set_num_threads(2)
 H, KV, D = 9, 3, 64
 for ctx in (500, 1500, 3000):

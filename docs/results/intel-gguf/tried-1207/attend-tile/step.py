@@ -1,7 +1,7 @@
 # one-row decode step and a 9-row verify block at long context, the whole forward (this build's attend.c)
 import time, statistics, torch, sys
-from tandem.engine.models import load_model
-from tandem.engine.llama import NativeLlama
+from tandem.engine.model.loading import load_model
+from tandem.engine.model.llama import NativeLlama
 torch.set_num_threads(2)
 lm = load_model(progress=False)
 nat = NativeLlama(lm.model, quantized=lm.quantized)

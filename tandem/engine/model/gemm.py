@@ -3,18 +3,18 @@
 By default (`GemmSettings.mode` "invariant") every call goes through one of our row-invariant
 kernels (panel.c where it runs, else gemv.c; prefill in pieces of 32 rows), so a row's bits never
 depend on the rows beside it or the piece its prompt arrived in: the same request gives the same
-tokens idle and under load (docs/design-notes.md, "One request, one answer"). "auto", described
+tokens idle and under load (docs/history.md, "One request, one answer"). "auto", described
 below, trades that for speed: measured per machine, chosen per shape and rows.
 
 Why: a step of a small model on a CPU is a few dozen GEMMs of 1-17 rows against weights read from
 memory, and how close a GEMM gets to memory speed depends on the library path, the weight layout and
-the CPU. Measured on two hosts of the same cloud type (DESIGN.md, docs/benchmarks.md): on an Intel
+the CPU. Measured on two hosts of the same cloud type (docs/design.md, docs/benchmarks.md): on an Intel
 Xeon MKL's `F.linear` is fine; on an AMD EPYC the same call reads the weight at ~11 GB/s for 1 row
 and runs 2-3x slower again for 2-3 rows, while oneDNN with a pre-packed weight stays near ~25 GB/s
 for 1-17 rows and our own streaming kernel (gemv.c) reads ~30 GB/s, the host's streaming rate, for
 1-3 rows. No single path is best everywhere, so we measure.
 
-The lossless rule (see docs/design-notes.md, "GEMM paths"): **the path is a function of (weight
+The lossless rule (see docs/history.md, "GEMM paths"): **the path is a function of (weight
 shape, row count) only**, fixed for the life of a model and shared by every forward of it: plain
 decoding, verification blocks, prefill, batched sessions. So plain decoding and speculative decoding
 compute a row count with the same arithmetic. Mixing paths by row count is allowed because no fast
@@ -37,7 +37,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import threading
 import time
@@ -50,9 +49,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem.engine import gemv, panel
+from tandem.engine.native import gemv, panel
+from tandem.engine.native.build import cpu_model
 
-log = logging.getLogger("tandem.engine.gemm")
+log = logging.getLogger("tandem.engine.model.gemm")
 
 ROWS = tuple(range(1, 18))  # row counts of decode and verification steps (k <= 16 drafts + 1)
 LARGE = 64  # a prefill-size call, measured once; any call above 17 rows uses its choice
@@ -146,17 +146,6 @@ def bind(path: GemmPath, prepared) -> Callable[[torch.Tensor], torch.Tensor]:
 def slot_of(rows: int) -> int:
     """Index into `SLOTS` of the choice that serves a call of `rows` rows."""
     return rows - 1 if rows <= ROWS[-1] else len(ROWS)
-
-
-def cpu_model() -> str:
-    """The CPU's model name as `lscpu` prints it (e.g. 'AMD EPYC', 'Intel(R) Xeon(R) ...')."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def shape_key(shape: tuple[int, int]) -> str:
@@ -292,7 +281,7 @@ def tune(shapes: list[tuple[int, int]], *, reps: int = 3, progress: bool = False
     measurement rotates through `rotate_bytes` of copies of the weight (default: one weight of
     each shape's worth, see `cold_bytes`)."""
     rotate = rotate_bytes or cold_bytes(_bytes_of(shapes))
-    from tandem.engine.progress import progress_bar
+    from tandem.engine.native.progress import progress_bar
 
     paths = candidates()
     start = time.perf_counter()
@@ -411,7 +400,7 @@ def _plan_for(shapes: list[tuple[int, int]], rotate_bytes: int) -> GemmPlan:
     key = plan_key(shapes, rotate_bytes)
     if key in _memo:
         return _memo[key]
-    from tandem.engine.models import cache_dir
+    from tandem.engine.native.build import cache_dir
 
     path = (GemmSettings.cache or cache_dir() / "gemm") / f"{key}.json"
     plan = None
@@ -447,7 +436,7 @@ def rows_alone():
     aside. Per weight the kernel is fixed for the model's life: the panel kernel where the plan
     already keeps that weight's panel layout (it stays fast at 4-17 rows), else the streaming
     kernel, which reads the weight as stored (no extra memory). For forwards whose numbers must
-    equal plain decoding's exactly (a request that asks for logprobs; docs/design-notes.md, "A
+    equal plain decoding's exactly (a request that asks for logprobs; docs/history.md, "A
     batch-invariant decode path"). The caller checks that the streaming kernel loads
     (`gemv.library()`); a panel layout exists only where the panel kernel loaded."""
     before = getattr(_ALONE, "on", False)

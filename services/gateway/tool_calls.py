@@ -35,7 +35,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from tandem.engine.config import Grammar
+from tandem.contract.params import Grammar
 from tandem.services.gateway.errors import InvalidRequest
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,9 @@ Every block on a CPU goes through it, a one-token step, a verification block or 
 piece of any length alike, because a row's result depends only on its own query and the keys up to
 its position, never on the rows beside it or the thread count: a position gets the same bits
 however its prompt arrived (whole, in pieces, copied from another session's prefix) and whatever
-ran beside it (docs/design-notes.md, "One request, one answer").
+ran beside it (docs/decisions.md, "One request, one answer").
 
-Built like gemv.c (tandem.engine.gemv.build: the host's compiler, `-march=native`, cached per source,
+Built like gemv.c (tandem.engine.native.build: the host's compiler, `-march=native`, cached per source,
 flags and CPU), for AVX-512 or AVX2 with FMA and F16C (the same bits on both). On a CPU with
 neither, without a compiler, or where the build fails, `library()` is None and the native forward
 keeps torch's `scaled_dot_product_attention`, whose bits depend on the block's length: there a
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.engine import gemv
+from tandem.engine.native import build
 
 SOURCE = Path(__file__).with_name("attend.c")
 MAX_ROWS = 32  # rows of a token-tree block (its masks are 32-bit); a longer causal block is split into blocks of this many
@@ -38,11 +38,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                    + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
     fn.restype = ctypes.c_int
-    if hasattr(lib, "tandem_attend_many"):  # absent from older builds
-        many = lib.tandem_attend_many
-        many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                         ctypes.c_int, ctypes.c_int]
-        many.restype = ctypes.c_int
+    many = lib.tandem_attend_many
+    many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                     ctypes.c_int, ctypes.c_int]
+    many.restype = ctypes.c_int
 
 
 # One block's entry in `tandem_attend_many`'s descriptor array (int64 each): the addresses of q, k,
@@ -51,7 +50,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 DESC_FIELDS = ("q", "k", "v", "out", "tree", "q_stride", "o_stride", "n", "start", "cap")
 
 
-_kernel = gemv.Kernel(SOURCE, "CPU attention kernel", _bind,
+_kernel = build.Kernel(SOURCE, "CPU attention kernel", _bind,
                       enabled=lambda: os.environ.get("TANDEM_ATTENTION", "auto") != "torch")
 
 
@@ -139,9 +138,11 @@ def attend_many(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
                 scale: float) -> None:
     """`attend` for several blocks (q, k, v, out, start, tree) of the same head layout in one call of
     the kernel (one parallel region for all): each block's output has the bits `attend` gives it
-    alone (tested). The batched forward makes this call for its sessions' blocks."""
+    alone (tested), and this checked form is what the tests hold the kernel to. The batched forward
+    (tandem.engine.model.llama) checks its blocks once at layer 0, builds these descriptor rows with
+    `describe` and calls `tandem_attend_many` itself for the other layers (no Python per block)."""
     lib = library()
-    if lib is None or not hasattr(lib, "tandem_attend_many"):
+    if lib is None:
         raise RuntimeError("the CPU attention kernel is not available on this host")
     if not blocks:
         return

@@ -1,6 +1,6 @@
 """One verification step: target logits + a draft -> the committed tokens, for a whole batch.
 
-This is where DESIGN.md's lossless rule is applied; the arithmetic itself lives in `tandem.kernels`
+This is where docs/design.md's lossless rule is applied; the arithmetic itself lives in `tandem.kernels`
 (Triton for CUDA tensors, the PyTorch reference for CPU tensors).
 
 A session describes its step as a `Check` before the forward (its draft, its sampling, its
@@ -22,9 +22,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from tandem import kernels
-from tandem.engine.config import SamplingParams
-from tandem.engine.proposers import Draft
-from tandem.engine.sampling import adjust_logits, argmax_rows, exp_noise, logits_to_probs
+from tandem.contract.params import SamplingParams
+from tandem.engine.speculation.draft import Draft
+from tandem.engine.speculation.sampling import adjust_logits, argmax_rows, exp_noise, logits_to_probs
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Loads panel.c (a few-row GEMM over a panel-packed weight, AVX-512 or AVX2), compiling it at first use.
 
-Built like gemv.c (tandem.engine.gemv.build: the host's compiler, `-march=native`, cached per source,
+Built like gemv.c (tandem.engine.native.build: the host's compiler, `-march=native`, cached per source,
 flags and CPU). Where the CPU has neither AVX-512 nor AVX2 with FMA, no compiler works or the build fails, `library()` is
-None and the GEMM tuner does not offer the path (tandem.engine.gemm).
+None and the GEMM tuner does not offer the path (tandem.engine.model.gemm).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine import gemv
+from tandem.engine.native import build
 
 SOURCE = Path(__file__).with_name("panel.c")
 LANES = 16  # outputs per panel (panel.c)
@@ -31,7 +31,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         raise OSError("built without AVX-512 or AVX2")
 
 
-_kernel = gemv.Kernel(SOURCE, "panel GEMM kernel", _bind)
+_kernel = build.Kernel(SOURCE, "panel GEMM kernel", _bind)
 
 
 def library() -> ctypes.CDLL | None:
@@ -41,7 +41,7 @@ def library() -> ctypes.CDLL | None:
 
 def source_key() -> str:
     """What identifies a build of the kernel (the GEMM plan is keyed by it)."""
-    return gemv._key(SOURCE)
+    return build.key_of(SOURCE)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.config import SamplingParams
-from tandem.engine.proposers import STORE_BUCKET, Draft, Offer, Proposer
+from tandem.contract.params import SamplingParams
+from tandem.engine.speculation.draft import STORE_BUCKET, Draft, Offer, Proposer
 
 GRAM_SIZES = (1, 2, 4, 8, 16)  # grams indexed per position (a match of m tokens starts from the largest <= m)
 CANDIDATES = 32  # most recent occurrences kept per gram
@@ -73,7 +73,7 @@ class SuffixIndex:
     at seq[end]. Only ends with a continuation are indexed (end < len(seq)), and only ends at or
     after a sequence's `first_end`, so the global store continues only into responses.
 
-    Memory, measured (docs/design-notes.md): a gram is keyed by its hash (a match checks the
+    Memory, measured (docs/history.md): a gram is keyed by its hash (a match checks the
     tokens, so a collision costs a comparison, never a wrong draft), an occurrence is one int
     (sid << 32 | end), and a gram seen once holds that int, not a list."""
 

@@ -7,7 +7,7 @@ before it accepted)), the expected tokens committed by one step are
 
 and the step costs C(k) = forward(k + 1 tokens) + drafting(k). We pick k maximising E(k) / C(k);
 k = 0 is plain decoding (E = 1, C = forward(1)), so speculation is chosen only where it is expected to
-beat plain decoding. Worked example with DESIGN.md's CPU costs (forward(9) ~ 1.4 forward(1)): eight
+beat plain decoding. Worked example with docs/design.md's CPU costs (forward(9) ~ 1.4 forward(1)): eight
 drafts pay only if E(8) > 1.4; with a flat a = 0.3 per position E(8) ~ 1.43 (barely), while k = 2 gives
 E(2) = 1.39 for ~1.1 the cost, so k = 2 wins.
 
@@ -29,7 +29,7 @@ turns repetitive half-way would never find out. Two things keep the controller l
   Long prompt-lookup matches (8+ tokens: text the context continues) are always worth a look: their
   first decline is probed and their interval never exceeds `LONG_MATCH_MAX_INTERVAL`.
 
-Token trees (suffix decoding's, tandem.engine.suffix.best_tree) are counted apart, per node rank
+Token trees (suffix decoding's, tandem.engine.speculation.suffix.best_tree) are counted apart, per node rank
 rather than per position: nodes come best first, so a k-node tree is the first k nodes, and
 E(k) = 1 + P_1 + ... + P_k where P_i = P(node i lies on the accepted path), measured as such
 (siblings exclude each other, so conditional rates would not multiply). Their prior is the chain's
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.runner import ForwardCosts
+from tandem.engine.model.backends import ForwardCosts
 
 MAX_POSITIONS = 64
 

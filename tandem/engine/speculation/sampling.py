@@ -1,6 +1,6 @@
 """From logits to the distribution the target actually samples from, and per-request randomness.
 
-`p_i` in DESIGN.md's verification rule is the output of `logits_to_probs(adjust_logits(...))`:
+`p_i` in docs/design.md's verification rule is the output of `logits_to_probs(adjust_logits(...))`:
 logit_bias and penalties on the raw logits (per position, with the drafts before it counted as
 generated), then temperature, top-k, top-p and min-p. The drafter's proposal `q_i` is checked
 against exactly this distribution, so plain sampling and speculative sampling share these functions.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tandem.engine.config import SamplingParams
+from tandem.contract.params import SamplingParams
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -125,10 +125,3 @@ def exp_noise(n: int, gen: torch.Generator) -> torch.Tensor:
     SmolLM2's 49,152-token vocabulary). 2.9x faster than `exponential_` (0.31 vs 0.89 ms a row of
     49,152 on one EPYC core), which a sampled row pays every step: one noise row per verification."""
     return torch.rand(n, dtype=torch.float64, generator=gen).neg_().log1p_().neg_().to(torch.float32)
-
-
-def sample_from(probs: torch.Tensor, gen: torch.Generator) -> int:
-    """One token from `probs # [vocab]` by the exponential race (argmax p / E, E ~ Exp(1)), the same
-    rule the verification kernels use for recovered and bonus tokens."""
-    noise = exp_noise(probs.shape[-1], gen)  # [vocab]
-    return int(argmax_rows(probs.cpu() / noise))

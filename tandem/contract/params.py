@@ -15,11 +15,11 @@ class DraftStrategy(str, Enum):
     ngram = "ngram"  # prompt lookup over the sequence's own context
     model = "model"  # a small causal LM sharing the target's tokenizer
     hybrid = "hybrid"  # per step, prompt lookup, suffix decoding or the draft model, whichever is expected to pay most
-    suffix = "suffix"  # suffix decoding: the session's own tokens and earlier responses (tandem.engine.suffix)
+    suffix = "suffix"  # suffix decoding: the session's own tokens and earlier responses (tandem.engine.speculation.suffix)
 
 
 class Grammar(BaseModel):
-    """A constraint on the output (tandem.engine.grammar): any JSON value ("json_object", value
+    """A constraint on the output (tandem.engine.speculation.grammar): any JSON value ("json_object", value
     unused), a JSON schema (strict), a regular expression, or an EBNF grammar (GBNF dialect)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -33,7 +33,7 @@ class SamplingParams(BaseModel):
 
     temperature 0 is greedy (argmax); otherwise logits are divided by the temperature, then top-k,
     then top-p (nucleus) and min-p truncate the distribution. A seed makes a sampled request
-    reproducible. Before all of that the raw logits are adjusted (tandem.engine.sampling.adjust_logits):
+    reproducible. Before all of that the raw logits are adjusted (tandem.engine.speculation.sampling.adjust_logits):
     logit_bias, then the OpenAI presence / frequency penalties over the tokens generated so far, then
     the repetition penalty over the prompt and the generated tokens. Every one of these is applied per
     position inside verification, drafts before the position counted as generated, so a drafted
@@ -84,6 +84,12 @@ class SamplingParams(BaseModel):
             if not -100.0 <= bias <= 100.0:  # NaN fails too
                 raise ValueError(f"logit_bias for token {tok} is {bias}; it must lie in [-100, 100]")
         return pairs
+
+    @classmethod
+    def from_given(cls, **given) -> "SamplingParams":
+        """The parameters a request gave; None means not given, so the default above applies (the
+        one place defaults are spelled)."""
+        return cls(**{name: value for name, value in given.items() if value is not None})
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,7 @@
 add; the gated MLP's silu(gate) * up; rotary embedding with the block's keys and values written into
 the cache), compiling it at first use.
 
-Built like gemv.c (tandem.engine.gemv.build: the host's compiler, cached per source, flags and CPU).
+Built like gemv.c (tandem.engine.native.build: the host's compiler, cached per source, flags and CPU).
 Without a compiler, or where the build fails, `library()` is None and the forward keeps torch's ops.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine import gemv
+from tandem.engine.native import build
 
 SOURCE = Path(__file__).with_name("rowops.c")
 
@@ -37,7 +37,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.restype = None
 
 
-_kernel = gemv.Kernel(SOURCE, "row-wise CPU kernels", _bind)
+_kernel = build.Kernel(SOURCE, "row-wise CPU kernels", _bind)
 
 
 def library() -> ctypes.CDLL | None:

@@ -1,10 +1,7 @@
-"""Loads gemv.c (a few-row GEMM that streams each weight once), compiling it at first use.
-
-The shared library is built with the host's C compiler for this CPU (`-march=native`) into the tandem
-cache, keyed by the source, the flags and the CPU model, so a different machine builds its own. No
-compiler, a failed build or a library that does not load simply means the path is not offered: the
-GEMM tuner then chooses among the library paths (tandem.engine.gemm).
-"""
+"""Our C kernels, built for the CPU they run on: compiled with the host's C compiler at first use
+(`-march=native`) into the tandem cache, keyed by the source, the flags, the compiler and the CPU
+model, so a different machine builds its own. No compiler, a failed build or a library that does
+not load means the kernel's path is not offered (logged), never a failure."""
 
 from __future__ import annotations
 
@@ -12,27 +9,22 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+log = logging.getLogger("tandem.engine.native.build")
 
-log = logging.getLogger("tandem.engine.gemv")
 
-SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-MAX_ROWS = 32  # the kernel keeps the activation rows in cache; beyond this a library GEMM wins
 
-def _key(source: Path) -> str:
+
+def key_of(source: Path) -> str:
+    """What identifies a build of `source`: its text and the flags."""
     return hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-
-
-def source_key() -> str:
-    """What identifies a build of the kernel: its source and flags (the GEMM plan is keyed by it)."""
-    return _key(SOURCE)
 
 
 def build(source: Path, label: str, march: str = "native") -> ctypes.CDLL | None:
@@ -40,15 +32,12 @@ def build(source: Path, label: str, march: str = "native") -> ctypes.CDLL | None
     compiler and CPU) and load it; None, with the reason logged, where that is impossible here.
     `march`: the instruction set to build for (tests build an older one's code path, e.g. "haswell"
     for AVX2 without AVX-512, to check it gives the same bits)."""
-    from tandem.engine.gemm import cpu_model
-    from tandem.engine.models import cache_dir
-
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.info("no C compiler: the %s is not offered", label)
         return None
     flags = [f if f != "-march=native" else f"-march={march}" for f in FLAGS]
-    key = hashlib.sha256(" ".join([_key(source), cc, cpu_model(), *([march] if march != "native" else [])]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(" ".join([key_of(source), cc, cpu_model(), *([march] if march != "native" else [])]).encode()).hexdigest()[:16]
     out = cache_dir() / "gemv" / f"{source.stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,37 +81,22 @@ class Kernel:
         return self._lib or None
 
 
-def _bind(lib: ctypes.CDLL) -> None:
-    fn = lib.tandem_gemv_rows
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
-    fn.restype = None
+
+def cpu_model() -> str:
+    """The CPU's model name as `lscpu` prints it (e.g. 'AMD EPYC', 'Intel(R) Xeon(R) ...')."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
-_kernel = Kernel(SOURCE, "streaming GEMV kernel", _bind)
 
+def cache_dir() -> Path:
+    base = os.environ.get("TANDEM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tandem"
+    )
+    return Path(base)
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot be built here."""
-    return _kernel.library()
-
-
-def gemv_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x `# [n, in]` float32 times w `# [out, in]` float32 (contiguous, CPU) -> `# [n, out]`, n <= MAX_ROWS.
-
-    Threads: torch's intra-op count, in torch's own OpenMP pool (the library binds to the
-    libgomp.so.1 torch already loaded; a second pool would spin against torch's on a small host).
-    """
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the streaming GEMV kernel is not available on this host")
-    n, k = x.shape
-    m = w.shape[0]
-    if (n > MAX_ROWS or w.shape[1] != k or x.dtype != torch.float32 or w.dtype != torch.float32
-            or not w.is_contiguous() or x.device.type != "cpu" or w.device.type != "cpu"):
-        # the kernel reads raw pointers: anything else would read the wrong memory
-        raise ValueError(f"gemv_rows takes float32 CPU [n <= {MAX_ROWS}, in] x contiguous [out, in], got "
-                         f"{tuple(x.shape)} x {tuple(w.shape)}")
-    x = x.contiguous()
-    y = torch.empty(n, m, dtype=torch.float32)
-    lib.tandem_gemv_rows(x.data_ptr(), w.data_ptr(), y.data_ptr(), n, m, k, torch.get_num_threads())
-    return y

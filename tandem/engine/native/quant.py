@@ -16,7 +16,7 @@ AVX2 form here).
 `reference_int8` is the int8 arithmetic in plain C, one output at a time (the tests' reference).
 
 The compiled kernels need a C compiler (built at first use like gemv.c); where neither runs
-`library()` is None and a GGUF target is dequantized to float32 as before (tandem.engine.models).
+`library()` is None and a GGUF target is dequantized to float32 as before (tandem.engine.model.loading).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.engine import gemv
+from tandem.engine.native import build
 
 SOURCE = Path(__file__).with_name("quant.c")
 LANES = 16  # outputs per panel
@@ -56,7 +56,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         raise OSError("built without AVX-512 or AVX2: neither arithmetic has a kernel here")
 
 
-_kernel = gemv.Kernel(SOURCE, "quantized GEMM kernel", _bind)
+_kernel = build.Kernel(SOURCE, "quantized GEMM kernel", _bind)
 
 
 def library() -> ctypes.CDLL | None:

@@ -6,7 +6,7 @@ on top of a long KV cache, and on a CPU three costs of the generic forward domin
   (on an AMD EPYC, MKL's `F.linear` reads the LM head at ~11 GB/s for 1 row and 2-3x slower again
   for 2-3 rows; oneDNN with a packed weight stays near memory speed for 1-17 rows). Every float32
   weight on a CPU goes through the path measured fastest on this machine for its shape and row
-  count (tandem.engine.gemm, with the rule that keeps this lossless);
+  count (tandem.engine.model.gemm, with the rule that keeps this lossless);
 - a KV cache that grows by concatenation copies the whole cache every step;
 - per-module Python overhead (hundreds of small calls per forward).
 So the weights are re-laid out once (fused QKV and gate/up projections, each in its GEMM path's
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.engine import attend, gemv, panel, quant, rowops
-from tandem.engine.gemm import SLOTS, GemmPath, GemmPlan, TunedLinear, median_seconds, parse_choice, plan_for
-from tandem.engine.quant import QuantizedLinears
+from tandem.engine.native import attend, gemv, panel, quant, rowops
+from tandem.engine.model.gemm import SLOTS, GemmPath, GemmPlan, TunedLinear, median_seconds, parse_choice, plan_for
+from tandem.engine.native.quant import QuantizedLinears
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -320,7 +320,7 @@ class _FusedAttention:
         # Several blocks on attend.c (a batched step's sessions): layers after the first make one
         # call for all of them (`tandem_attend_many`, one parallel region; same bits as a call a
         # block). Their descriptors are set at layer 0, once its checked calls passed.
-        self.many = [b for b, use in enumerate(kernel) if use] if hasattr(self.attn, "tandem_attend_many") else []
+        self.many = [b for b, use in enumerate(kernel) if use]
         self.desc: np.ndarray | None = None  # `# [len(many), 10]` int64, attend.DESC_FIELDS
         # and the rotary's and cache writes' of every block (`tandem_rope_store_many`): `# [blocks, 6]`
         # int64 (first row, rows, k, v, capacity, start)
@@ -514,7 +514,7 @@ class _PooledAttention:
     The arithmetic is each block's own attention over its own keys; padded keys are masked out and
     padded query rows are dropped. Which kernel torch picks for the padded batch can differ from a
     lone block's, so results may differ from the per-block path in the last bits, as the GEMMs'
-    do with the batch's row count on a GPU (docs/design-notes.md, "KV pool on a GPU")."""
+    do with the batch's row count on a GPU (docs/history.md, "KV pool on a GPU")."""
 
     def __init__(self, model: "NativeLlama", pool: KVPool, blocks, members: list[int], offsets: list[int],
                  starts: list[int], lens: list[int], trees: list):
@@ -592,7 +592,7 @@ class NativeLlama:
         run by quant.c as they are stored (float32 on a CPU with that kernel only; `self.precision`
         says what was done); the rest as below. Float32 weights on a CPU
         go through the GEMM paths of `plan` (default: `gemm.plan_for` this model's shapes, measured
-        once per machine; see tandem.engine.gemm for the lossless rule).
+        once per machine; see tandem.engine.model.gemm for the lossless rule).
 
         `kv_dtype`: what the KV cache stores. None: float16 for a GGUF target running on our CPU
         kernels (its quantized weights kept, the row and attention kernels built: llama.cpp's default
@@ -692,7 +692,7 @@ class NativeLlama:
         our attention kernel and our row kernel.
         Then a verification block's logits equal plain decoding's bit for bit, so greedy output and
         logprobs are identical by construction, not only by the shared-path rule
-        (docs/design-notes.md)."""
+        (docs/history.md)."""
         if not self.row_kernel or not attend.serves(1, self.head_dim, self.dtype, self.device):
             return False
         if self.gemm_plan is None:  # no float32 GEMM: quantized weights (quant.c is row-invariant) or none of ours
@@ -780,7 +780,7 @@ class NativeLlama:
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # x: [n, hidden] -> [n, hidden]. In float32 as transformers does, then back to the weights'
         # dtype. A step calls this 61 times on a few rows: on a CPU through our row kernel
-        # (tandem.engine.rowops: ~2 us a call where torch's fused op costs 9-45 us, row-invariant),
+        # (tandem.engine.native.rowops: ~2 us a call where torch's fused op costs 9-45 us, row-invariant),
         # else torch's fused op, which gives the bits of the spelled-out form (w * x * rsqrt(mean(x^2)
         # + eps), tested) in one call instead of seven.
         if self.row_kernel:
@@ -887,7 +887,7 @@ class NativeLlama:
                                for s, n, d in zip(starts, lens, depths)]).to(self.device)  # [N]
         cos, sin = self._rope(positions)  # [N, 1, D] each
         # decode and verification blocks go through our CPU attention kernel where it is built
-        # (tandem.engine.attend: torch's reads a long cache at a third of the memory's speed); a
+        # (tandem.engine.native.attend: torch's reads a long cache at a third of the memory's speed); a
         # prefill, a GPU or another dtype through torch's, with the block's causal mask
         kernel = [attend.serves(n, D, self.dtype, self.device) for n in lens]
         # blocks whose caches are in the KV pool share the layer's KV writes and attention calls

@@ -1,10 +1,10 @@
 """Structured output: a grammar's token mask applied to the target at every verified position.
 
 Library: xgrammar. Measured on the EPYC host for SmolLM2's 49,152-token vocabulary over a JSON
-schema (docs/design-notes.md): mask computation median 4 us / mean 8 us per token against
+schema (docs/history.md): mask computation median 4 us / mean 8 us per token against
 llguidance's 18 us / 93 us, and 0.15 s against 0.47 s to set up and compile.
 
-How verification stays lossless (DESIGN.md's rule with p replaced by the masked target):
+How verification stays lossless (docs/design.md's rule with p replaced by the masked target):
 
 - before the forward, the drafts are walked through the matcher, filling the mask of every
   position; the block is cut right after the first draft the grammar refuses. That draft is kept:
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.engine.config import Grammar
-from tandem.engine.proposers import Draft
+from tandem.contract.params import Grammar
+from tandem.engine.speculation.draft import Draft
 
 _COMPILERS: dict[tuple, object] = {}  # (tokenizer id, vocab, stop ids) -> GrammarCompiler
 _COMPILED: "OrderedDict[tuple, object]" = OrderedDict()  # (compiler key, grammar) -> CompiledGrammar

@@ -1,4 +1,4 @@
-"""Tool calling's pure parts (services/gateway/tools.py): choosing, the call grammar, rendering by a
+"""Tool calling's pure parts (services/gateway/tool_calls.py): choosing, the call grammar, rendering by a
 template with tool support or by the Hermes convention, and parsing calls out of text."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tandem.engine.models import apply_chat_template
-from tandem.services.gateway import tools
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.services.gateway import tool_calls
 from tandem.services.gateway.errors import InvalidRequest
 
 FN = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -17,41 +17,41 @@ OTHER = {"type": "function", "function": {"name": "get_time"}}
 
 
 def test_choosing_functions():
-    fns, mode = tools.chosen([FN, OTHER], "auto")
+    fns, mode = tool_calls.chosen([FN, OTHER], "auto")
     assert mode == "auto" and [f["name"] for f in fns] == ["get_weather", "get_time"]
-    assert tools.chosen([FN], "none") == ([], "none")
-    assert tools.chosen([FN, OTHER], {"type": "function", "function": {"name": "get_time"}})[0][0]["name"] == "get_time"
+    assert tool_calls.chosen([FN], "none") == ([], "none")
+    assert tool_calls.chosen([FN, OTHER], {"type": "function", "function": {"name": "get_time"}})[0][0]["name"] == "get_time"
     for bad, choice in (([FN], {"type": "function", "function": {"name": "nope"}}), ([], "required"),
                         ([{"type": "function", "function": {"name": "bad name!"}}], "auto"), ([FN, FN], "auto"),
                         ([FN], "sometimes")):
         with pytest.raises(InvalidRequest):
-            tools.chosen(bad, choice)
+            tool_calls.chosen(bad, choice)
 
 
 def test_call_grammar_allows_exactly_the_functions():
-    g = tools.call_grammar(tools.chosen([FN, OTHER], "required")[0])
+    g = tool_calls.call_grammar(tool_calls.chosen([FN, OTHER], "required")[0])
     schema = json.loads(g.value)
     assert g.kind == "json_schema" and [o["properties"]["name"]["const"] for o in schema["anyOf"]] == ["get_weather", "get_time"]
     assert all(o["required"] == ["name", "arguments"] for o in schema["anyOf"])
-    llama = json.loads(tools.call_grammar(tools.chosen([FN], "required")[0], tools.DIALECTS["llama3"]).value)
+    llama = json.loads(tool_calls.call_grammar(tool_calls.chosen([FN], "required")[0], tool_calls.DIALECTS["llama3"]).value)
     assert llama["required"] == ["name", "parameters"] and "arguments" not in llama["properties"]  # the family's key
 
 
 def test_parse_calls_out_of_text():
     plan = _plan([FN, OTHER], "auto")
     unknown = '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
-    content, calls = tools.parse('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    content, calls = tool_calls.parse('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
                                  + unknown, plan)
     assert content == "Let me check. " + unknown and [c.name for c in calls] == ["get_weather"]  # not a call: left as text
     assert json.loads(calls[0].arguments) == {"city": "Paris"} and calls[0].id.startswith("call_")
-    assert tools.parse("no calls here", plan) == ("no calls here", [])
-    assert tools.parse("<tool_call>{not json</tool_call>", plan) == ("<tool_call>{not json</tool_call>", [])
-    content, calls = tools.parse('{"name": "get_time", "arguments": {}}', _plan([FN, OTHER], "required"))
+    assert tool_calls.parse("no calls here", plan) == ("no calls here", [])
+    assert tool_calls.parse("<tool_call>{not json</tool_call>", plan) == ("<tool_call>{not json</tool_call>", [])
+    content, calls = tool_calls.parse('{"name": "get_time", "arguments": {}}', _plan([FN, OTHER], "required"))
     assert content is None and calls[0].name == "get_time"
 
 
 def _plan(fns, mode, dialect="hermes", parallel=True):
-    return tools.ToolPlan(tuple(tools.chosen(fns, mode)[0]), mode, tools.DIALECTS[dialect], parallel)
+    return tool_calls.ToolPlan(tuple(tool_calls.chosen(fns, mode)[0]), mode, tool_calls.DIALECTS[dialect], parallel)
 
 
 TWO_CALLS = {  # how each family writes two calls (get_weather for Paris, then get_time)
@@ -64,27 +64,27 @@ TWO_CALLS = {  # how each family writes two calls (get_weather for Paris, then g
 
 @pytest.mark.parametrize("dialect", sorted(TWO_CALLS))
 def test_each_familys_calls_are_parsed_in_its_dialect(dialect):
-    content, calls = tools.parse(TWO_CALLS[dialect], _plan([FN, OTHER], "auto", dialect))
+    content, calls = tool_calls.parse(TWO_CALLS[dialect], _plan([FN, OTHER], "auto", dialect))
     assert [c.name for c in calls] == ["get_weather", "get_time"]
     assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}, {}]
     assert content == ("On it." if dialect == "hermes" else None)
-    _, first = tools.parse(TWO_CALLS[dialect], _plan([FN, OTHER], "auto", dialect, parallel=False))
+    _, first = tool_calls.parse(TWO_CALLS[dialect], _plan([FN, OTHER], "auto", dialect, parallel=False))
     assert [c.name for c in first] == ["get_weather"]  # parallel_tool_calls false: the first call only
     prose = "Paris is sunny [citation needed]; {braces} too."
-    assert tools.parse(prose, _plan([FN, OTHER], "auto", dialect)) == (prose, [])
+    assert tool_calls.parse(prose, _plan([FN, OTHER], "auto", dialect)) == (prose, [])
 
 
 def test_llama3_and_mistral_calls_without_their_special_tokens():
     """Text decoded without special tokens loses <|python_tag|> and [TOOL_CALLS]: the call object
     (array) opening the response is still the call; prose after a Llama 3 call stays content."""
-    content, calls = tools.parse(' {"name": "get_time", "parameters": {"city": "Oslo"}} Done.', _plan([FN, OTHER], "auto", "llama3"))
+    content, calls = tool_calls.parse(' {"name": "get_time", "parameters": {"city": "Oslo"}} Done.', _plan([FN, OTHER], "auto", "llama3"))
     assert [c.name for c in calls] == ["get_time"] and json.loads(calls[0].arguments) == {"city": "Oslo"} and content == "Done."
-    content, calls = tools.parse('[{"name": "get_time", "arguments": {"city": "Oslo"}}]', _plan([FN, OTHER], "auto", "mistral"))
+    content, calls = tool_calls.parse('[{"name": "get_time", "arguments": {"city": "Oslo"}}]', _plan([FN, OTHER], "auto", "mistral"))
     assert [c.name for c in calls] == ["get_time"] and content is None
-    assert tools.parse('I said {"name": "get_time"} once.', _plan([FN, OTHER], "auto", "llama3"))[1] == []  # not at the start
+    assert tool_calls.parse('I said {"name": "get_time"} once.', _plan([FN, OTHER], "auto", "llama3"))[1] == []  # not at the start
     # A Mistral array whose first call names no tool: the known one is still a call, and the
     # array (one span for all its calls) is not left in the content.
-    content, calls = tools.parse('[TOOL_CALLS] [{"name": "nope", "arguments": {}}, {"name": "get_time", "arguments": {}}]',
+    content, calls = tool_calls.parse('[TOOL_CALLS] [{"name": "nope", "arguments": {}}, {"name": "get_time", "arguments": {}}]',
                                  _plan([FN, OTHER], "auto", "mistral"))
     assert [c.name for c in calls] == ["get_time"] and content is None
 
@@ -93,9 +93,9 @@ def test_llama3_and_mistral_calls_without_their_special_tokens():
 def test_a_stream_never_sends_part_of_a_call_as_content(dialect):
     """hold_from, character by character: what it lets out is content in the finished text, and
     text before the first call gets out before the end (where the family allows prose first)."""
-    d = tools.DIALECTS[dialect]
+    d = tool_calls.DIALECTS[dialect]
     text = TWO_CALLS[dialect]
-    spans, _ = tools.calls_in(text, _plan([FN, OTHER], "auto", dialect))
+    spans, _ = tool_calls.calls_in(text, _plan([FN, OTHER], "auto", dialect))
     first_call = spans[0][0]
     sent = 0
     for i in range(len(text) + 1):
@@ -107,14 +107,14 @@ def test_a_stream_never_sends_part_of_a_call_as_content(dialect):
 
 
 def test_rendering_by_the_hermes_convention_without_template_support(tiny_tokenizer):
-    fns, _ = tools.chosen([FN], "auto")
+    fns, _ = tool_calls.chosen([FN], "auto")
     msgs = [{"role": "user", "content": "weather in paris"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
                 "name": "get_weather", "arguments": "{\"city\": \"paris\"}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    support = tools.detect(tiny_tokenizer)
-    assert (support.renderer, support.label, support.why) == (tools.GATEWAY, "gateway/hermes", "has no tool support")
-    ids = tools.render(tiny_tokenizer, msgs, fns, apply_chat_template, support)
+    support = tool_calls.detect(tiny_tokenizer)
+    assert (support.renderer, support.label, support.why) == (tool_calls.GATEWAY, "gateway/hermes", "has no tool support")
+    ids = tool_calls.render(tiny_tokenizer, msgs, fns, apply_chat_template, support)
     text = tiny_tokenizer.decode(ids)  # (this small test vocabulary spells unknown words as <unk>)
     assert text.startswith("<|system|>") and '" function "' in text  # the preamble lists the function
     assert "< tool _ call > {" in text  # the earlier call, in the convention
@@ -127,12 +127,12 @@ def test_rendering_by_a_template_that_knows_tools(tiny_tokenizer):
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = ("{% if tools %}<|system|> tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
                          "<|end|> {% endif %}" + tiny_tokenizer.chat_template)
-    assert tools.detect(tok).renderer == tools.GATEWAY and "does not parse" in tools.detect(tok).why  # no known dialect
+    assert tool_calls.detect(tok).renderer == tool_calls.GATEWAY and "does not parse" in tool_calls.detect(tok).why  # no known dialect
     tok.chat_template = tok.chat_template.replace("tools: ", "tools ( answer with <tool_call> ): ")
-    support = tools.detect(tok)
-    assert (support.renderer, support.label) == (tools.TEMPLATE, "template/hermes")
-    fns, _ = tools.chosen([FN], "auto")
-    ids = tools.render(tok, [{"role": "user", "content": "hi"}], fns, apply_chat_template, support)
+    support = tool_calls.detect(tok)
+    assert (support.renderer, support.label) == (tool_calls.TEMPLATE, "template/hermes")
+    fns, _ = tool_calls.chosen([FN], "auto")
+    ids = tool_calls.render(tok, [{"role": "user", "content": "hi"}], fns, apply_chat_template, support)
     plain = apply_chat_template(tok, [{"role": "user", "content": "hi"}])
     assert ids != plain and tok.decode(ids).startswith("<|system|>")
     assert "signatures" not in tok.decode(ids)  # the template's own rendering, not the convention's preamble

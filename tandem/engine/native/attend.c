@@ -7,7 +7,7 @@
  * order), never on the rows beside it, the block's length or the thread count. So a position gets
  * the same bits whether its prompt was prefilled whole, in pieces (chunked prefill under load),
  * copied from another session's prefix, or stepped one token at a time, and greedy output is the
- * same under any load (docs/design-notes.md, "One request, one answer"). torch's kernel gives a
+ * same under any load (docs/history.md, "One request, one answer"). torch's kernel gives a
  * row other bits in a longer block.
  *
  * Why our own: torch's CPU flash attention splits its work by heads and query blocks and runs a
@@ -173,7 +173,7 @@ static inline __attribute__((always_inline)) float v_hsum(v16 a) {
  * Why: the hardware prefetchers stop at every 4 KB page (16 keys at head_dim 64) and ramp up again,
  * so without it each page's first lines wait for memory. Measured on the 2-core Intel Xeon host:
  * one token's attention over 30 layers' caches of 4,000 tokens 9.7 -> 7.9 ms (19 -> 23 GB/s; 4 KB
- * and 16 KB ahead measured the same or worse; docs/design-notes.md, "Software prefetch").
+ * and 16 KB ahead measured the same or worse; docs/history.md, "Software prefetch").
  * Prefetching never changes a result's bits. */
 static inline __attribute__((always_inline)) void prefetch_keys(const char *kg, const char *vg, size_t key_bytes, int a,
                                                                 int b) {
@@ -291,7 +291,7 @@ static inline __attribute__((always_inline)) void values(const int V, const int 
 /* A tile of w float16 keys (or values) widened into `out` (exact: every binary16 is a float32),
  * 16 at a time (w * D is a multiple of 16). Once a tile, before its scores: each key is then read
  * by every query row of the block, and widening it per read cost more than the bytes it saves
- * (measured: 4-row blocks at 300 tokens 1.24x slower, docs/design-notes.md). */
+ * (measured: 4-row blocks at 300 tokens 1.24x slower, docs/history.md). */
 static inline __attribute__((always_inline)) void widen(const uint16_t *restrict in, size_t n, float *restrict out) {
     for (size_t x = 0; x < n; x += 16)
         v_store(out + x, v_widen(in + x));
@@ -339,7 +339,7 @@ static inline __attribute__((always_inline)) void run_v(const int V, const int H
              * the group's work: issued at once (128 lines at head_dim 64), the prefetches filled
              * the core's miss buffers and stalled it (28% of a 9-row block's samples sat on them);
              * spread, a 9-row block over 30 layers' caches of 4,000 tokens took 18.7 -> 15.0 ms
-             * on the 2-core Intel Xeon host, one row 7.8 -> 7.3 ms (docs/design-notes.md,
+             * on the 2-core Intel Xeon host, one row 7.8 -> 7.3 ms (docs/history.md,
              * "Attention: spread prefetch") */
             const int pa = j + ahead, pb = pa + 16 < j1 ? pa + 16 : j1;
             const int lines = pa < j1 ? (int)(((size_t)(pb - pa) * kb + 63) / 64) : 0;
