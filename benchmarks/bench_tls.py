@@ -30,6 +30,7 @@ from tandem.contract.params import SamplingParams  # noqa: E402
 from tandem.engine.native.build import cpu_model  # noqa: E402
 from tandem.tools.bench_remote import GatewayTarget  # noqa: E402
 from tandem.tools.datasets import load_prompts, resolve_dataset  # noqa: E402
+from tandem.tools.records import host_label, write_record  # noqa: E402
 from tandem.tools.stack import Stack, StackConfig, free_port  # noqa: E402
 
 KEY = "sk-bench-tls-0123456789abcdef"
@@ -96,10 +97,7 @@ def main() -> None:
     report = {"cpu": cpu, "dataset": args.dataset, "max_new_tokens": args.max_new_tokens, "summary": summary,
               "prompts": [{**r, "plain": {**r["plain"], "tokens": len(r["plain"]["tokens"])},
                            "tls": {**r["tls"], "tokens": len(r["tls"]["tokens"])}} for r in rows]}
-    short = "epyc" if "EPYC" in cpu else ("xeon" if "Xeon" in cpu else "other")
-    out = args.out or ROOT / "docs" / "results" / short / "tls_overhead.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_record(args.out or ROOT / "docs" / "results" / host_label(cpu) / "tls_overhead.json", report)
     print(f"CPU: {cpu}; {args.dataset}, {len(records)} prompts, {args.max_new_tokens} tokens, greedy, through the gateway")
     print("| mode | time/token TLS / plain (median, range) | tok/s plain | tok/s TLS | first token plain / TLS | identical |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -57,6 +57,19 @@ def _old_load(self) -> tuple[int, float]:
     return int(round(others * per_job)), float(others)
 
 
+def timed_threads(target, c: int, barrier: threading.Barrier) -> float:
+    """Run `target(i)` in c threads that wait on `barrier` (c + 1 parties) before their work: the
+    seconds from releasing them together until the last one ended."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(c)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
 def run_level(core: VerifierCore, prompts: list[list[int]], c: int, spec: SpecConfig, max_tokens: int,
               tag: str) -> dict:
     ex = core.executor
@@ -84,14 +97,7 @@ def run_level(core: VerifierCore, prompts: list[list[int]], c: int, spec: SpecCo
                 items.append(item)
             results[j] = items[-1]
 
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(c)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall = timed_threads(session, c, barrier)
     ran = ex.steps_planned - first
     phases = list(ex.phases)[-ran:] if ran else []
     tokens = sum(len(r.token_ids) for r in results)

@@ -51,3 +51,13 @@ stack_down() {
   fi
   trap - EXIT
 }
+
+# bench_setup SUBDIR: OUT=docs/results/<host>/SUBDIR (made, with this host's lscpu in cpu.txt) and
+# T=the checkout's tandem CLI, for the recipes that measure on this host.
+bench_setup() {
+  HOST=${HOST:-$(lscpu | grep -qi amd && echo epyc || echo intel)}
+  OUT=docs/results/$HOST/$1
+  mkdir -p "$OUT"
+  lscpu > "$OUT/cpu.txt"
+  T=.venv/bin/tandem
+}

@@ -8,13 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/stack.sh
-HOST=${HOST:-$(lscpu | grep -qi amd && echo epyc || echo intel)}
-OUT=docs/results/$HOST/suffix
-mkdir -p "$OUT"
-T=.venv/bin/tandem
+bench_setup suffix
 LIMIT=${LIMIT:-10}
 N=${N:-128}
-lscpu > "$OUT/cpu.txt"
 ALL=ar,ngram,suffix,model,hybrid-nosuffix,hybrid
 for set in bfcl_multiple humaneval gsm8k mt_bench; do
   $T bench -d $set -l "$LIMIT" -n "$N" --modes $ALL --suffix-warm --no-curve -o "$OUT/${set}_warm.json" 2>>"$OUT/log.txt"

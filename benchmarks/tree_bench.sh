@@ -7,12 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/stack.sh
-HOST=${HOST:-$(lscpu | grep -qi amd && echo epyc || echo intel)}
-OUT=docs/results/$HOST/trees
-mkdir -p "$OUT"
-T=.venv/bin/tandem
+bench_setup trees
 N=${N:-128}
-lscpu > "$OUT/cpu.txt"
 MODES=ar,ngram,suffix,suffix-chain,hybrid,hybrid-chain
 $T bench -d code_twice -n "$N" --modes $MODES --suffix-warm --no-curve -o "$OUT/code_twice_warm.json" 2>>"$OUT/log.txt"
 $T bench -d agent_tools -n "$N" --turns 2 --modes $MODES --suffix-warm --no-curve \

@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loop_profile import timed_threads  # noqa: E402  (beside this script)
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig  # noqa: E402
 from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.model.loading import load_model  # noqa: E402
@@ -61,14 +62,7 @@ def run(core: VerifierCore, records, c: int, conversations: int, mode: str, tag:
                     ttft.append(res.first_token_seconds)
                 messages.append({"role": "assistant", "content": tok.decode(res.token_ids, skip_special_tokens=True)})
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(c)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall = timed_threads(worker, c, barrier)
     steps = list(ex.phases)[-(ex.steps_planned - first):]
     row = {"mode": mode, "concurrency": c, "tokens_per_s": totals["tokens"] / wall, "wall_s": wall, **totals,
            "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else None,

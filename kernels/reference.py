@@ -175,25 +175,12 @@ def tree_greedy_accept(
     check_greedy_args(draft_ids, num_drafts, target_argmax)
     check_tree_args(draft_ids, parents, num_drafts)
     check_tree(draft_ids, parents, num_drafts)
-    B, K = draft_ids.shape
-    dev = draft_ids.device
-    output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=dev)
-    num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
-    accepted_nodes = torch.full((B, K), -1, dtype=torch.int64, device=dev)
-    for b in range(B):
-        n = _num_drafts(num_drafts, b, K)
-        cur, accepted = -1, 0
-        while True:
-            a = int(target_argmax[b, cur + 1])
-            child = next((j for j in range(n) if int(parents[b, j]) == cur and int(draft_ids[b, j]) == a), None)
-            output_ids[b, accepted] = a
-            if child is None:
-                break
-            accepted_nodes[b, accepted] = child
-            accepted += 1
-            cur = child
-        num_accepted[b] = accepted
-    return output_ids, num_accepted, accepted_nodes
+
+    def step(b: int, cur: int, n: int) -> tuple[int | None, int]:
+        a = int(target_argmax[b, cur + 1])
+        return next((j for j in range(n) if int(parents[b, j]) == cur and int(draft_ids[b, j]) == a), None), a
+
+    return _walk_tree(draft_ids, num_drafts, step)
 
 
 def tree_rejection_sample(
@@ -220,43 +207,28 @@ def tree_rejection_sample(
     check_tree_args(draft_ids, parents, num_drafts)
     check_sampling_args(draft_ids, num_drafts, None, target_probs, uniform, exp_noise)
     check_tree(draft_ids, parents, num_drafts)
-    B, K = draft_ids.shape
     V = target_probs.shape[-1]
-    dev = draft_ids.device
-    output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=dev)
-    num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
-    accepted_nodes = torch.full((B, K), -1, dtype=torch.int64, device=dev)
-    for b in range(B):
-        n = _num_drafts(num_drafts, b, K)
-        cur, accepted = -1, 0
-        while True:
-            p = target_probs[b, cur + 1]  # [V]
-            left = torch.ones((), dtype=torch.float32, device=dev)  # S
-            rejected: list[int] = []
-            taken = None
-            for j in range(n):
-                if int(parents[b, j]) != cur:
-                    continue
-                x = int(draft_ids[b, j])
-                if not 0 <= x < V:
-                    continue  # q(x) = 0: rejected, nothing to take out of the residual
-                px = p[x]
-                if px > 0 and px >= uniform[b, j] * left:  # float32 * float32, as in the kernel
-                    taken = j
-                    break
-                left = left - px
-                rejected.append(x)
-            if taken is None:
-                residual = p.clone()
-                residual[rejected] = 0.0
-                output_ids[b, accepted] = _exponential_race(residual if residual.max() > 0 else p, exp_noise[b])
-                break
-            output_ids[b, accepted] = int(draft_ids[b, taken])
-            accepted_nodes[b, accepted] = taken
-            accepted += 1
-            cur = taken
-        num_accepted[b] = accepted
-    return output_ids, num_accepted, accepted_nodes
+
+    def step(b: int, cur: int, n: int) -> tuple[int | None, int]:
+        p = target_probs[b, cur + 1]  # [V]
+        left = torch.ones((), dtype=torch.float32, device=p.device)  # S
+        rejected: list[int] = []
+        for j in range(n):
+            if int(parents[b, j]) != cur:
+                continue
+            x = int(draft_ids[b, j])
+            if not 0 <= x < V:
+                continue  # q(x) = 0: rejected, nothing to take out of the residual
+            px = p[x]
+            if px > 0 and px >= uniform[b, j] * left:  # float32 * float32, as in the kernel
+                return j, x
+            left = left - px
+            rejected.append(x)
+        residual = p.clone()
+        residual[rejected] = 0.0
+        return None, _exponential_race(residual if residual.max() > 0 else p, exp_noise[b])
+
+    return _walk_tree(draft_ids, num_drafts, step)
 
 
 def _proposal(
@@ -286,6 +258,31 @@ def _exponential_race(
     equal maxima, i.e. the lowest index on ties.
     """
     return int(torch.argmax(weights / exp_noise))
+
+
+def _walk_tree(draft_ids: torch.Tensor, num_drafts: torch.Tensor, step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both tree rules' walk, row by row from the pending token (node -1): `step(b, cur, n)` gives
+    the child of `cur` it accepts and that child's token, or (None, the recovered or bonus token)
+    where the walk ends. Returns output_ids `[B, K+1]` (the path's tokens, then the last one, then
+    -1), num_accepted `[B]` and accepted_nodes `[B, K]` (the path's nodes, then -1)."""
+    B, K = draft_ids.shape
+    dev = draft_ids.device
+    output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=dev)
+    num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
+    accepted_nodes = torch.full((B, K), -1, dtype=torch.int64, device=dev)
+    for b in range(B):
+        n = _num_drafts(num_drafts, b, K)
+        cur, accepted = -1, 0
+        while True:
+            child, token = step(b, cur, n)
+            output_ids[b, accepted] = token
+            if child is None:
+                break
+            accepted_nodes[b, accepted] = child
+            accepted += 1
+            cur = child
+        num_accepted[b] = accepted
+    return output_ids, num_accepted, accepted_nodes
 
 
 def _num_drafts(num_drafts: torch.Tensor, b: int, K: int) -> int:

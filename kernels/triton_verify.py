@@ -21,6 +21,25 @@ MAX_BLOCK_V = 1024
 
 
 @triton.jit
+def _race_start():
+    """The race before its first chunk: (best_id 0, best_score -inf, w_max 0)."""
+    return tl.zeros([], dtype=tl.int64), tl.full([], float("-inf"), tl.float32), tl.zeros([], dtype=tl.float32)
+
+
+@triton.jit
+def _race_chunk(w, noise_row_ptr, offs, in_vocab, start, best_id, best_score, w_max):
+    """One chunk of the vocabulary in the exponential race: `w # [BLOCK_V]` (this chunk's weights at
+    `offs`, from `start`) divided by its noise; returns (best_id, best_score, w_max) updated. An
+    equal score in a later chunk loses the tie (strict >), so the lowest index wins overall."""
+    noise = tl.load(noise_row_ptr + offs, mask=in_vocab, other=1.0)
+    score = tl.where(in_vocab, tl.div_rn(w, noise), float("-inf"))
+    chunk_best, chunk_id = tl.max(score, axis=0, return_indices=True)
+    better = chunk_best > best_score
+    return (tl.where(better, start + chunk_id, best_id), tl.where(better, chunk_best, best_score),
+            tl.maximum(w_max, tl.max(w, axis=0)))
+
+
+@triton.jit
 def _greedy_accept_kernel(
     draft_ids_ptr,  # [B, K] int64
     num_drafts_ptr,  # [B] int64
@@ -64,9 +83,7 @@ def _exponential_race(
     # mask, which tl.load rejects.)
     q_end = tl.where(subtract, V, 0)
     q_id = tl.where(subtract, onehot_id, -1)
-    best_score = tl.full([], float("-inf"), tl.float32)
-    best_id = tl.zeros([], dtype=tl.int64)
-    w_max = tl.zeros([], dtype=tl.float32)
+    best_id, best_score, w_max = _race_start()
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         in_vocab = offs < V
@@ -76,13 +93,7 @@ def _exponential_race(
         else:
             q = tl.where(offs == q_id, 1.0, 0.0)
         w = tl.maximum(p - q, 0.0)
-        noise = tl.load(noise_row_ptr + offs, mask=in_vocab, other=1.0)
-        score = tl.where(in_vocab, tl.div_rn(w, noise), float("-inf"))
-        chunk_best, chunk_id = tl.max(score, axis=0, return_indices=True)
-        better = chunk_best > best_score  # strict: an equal later chunk loses the tie
-        best_id = tl.where(better, start + chunk_id, best_id)
-        best_score = tl.where(better, chunk_best, best_score)
-        w_max = tl.maximum(w_max, tl.max(w, axis=0))
+        best_id, best_score, w_max = _race_chunk(w, noise_row_ptr, offs, in_vocab, start, best_id, best_score, w_max)
     return best_id, w_max
 
 
@@ -143,6 +154,21 @@ def _rejection_sample_kernel(
 
 
 @triton.jit
+def _tree_row(draft_ids_ptr, parents_ptr, num_drafts_ptr, K, BLOCK_K: tl.constexpr):
+    """This program's row b of a tree batch: its node count n, offsets `# [BLOCK_K]`, which are drafts, their
+    tokens (-1 past the drafts) and parents (-2 past them: no node's child), and its outputs, all -1
+    so far."""
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
+    offs = tl.arange(0, BLOCK_K)
+    is_draft = offs < n
+    drafts = tl.load(draft_ids_ptr + b * K + offs, mask=is_draft, other=-1)
+    parents = tl.load(parents_ptr + b * K + offs, mask=is_draft, other=-2)
+    empty = tl.full([BLOCK_K], -1, dtype=tl.int64)
+    return b, n, offs, is_draft, drafts, parents, empty, empty
+
+
+@triton.jit
 def _tree_greedy_kernel(
     draft_ids_ptr,  # [B, K] int64
     parents_ptr,  # [B, K] int64
@@ -156,14 +182,7 @@ def _tree_greedy_kernel(
 ):
     """One level of the tree per iteration, all of a node's children compared at once; writes
     are masked once the walk has ended (Triton has no break)."""
-    b = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
-    offs = tl.arange(0, BLOCK_K)
-    is_draft = offs < n
-    drafts = tl.load(draft_ids_ptr + b * K + offs, mask=is_draft, other=-1)
-    parents = tl.load(parents_ptr + b * K + offs, mask=is_draft, other=-2)
-    out = tl.full([BLOCK_K], -1, dtype=tl.int64)
-    nodes = tl.full([BLOCK_K], -1, dtype=tl.int64)
+    b, n, offs, is_draft, drafts, parents, out, nodes = _tree_row(draft_ids_ptr, parents_ptr, num_drafts_ptr, K, BLOCK_K)
     cur = tl.full([], -1, dtype=tl.int64)
     acc = tl.zeros([], dtype=tl.int64)
     live = tl.full([], 1, dtype=tl.int32)
@@ -194,22 +213,14 @@ def _tree_race(
 ):
     """argmax_v w_v / noise_v (lowest index on ties) with w = p, zero at the rejected tokens;
     also max_v w_v."""
-    best_score = tl.full([], float("-inf"), tl.float32)
-    best_id = tl.zeros([], dtype=tl.int64)
-    w_max = tl.zeros([], dtype=tl.float32)
+    best_id, best_score, w_max = _race_start()
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         in_vocab = offs < V
         p = tl.load(p_row_ptr + offs, mask=in_vocab, other=0.0)
         hit = (offs[:, None] == drafts[None, :]) & rejected[None, :]  # [BLOCK_V, BLOCK_K]
         w = tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, 0.0, p)
-        noise = tl.load(noise_row_ptr + offs, mask=in_vocab, other=1.0)
-        score = tl.where(in_vocab, tl.div_rn(w, noise), float("-inf"))
-        chunk_best, chunk_id = tl.max(score, axis=0, return_indices=True)
-        better = chunk_best > best_score
-        best_id = tl.where(better, start + chunk_id, best_id)
-        best_score = tl.where(better, chunk_best, best_score)
-        w_max = tl.maximum(w_max, tl.max(w, axis=0))
+        best_id, best_score, w_max = _race_chunk(w, noise_row_ptr, offs, in_vocab, start, best_id, best_score, w_max)
     return best_id, w_max
 
 
@@ -231,14 +242,7 @@ def _tree_sample_kernel(
 ):
     """Per level, the children are tested one by one in index order (the residual's mass S is
     subtracted sequentially, as in the reference: a cumulative sum could round differently)."""
-    b = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K)
-    offs = tl.arange(0, BLOCK_K)
-    is_draft = offs < n
-    drafts = tl.load(draft_ids_ptr + b * K + offs, mask=is_draft, other=-1)
-    parents = tl.load(parents_ptr + b * K + offs, mask=is_draft, other=-2)
-    out = tl.full([BLOCK_K], -1, dtype=tl.int64)
-    nodes = tl.full([BLOCK_K], -1, dtype=tl.int64)
+    b, n, offs, is_draft, drafts, parents, out, nodes = _tree_row(draft_ids_ptr, parents_ptr, num_drafts_ptr, K, BLOCK_K)
     cur = tl.full([], -1, dtype=tl.int64)
     last = tl.full([], -1, dtype=tl.int64)  # the node the walk ended at
     acc = tl.zeros([], dtype=tl.int64)
@@ -277,11 +281,8 @@ def _tree_sample_kernel(
     tl.store(num_accepted_ptr + b, acc)
 
 
-def greedy_accept(
-    draft_ids: torch.Tensor,  # [B, K] int64
-    num_drafts: torch.Tensor,  # [B] int64
-    target_argmax: torch.Tensor,  # [B, K+1] int64
-) -> tuple[torch.Tensor, torch.Tensor]:  # output_ids [B, K+1] int64, num_accepted [B] int64
+def greedy_accept(draft_ids, num_drafts, target_argmax) -> tuple[torch.Tensor, ...]:
+    """reference.greedy_accept on the GPU: the same arguments (shapes and dtypes there) and bits."""
     check_greedy_args(draft_ids, num_drafts, target_argmax)
     B, K = draft_ids.shape
     output_ids = torch.empty((B, K + 1), dtype=torch.int64, device=draft_ids.device)
@@ -299,14 +300,8 @@ def greedy_accept(
     return output_ids, num_accepted
 
 
-def rejection_sample(
-    draft_ids: torch.Tensor,  # [B, K] int64
-    num_drafts: torch.Tensor,  # [B] int64
-    draft_probs: torch.Tensor | None,  # [B, K, V] float32, or None for a deterministic drafter
-    target_probs: torch.Tensor,  # [B, K+1, V] float32
-    uniform: torch.Tensor,  # [B, K] float32, in (0, 1)
-    exp_noise: torch.Tensor,  # [B, V] float32, Exponential(1), > 0
-) -> tuple[torch.Tensor, torch.Tensor]:  # output_ids [B, K+1] int64, num_accepted [B] int64
+def rejection_sample(draft_ids, num_drafts, draft_probs, target_probs, uniform, exp_noise) -> tuple[torch.Tensor, ...]:
+    """reference.rejection_sample on the GPU: the same arguments (shapes and dtypes there) and bits."""
     check_sampling_args(draft_ids, num_drafts, draft_probs, target_probs, uniform, exp_noise)
     B, K = draft_ids.shape
     V = target_probs.shape[-1]
@@ -332,21 +327,23 @@ def rejection_sample(
     return output_ids, num_accepted
 
 
-def tree_greedy_accept(
-    draft_ids: torch.Tensor,  # [B, K] int64
-    parents: torch.Tensor,  # [B, K] int64
-    num_drafts: torch.Tensor,  # [B] int64
-    target_argmax: torch.Tensor,  # [B, K+1] int64
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # output_ids [B, K+1], num_accepted [B], nodes [B, K]
-    """The tree contract (reference.check_tree) is the caller's: checking it here would cost a
-    host round trip per step."""
+def _tree_outputs(draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised outputs of a tree kernel, which writes every entry: output_ids `[B, K+1]`,
+    num_accepted `[B]`, accepted_nodes `[B, K]`, int64."""
+    B, K = draft_ids.shape
+    dev = draft_ids.device
+    return (torch.empty((B, K + 1), dtype=torch.int64, device=dev), torch.empty(B, dtype=torch.int64, device=dev),
+            torch.empty((B, K), dtype=torch.int64, device=dev))
+
+
+def tree_greedy_accept(draft_ids, parents, num_drafts, target_argmax) -> tuple[torch.Tensor, ...]:
+    """reference.tree_greedy_accept on the GPU: the same arguments (shapes and dtypes there) and bits.
+    The tree contract (reference.check_tree) is the caller's: checking it here would cost a host
+    round trip per step."""
     check_greedy_args(draft_ids, num_drafts, target_argmax)
     check_tree_args(draft_ids, parents, num_drafts)
     B, K = draft_ids.shape
-    dev = draft_ids.device
-    output_ids = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
-    num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
-    accepted_nodes = torch.empty((B, K), dtype=torch.int64, device=dev)
+    output_ids, num_accepted, accepted_nodes = _tree_outputs(draft_ids)
     if B > 0:
         _tree_greedy_kernel[(B,)](
             draft_ids.contiguous(), parents.contiguous(), num_drafts.contiguous(), target_argmax.contiguous(),
@@ -355,22 +352,13 @@ def tree_greedy_accept(
     return output_ids, num_accepted, accepted_nodes
 
 
-def tree_rejection_sample(
-    draft_ids: torch.Tensor,  # [B, K] int64
-    parents: torch.Tensor,  # [B, K] int64
-    num_drafts: torch.Tensor,  # [B] int64
-    target_probs: torch.Tensor,  # [B, K+1, V] float32
-    uniform: torch.Tensor,  # [B, K] float32
-    exp_noise: torch.Tensor,  # [B, V] float32
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # output_ids [B, K+1], num_accepted [B], nodes [B, K]
+def tree_rejection_sample(draft_ids, parents, num_drafts, target_probs, uniform, exp_noise) -> tuple[torch.Tensor, ...]:
+    """reference.tree_rejection_sample on the GPU: the same arguments (shapes and dtypes there) and bits."""
     check_tree_args(draft_ids, parents, num_drafts)
     check_sampling_args(draft_ids, num_drafts, None, target_probs, uniform, exp_noise)
     B, K = draft_ids.shape
     V = target_probs.shape[-1]
-    dev = draft_ids.device
-    output_ids = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
-    num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
-    accepted_nodes = torch.empty((B, K), dtype=torch.int64, device=dev)
+    output_ids, num_accepted, accepted_nodes = _tree_outputs(draft_ids)
     if B > 0:
         _tree_sample_kernel[(B,)](
             draft_ids.contiguous(), parents.contiguous(), num_drafts.contiguous(), target_probs.contiguous(),

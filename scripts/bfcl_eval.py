@@ -26,30 +26,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tandem.engine.native.build import cpu_model  # noqa: E402
+from tandem.tools.datasets import bfcl_schema  # noqa: E402
+from tandem.tools.records import host_label, write_record  # noqa: E402
 from tandem.tools.stack import Stack, StackConfig, free_port  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "bfcl"
+DATA = ROOT / "tandem" / "tools" / "prompts" / "bfcl"  # the bundled BFCL sets (prompts/PROVENANCE.md)
 _TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": None, "list": "array", "int": "integer",
           "str": "string", "bool": "boolean"}
 
 
 def to_json_schema(node):
-    """BFCL's parameter types (dict, float, tuple, any) as JSON Schema."""
-    if isinstance(node, dict):
-        out = {}
-        for key, value in node.items():
-            if key == "type" and isinstance(value, str):
-                mapped = _TYPES.get(value, value)
-                if mapped is not None:
-                    out["type"] = mapped
-            elif key in ("description", "default", "optional"):
-                continue
-            else:
-                out[key] = to_json_schema(value)
-        return out
-    if isinstance(node, list):
-        return [to_json_schema(v) for v in node]
-    return node
+    """BFCL's parameter types (dict, float, tuple, any) as JSON Schema, without the annotations
+    (description, default, optional) that its grammar does not need."""
+    return bfcl_schema(node, _TYPES, drop=("description", "default", "optional"))
 
 
 def load(name: str, limit: int) -> list[tuple[dict, dict]]:
@@ -143,9 +132,7 @@ def main() -> None:
     cpu = cpu_model()
     report = {"cpu": cpu, "set": args.set, "questions": len(rows), "max_tokens": args.max_tokens, "summary": summary,
               "rows": rows}
-    out = args.out or ROOT / "docs" / "results" / ("epyc" if "EPYC" in cpu else "other") / f"bfcl_tools_{args.set}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_record(args.out or ROOT / "docs" / "results" / host_label(cpu) / f"bfcl_tools_{args.set}.json", report)
     print(f"CPU: {cpu}; BFCL {args.set}, {len(rows)} questions, tool_choice required (grammar on), greedy, through the stack")
     print("| mode | accuracy (AST match) | calls identical to plain decoding | speedup vs plain (median) | tokens per step |")
     print("|---|---:|---:|---:|---:|")

@@ -196,22 +196,24 @@ def test_no_import_cycles_in_the_product() -> None:
     assert cycles(all_modules()) == []
 
 
-def test_the_cycle_check_finds_one(tmp_path, monkeypatch) -> None:
+def fake_services(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """`tandem.services.x.<name>` modules with these sources, in place of the real services."""
     pkg = tmp_path / "services"
     (pkg / "x").mkdir(parents=True)
-    (pkg / "x" / "a.py").write_text("from tandem.services.x import b\n")
-    (pkg / "x" / "b.py").write_text("def f():\n    from tandem.services.x.a import g\n")
+    for name, source in files.items():
+        (pkg / "x" / f"{name}.py").write_text(source)
     monkeypatch.setitem(ROOTS, "tandem.services", pkg)
+
+
+def test_the_cycle_check_finds_one(tmp_path, monkeypatch) -> None:
+    fake_services(tmp_path, monkeypatch, {"a": "from tandem.services.x import b\n",
+                                          "b": "def f():\n    from tandem.services.x.a import g\n"})
     assert cycles(["tandem.services.x.a", "tandem.services.x.b"]) == [["tandem.services.x.a", "tandem.services.x.b"]]
 
 
 def test_the_rule_catches_a_violation(tmp_path, monkeypatch) -> None:
     """The checker itself: a core that reaches grpc through a helper is caught."""
-    pkg = tmp_path / "services"
-    (pkg / "x").mkdir(parents=True)
-    (pkg / "x" / "core.py").write_text("from . import helper\n")
-    (pkg / "x" / "helper.py").write_text("def f():\n    import grpc\n")
-    monkeypatch.setitem(ROOTS, "tandem.services", pkg)
+    fake_services(tmp_path, monkeypatch, {"core": "from . import helper\n", "helper": "def f():\n    import grpc\n"})
     assert hits(reach("tandem.services.x.core"), WIRE) == ["grpc (imported by tandem.services.x.helper)"]
 
 

@@ -6,10 +6,13 @@ settings) and passed down; nothing below reads flags or the environment again.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -568,13 +571,7 @@ def loadtest(
 
         result = run_mixed(base, records, levels, long_tokens=sizes, long_gap_s=long_gap, turns=turns,
                            max_tokens=max_tokens, duration_s=duration, on_phase=show_mixed)
-        text = json.dumps(result, indent=2)
-        if out:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text + "\n")
-            console.print(f"wrote {out}")
-        else:
-            print(text)
+        _report(result, out, as_json=out is None)
         _fail_if_nothing_served(result)
         return
 
@@ -591,14 +588,10 @@ def loadtest(
 
     result = run_loadtest(base, records, levels, turns=turns, max_tokens=max_tokens, duration_s=duration,
                           conversations_per_worker=conversations, on_phase=show, strategy=strategy)
-    text = json.dumps(result, indent=2)
+    _report(result, out, as_json=out is None)
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
         plot_loadtest(result, str(out.with_suffix(".png")), title=f"tandem loadtest: {Path(dataset).stem}")
-        console.print(f"wrote {out} and {out.with_suffix('.png')}")
-    else:
-        print(text)
+        console.print(f"wrote {out.with_suffix('.png')}")
     _fail_if_nothing_served(result)
 
 
@@ -689,38 +682,22 @@ def _path_str(path: Path | None) -> str | None:
     return None if path is None else str(path)
 
 
-RedisCaOpt = Annotated[
-    Optional[Path],
-    typer.Option("--redis-ca", envvar="TANDEM_REDIS_CA", exists=True, dir_okay=False,
-                 help="CA bundle (PEM) that verifies a rediss:// server's certificate (default: the system's CAs)."),
-]
-RedisCertOpt = Annotated[
-    Optional[Path],
-    typer.Option("--redis-cert", envvar="TANDEM_REDIS_CERT", exists=True, dir_okay=False,
-                 help="Client certificate (PEM) for a rediss:// server that requires one."),
-]
-RedisKeyOpt = Annotated[
-    Optional[Path],
-    typer.Option("--redis-key", envvar="TANDEM_REDIS_KEY", exists=True, dir_okay=False,
-                 help="Private key of --redis-cert, when that file does not hold it."),
-]
+def _pem_opt(flag: str, envvar: str, help: str):
+    """An optional PEM file option, which must exist."""
+    return Annotated[Optional[Path], typer.Option(flag, envvar=envvar, exists=True, dir_okay=False, help=help)]
 
 
-TlsCertOpt = Annotated[
-    Optional[Path],
-    typer.Option("--tls-cert", envvar="TANDEM_TLS_CERT", exists=True, dir_okay=False,
-                 help="This service's certificate (PEM) for mutual TLS between the services (`tandem certs` makes "
-                      "development ones). Needs --tls-key and --tls-ca; rotated files are picked up by new connections."),
-]
-TlsKeyOpt = Annotated[
-    Optional[Path],
-    typer.Option("--tls-key", envvar="TANDEM_TLS_KEY", exists=True, dir_okay=False, help="Private key of --tls-cert."),
-]
-TlsCaOpt = Annotated[
-    Optional[Path],
-    typer.Option("--tls-ca", envvar="TANDEM_TLS_CA", exists=True, dir_okay=False,
-                 help="CA certificate(s) that peers' certificates must chain to."),
-]
+RedisCaOpt = _pem_opt("--redis-ca", "TANDEM_REDIS_CA", "CA bundle (PEM) that verifies a rediss:// server's certificate (default: the system's CAs).")
+RedisCertOpt = _pem_opt("--redis-cert", "TANDEM_REDIS_CERT", "Client certificate (PEM) for a rediss:// server that requires one.")
+RedisKeyOpt = _pem_opt("--redis-key", "TANDEM_REDIS_KEY", "Private key of --redis-cert, when that file does not hold it.")
+
+
+TlsCertOpt = _pem_opt("--tls-cert", "TANDEM_TLS_CERT", "This service's certificate (PEM) for mutual TLS between the services (`tandem certs` makes "
+                      "development ones). Needs --tls-key and --tls-ca; rotated files are picked up by new connections.")
+TlsKeyOpt = _pem_opt("--tls-key", "TANDEM_TLS_KEY", "Private key of --tls-cert.")
+TlsCaOpt = _pem_opt("--tls-ca", "TANDEM_TLS_CA", "CA certificate(s) that peers' certificates must chain to.")
+
+
 def _drain_opt(default: float, what: str):
     return Annotated[float, typer.Option(
         "--drain-grace-s", min=0,
@@ -734,6 +711,52 @@ HealthPortOpt = Annotated[
                  help="Also serve gRPC health checks (only those) in plaintext on this port: probes cannot present "
                       "a client certificate to the mTLS port."),
 ]
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    """The options every service process (verifier, drafter) takes: `_service_command` adds them
+    to the command and hands them over as one value."""
+
+    threads: int | None
+    log_level: str
+    log_json: bool
+    metrics_port: int | None
+    tls_cert: Path | None
+    tls_key: Path | None
+    tls_ca: Path | None
+    health_port: int | None
+    drain_grace_s: float
+
+    @property
+    def tls(self):
+        return _tls(self.tls_cert, self.tls_key, self.tls_ca)
+
+
+def _service_command(drain_default: float, drain_what: str):
+    """Append the options of `ServiceOptions` to a command's own (after them, in --help too) and
+    call it with `svc=ServiceOptions(...)`; `drain_what` says what --drain-grace-s lets finish."""
+    shared = [("threads", ThreadsOpt, None), ("log_level", LogLevelOpt, "info"), ("log_json", LogJsonOpt, False),
+              ("metrics_port", MetricsPortOpt, None), ("tls_cert", TlsCertOpt, None), ("tls_key", TlsKeyOpt, None),
+              ("tls_ca", TlsCaOpt, None), ("health_port", HealthPortOpt, None),
+              ("drain_grace_s", _drain_opt(drain_default, drain_what), drain_default)]
+
+    def wrap(fn):
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "svc"]
+        params = own + [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=kind, default=default)
+                        for name, kind, default in shared]
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            svc = ServiceOptions(**{name: kwargs.pop(name) for name, _, _ in shared})
+            return fn(svc=svc, **kwargs)
+
+        del command.__wrapped__  # typer reads the signature below, not fn's
+        command.__signature__ = inspect.Signature(params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return wrap
 
 
 def _tls(cert: Path | None, key: Path | None, ca: Path | None, *, what: str = "--tls-cert, --tls-key and --tls-ca"):
@@ -759,6 +782,7 @@ def _public_tls(cert: Path | None, key: Path | None):
 
 
 @app.command()
+@_service_command(20.0, "running generations (the rest: UNAVAILABLE, resumed elsewhere by the gateway)")
 def verifier(
     host: HostOpt = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="gRPC port (0 = any free port).", min=0, max=65535)] = 50061,
@@ -804,21 +828,13 @@ def verifier(
     device: Annotated[str, typer.Option("--device", help="Where the target runs: auto (CUDA when a GPU is visible), cpu, cuda, cuda:N.")] = "auto",
     precision: PrecisionOpt = "auto",
     heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Registration heartbeat period (TTL = 5x).", min=0.1)] = 2.0,
-    threads: ThreadsOpt = None,
-    log_level: LogLevelOpt = "info",
-    log_json: LogJsonOpt = False,
-    metrics_port: MetricsPortOpt = None,
-    tls_cert: TlsCertOpt = None,
-    tls_key: TlsKeyOpt = None,
-    tls_ca: TlsCaOpt = None,
-    health_port: HealthPortOpt = None,
-    drain_grace_s: _drain_opt(20.0, "running generations (the rest: UNAVAILABLE, resumed elsewhere by the gateway)") = 20.0,
+    svc: "ServiceOptions" = None,
 ) -> None:
     """Run a verifier: owns the target model and the KV caches of its sessions, verifies draft
     blocks in one forward each, streams committed tokens. Publishes residency to Redis. With
     --tls-*, only callers holding a certificate from the CA are served, and drafters must present a
     drafter certificate."""
-    _setup(threads, log_level, service="verifier", log_json=log_json)
+    _setup(svc.threads, svc.log_level, service="verifier", log_json=svc.log_json)
     from pydantic import ValidationError
 
     from tandem.services.verifier.server import serve
@@ -830,10 +846,10 @@ def verifier(
                   kv_memory_fraction=kv_memory_fraction, admission_queue=admission_queue,
                   admission_wait_s=admission_wait_s, prefill_chunk_tokens=prefill_chunk_tokens,
                   prefill_min_tokens=min(prefill_min_tokens, prefill_chunk_tokens), prefill_cost_factor=prefill_cost_factor,
-                  max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=threads,
-                  metrics_port=metrics_port, drafters=_split_list(drafters),
+                  max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=svc.threads,
+                  metrics_port=svc.metrics_port, drafters=_split_list(drafters),
                   redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),
-                  tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port, drain_grace_s=drain_grace_s)
+                  tls=svc.tls, health_port=svc.health_port, drain_grace_s=svc.drain_grace_s)
     if verifier_id:
         fields["verifier_id"] = verifier_id
     try:
@@ -844,6 +860,7 @@ def verifier(
 
 
 @app.command()
+@_service_command(5.0, "open draft streams (their verifiers then decode plainly)")
 def drafter(
     host: HostOpt = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="gRPC port (0 = any free port).", min=0, max=65535)] = 50052,
@@ -857,23 +874,15 @@ def drafter(
     max_sessions: Annotated[int, typer.Option("--max-sessions", help="Most open draft sessions.", min=1)] = 1024,
     draft_workers: Annotated[int, typer.Option("--draft-workers", help="Threads drafting for the sessions of all streams (a verifier sends all its sessions on one stream; each session's messages run in order, different sessions' concurrently).", min=1)] = 16,
     max_context_tokens: Annotated[int, typer.Option("--max-context-tokens", help="Longest session (context + committed tokens) drafted for; a longer one is dropped and its verifier decodes it plainly.", min=1)] = 131072,
-    threads: ThreadsOpt = None,
-    log_level: LogLevelOpt = "info",
-    log_json: LogJsonOpt = False,
-    metrics_port: MetricsPortOpt = None,
-    tls_cert: TlsCertOpt = None,
-    tls_key: TlsKeyOpt = None,
-    tls_ca: TlsCaOpt = None,
-    health_port: HealthPortOpt = None,
-    drain_grace_s: _drain_opt(5.0, "open draft streams (their verifiers then decode plainly)") = 5.0,
     suffix_store_tokens: Annotated[int, typer.Option("--suffix-store-tokens", help="Suffix decoding: tokens of recent responses kept per (target model, tenant) for cross-session drafts; the oldest go first (0: none kept).", min=0)] = 100_000,
     suffix_trees: Annotated[bool, typer.Option("--suffix-trees/--no-suffix-trees", help="Suffix decoding sends token trees (several likely continuations checked in one forward) to verifiers that can verify them; off: chains only.")] = True,
+    svc: "ServiceOptions" = None,
 ) -> None:
     """Run a drafter: hosts the proposers (prompt lookup, suffix decoding with a cross-session
     store per target model and tenant, a draft model), keeps per-session draft
     state and drafts ahead while the verifier checks the previous block. With --tls-*, only
     callers holding a certificate from the CA may open draft streams."""
-    _setup(threads, log_level, service="drafter", log_json=log_json)
+    _setup(svc.threads, svc.log_level, service="drafter", log_json=svc.log_json)
     from tandem.services.drafter.server import serve
     from tandem.services.drafter.settings import DrafterSettings
 
@@ -890,7 +899,7 @@ def drafter(
     fields = dict(ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft, draft_top_k=draft_top_k,
                   draft_context=draft_context or None, lookahead=lookahead, max_sessions=max_sessions, max_context_tokens=max_context_tokens,
                   draft_workers=draft_workers,
-                  metrics_port=metrics_port, tls=_tls(tls_cert, tls_key, tls_ca), health_port=health_port,
+                  metrics_port=svc.metrics_port, tls=svc.tls, health_port=svc.health_port,
                   suffix_store_tokens=suffix_store_tokens, suffix_trees=suffix_trees)
     if drafter_id:
         fields["drafter_id"] = drafter_id
@@ -900,7 +909,7 @@ def drafter(
         _fail(str(exc))
     # Each open Draft stream holds a server thread for its life: allow many concurrent sessions.
     serve(settings, f"{host}:{port}", max_workers=max(64, 2 * max_sessions if max_sessions < 512 else 256),
-          grace_s=drain_grace_s)
+          grace_s=svc.drain_grace_s)
 
 
 @app.command()

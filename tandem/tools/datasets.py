@@ -103,9 +103,10 @@ def to_chat(record: PromptRecord, turn_index: int = 0, history: list[dict] | Non
     return head + [{"role": "user", "content": record.turns[0]}]
 
 
-def bfcl_schema(value):
+def bfcl_schema(value, types: dict[str, str | None] = _BFCL_TYPES, drop: tuple[str, ...] = ()):
     """A copy of a BFCL tool schema in JSON Schema terms: every `"type": "dict"` becomes "object"
-    (and the other Python type names of _BFCL_TYPES their JSON Schema names), at any depth.
+    (and the other Python type names of `types` their JSON Schema names; one mapped to None loses
+    its `type`), at any depth; keys named in `drop` go.
 
     Only values of `type` keys change: a parameter that is itself *named* "type" keeps its name.
     """
@@ -113,14 +114,15 @@ def bfcl_schema(value):
         out = {}
         for key, item in value.items():
             if key == "type" and isinstance(item, str):
-                out[key] = _BFCL_TYPES.get(item, item)
+                if types.get(item, item) is not None:
+                    out[key] = types.get(item, item)
             elif key == "type" and isinstance(item, list) and all(isinstance(t, str) for t in item):
-                out[key] = [_BFCL_TYPES.get(t, t) for t in item]
-            else:
-                out[key] = bfcl_schema(item)
+                out[key] = [types.get(t, t) for t in item]
+            elif key not in drop:
+                out[key] = bfcl_schema(item, types, drop)
         return out
     if isinstance(value, list):
-        return [bfcl_schema(item) for item in value]
+        return [bfcl_schema(item, types, drop) for item in value]
     return value
 
 

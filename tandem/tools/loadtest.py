@@ -285,24 +285,29 @@ async def run_phase(base_url: str, records: list[PromptRecord], concurrency: int
     return phase
 
 
+def _each_reported(phases, on_phase) -> list[dict]:
+    """Run the phases (a generator: one runs at a time) and hand each summary to `on_phase` as it
+    ends, so a long sweep shows its progress."""
+    out = []
+    for summary in phases:
+        out.append(summary)
+        if on_phase is not None:
+            on_phase(summary)
+    return out
+
+
 def run_loadtest(base_url: str, records: list[PromptRecord], concurrencies: list[int], *, turns: int = 2,
                  max_tokens: int = 64, duration_s: float = 120.0, conversations_per_worker: int = 1,
                  on_phase=None, strategy: str = "ngram") -> dict:
     """Every concurrency, speculation off then on (interleaved per concurrency, so machine noise
     hits both alike); speculation on = the draft strategy `strategy`. Returns {"results": [...],
     "config": {...}}."""
-    out = []
-    for c in concurrencies:
-        for speculation in (False, True):
-            phase = asyncio.run(run_phase(base_url, records, c, speculation, turns=turns, max_tokens=max_tokens,
-                                          duration_s=duration_s, conversations_per_worker=conversations_per_worker,
-                                          strategy=strategy))
-            summary = phase.summary()
-            out.append(summary)
-            if on_phase is not None:
-                on_phase(summary)
+    phases = (asyncio.run(run_phase(base_url, records, c, speculation, turns=turns, max_tokens=max_tokens,
+                                    duration_s=duration_s, conversations_per_worker=conversations_per_worker,
+                                    strategy=strategy)).summary()
+              for c in concurrencies for speculation in (False, True))
     return {
-        "results": out,
+        "results": _each_reported(phases, on_phase),
         "config": {"endpoint": base_url, "turns": turns, "max_tokens": max_tokens, "duration_s": duration_s,
                    "conversations_per_worker": conversations_per_worker, "prompts": len(records),
                    "strategy": strategy},
@@ -349,19 +354,12 @@ def run_mixed(base_url: str, records: list[PromptRecord], concurrencies: list[in
               speculation: tuple[bool, ...] = (False, True), on_phase=None) -> dict:
     """The mixed workload: per concurrency and speculation setting, the short conversations alone
     (baseline) then with long prompts arriving. Returns {"mixed": [...], "config": {...}}."""
-    out = []
-    for c in concurrencies:
-        for spec in speculation:
-            for longs in ([], long_tokens):
-                phase = asyncio.run(run_mixed_phase(
-                    base_url, records, c, spec, long_tokens=longs, long_gap_s=long_gap_s, turns=turns,
-                    max_tokens=max_tokens, duration_s=duration_s))
-                summary = {**phase.summary(), "with_long": bool(longs)}
-                out.append(summary)
-                if on_phase is not None:
-                    on_phase(summary)
+    phases = ({**asyncio.run(run_mixed_phase(
+                   base_url, records, c, spec, long_tokens=longs, long_gap_s=long_gap_s, turns=turns,
+                   max_tokens=max_tokens, duration_s=duration_s)).summary(), "with_long": bool(longs)}
+              for c in concurrencies for spec in speculation for longs in ([], long_tokens))
     return {
-        "mixed": out,
+        "mixed": _each_reported(phases, on_phase),
         "config": {"endpoint": base_url, "turns": turns, "max_tokens": max_tokens, "duration_s": duration_s,
                    "prompts": len(records), "long_tokens": long_tokens, "long_gap_s": long_gap_s},
     }

@@ -28,6 +28,7 @@ rather than reaching the first stack's gateway in its health check.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -69,6 +70,8 @@ def check_port_free(host: str, port: int, flag: str) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return  # not an address of this host (a network namespace's): the gateway's own bind says
             raise PortTaken(f"port {port} on {host} is taken ({exc.strerror}; another `tandem up`?): stop "
                             f"what holds it or choose another port with {flag}") from None
 

@@ -14,19 +14,7 @@ from tandem.engine.speculation.draft import Draft, check_tree
 from tandem.engine.scheduler.runner import Sequence, TargetRunner
 from tandem.engine.scheduler.generate import Engine
 from tandem.engine.speculation.suffix import SuffixIndex, SuffixProposer, SuffixStore
-
-
-def _brute_paths(seqs: list[list[int]], where, depth: int) -> dict[tuple[int, ...], int]:
-    """Every continuation prefix (up to `depth`) after the occurrences, with its count."""
-    counts: dict[tuple[int, ...], int] = {}
-    for sid, end in where:
-        seq = seqs[sid]
-        for d in range(1, depth + 1):
-            if end + d > len(seq):
-                break
-            path = tuple(seq[end:end + d])
-            counts[path] = counts.get(path, 0) + 1
-    return counts
+from test_suffix import _brute_counts as _brute_paths  # every continuation prefix after the occurrences
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -6,12 +6,12 @@ connection they see."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import grpc
 import pytest
 
+from acceptor import Acceptor
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.scheduler.generate import Engine
 from tandem.services.drafter.core import DrafterCore
@@ -27,39 +27,23 @@ CONTEXT = [5, 17, 42, 99, 17, 42, 7, 250, 17, 42, 99, 3, 11, 5, 17, 42]
 NEW_TOKENS = 24
 
 
-class Listener:
-    """A socket that is not a drafter: it accepts and counts connections on a thread, polling
-    accept with a timeout so that it stops cleanly."""
+class Listener(Acceptor):
+    """A socket that is not a drafter: it accepts and counts connections."""
 
     def __init__(self, family: int = socket.AF_INET, path: str | None = None):
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.bind(path if path is not None else ("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.sock.settimeout(0.05)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind(path if path is not None else ("127.0.0.1", 0))
+        sock.listen(16)
         self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        super().__init__(sock)
 
     @property
     def port(self) -> int:
         return self.sock.getsockname()[1]
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
+    def handle(self, conn: socket.socket) -> None:
+        self.accepted += 1
+        conn.close()
 
 
 class SpyConnector(GrpcDrafterConnector):

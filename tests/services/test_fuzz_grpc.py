@@ -25,7 +25,6 @@ context window, which bounds the cost of a request asking for 2**32 - 1 tokens.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -49,6 +48,7 @@ from tandem.services.verifier.server import build_server as build_verifier
 from tandem.services.verifier.settings import VerifierSettings
 from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
 from tandem.v1.verifier_pb2_grpc import VerifierStub
+from test_drafter import wait_for
 
 CLIENT_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -329,15 +329,6 @@ def check_verifier_serves(stub, target: LoadedModel) -> None:
         code, details, msgs = finish(stub.Generate(request, timeout=CALL_TIMEOUT_S))
         assert code == grpc.StatusCode.OK, details
         assert [t for m in msgs for t in m.token_ids] == reference(target, context, SamplingParams(max_new_tokens=24))
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 # -- the verifier -------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from acceptor import Acceptor
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, ResidencyPublisher, VerifierRecord, redact_url
 from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.settings import VerifierSettings
@@ -221,7 +222,7 @@ def _write_certs(directory: Path) -> dict[str, str]:
     return paths
 
 
-class TlsTerminator:
+class TlsTerminator(Acceptor):
     """rediss:// in front of a plain Valkey: a TLS server that requires a client certificate signed
     by `ca`, relaying each connection to the upstream port (one thread per connection, which alone
     reads and writes its TLS socket)."""
@@ -232,23 +233,12 @@ class TlsTerminator:
         self.ctx.load_cert_chain(certs["server"], certs["server-key"])
         self.ctx.load_verify_locations(certs["ca"])
         self.ctx.verify_mode = ssl.CERT_REQUIRED
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.05)
-        self.port = self.sock.getsockname()[1]
         self.handshakes_failed = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        super().__init__(socket.create_server(("127.0.0.1", 0)))
+        self.port = self.sock.getsockname()[1]
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+    def handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
 
     def _relay(self, raw: socket.socket) -> None:
         raw.settimeout(5)
@@ -273,11 +263,6 @@ class TlsTerminator:
         finally:
             conn.close()
             upstream.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Prompt-set readers: the real development sets of shared/data and small files of every format."""
+"""Prompt-set readers: the bundled development sets (tandem/tools/prompts) and small files of every format."""
 
 from __future__ import annotations
 

@@ -315,6 +315,19 @@ static inline __attribute__((always_inline)) int load4(const signed char *p) {
     return v;
 }
 
+/* Block b of a tile_a call: its weights qb and the rows' activations xb, the weights ahead prefetched. */
+#define A_BLOCK_AT(b)                                                  \
+    const unsigned char *qb = q + (size_t)(b) * A_BLOCK_BYTES(Q4);     \
+    const signed char *xb = xq + (size_t)(b) * BLOCK;                  \
+    if (pf_end) prefetch_ahead(qb, A_BLOCK_BYTES(Q4), pf_end)
+
+/* tile_a's arguments, the same in its VNNI and AVX2 forms below. */
+#define TILE_A_SIGNATURE                                                                                       \
+    static inline __attribute__((always_inline)) void tile_a(                                                  \
+        const signed char *restrict xq, const float *restrict dx, const float *restrict sxd,                   \
+        const int *restrict sx, int k, const unsigned char *restrict q, const unsigned char *restrict sc,      \
+        const int R, const int Q4, float *restrict y, size_t ldy, int col, int m, const unsigned char *pf_end)
+
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VW 16 /* outputs per vector: a whole panel */
 #define MAX_RT 9 /* rows per tile: past 4 rows one integer sum a row, so a 9-row verification block is one tile
@@ -346,11 +359,7 @@ static void quantize_blocks(const float *restrict x, long begin, long end, signe
  * row. One VNNI instruction multiplies
  * 4 inputs x 16 outputs; two integer sums per row halve the dependency chain (integer addition is
  * exact, so their order is free). */
-static inline __attribute__((always_inline)) void tile_a(const signed char *restrict xq, const float *restrict dx,
-                                                         const float *restrict sxd, const int *restrict sx, int k,
-                                                         const unsigned char *restrict q, const unsigned char *restrict sc,
-                                                         const int R, const int Q4, float *restrict y, size_t ldy,
-                                                         int col, int m, const unsigned char *pf_end) {
+TILE_A_SIGNATURE {
     const int nb = k / BLOCK;
     /* up to 4 rows: two integer sums per row (halving each dependency chain); more rows: one, so
      * that 9 rows' sums and results fit the 32 registers (integer addition is exact: same sums) */
@@ -363,9 +372,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
         __m512i s0[MAX_RT], s1[MAX_RT];
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_si512();
-        const unsigned char *qb = q + (size_t)b * A_BLOCK_BYTES(Q4);
-        const signed char *xb = xq + (size_t)b * BLOCK;
-        if (pf_end) prefetch_ahead(qb, A_BLOCK_BYTES(Q4), pf_end);
+        A_BLOCK_AT(b);
 #pragma GCC unroll 4
         for (int h = 0; h < 4; h++) {
             __m512i w0, w1;
@@ -420,11 +427,7 @@ static void quantize_blocks(const float *restrict x, long begin, long end, signe
  * bytes into 16-bit pair sums, madd with ones widens them to 32 bits, the same 4-input sums as
  * VNNI's, exactly: Q4 pairs are at most 2 x 15 x 127; Q8 goes through the sign trick (|x| times q
  * with x's sign: pairs at most 2 x 127 x 127, no saturation), so it needs no 128 sx correction. */
-static inline __attribute__((always_inline)) void tile_a(const signed char *restrict xq, const float *restrict dx,
-                                                         const float *restrict sxd, const int *restrict sx, int k,
-                                                         const unsigned char *restrict q, const unsigned char *restrict sc,
-                                                         const int R, const int Q4, float *restrict y, size_t ldy,
-                                                         int col, int m, const unsigned char *pf_end) {
+TILE_A_SIGNATURE {
     const int nb = k / BLOCK;
     __m256 acc[MAX_RA];
 #pragma GCC unroll 8
@@ -434,9 +437,7 @@ static inline __attribute__((always_inline)) void tile_a(const signed char *rest
         __m256i s[MAX_RA];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
-        const unsigned char *qb = q + (size_t)b * A_BLOCK_BYTES(Q4);
-        const signed char *xb = xq + (size_t)b * BLOCK;
-        if (pf_end) prefetch_ahead(qb, A_BLOCK_BYTES(Q4), pf_end);
+        A_BLOCK_AT(b);
 #pragma GCC unroll 4
         for (int h = 0; h < 4; h++) {
             __m256i w0, w1;
