@@ -6,10 +6,10 @@ for plain steps (k = 0) and blocks of 4 and 8 drafts.
     .venv/bin/python benchmarks/grammar_cost.py
 """
 import json, time, statistics, torch
-from tandem.engine.model.tokenizer import load_tokenizer
 from tandem.contract.params import Grammar
-from tandem.engine.speculation.grammar import Constraint
+from tandem.engine.model.tokenizer import load_tokenizer
 from tandem.engine.speculation.draft import Draft
+from tandem.engine.speculation.grammar import Constraint
 _, tok, _ = load_tokenizer("default")
 V = len(tok)
 text = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "engines", "poetry"], "city": "London"})

@@ -34,10 +34,10 @@ if importlib.util.find_spec("tandem") is None:  # not installed: run from the ch
     sys.path.insert(0, str(ROOT))
 
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig  # noqa: E402
-from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.model.loading import load_model  # noqa: E402
-from tandem.engine.scheduler.generate import Generation  # noqa: E402
+from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.native.threads import in_passing_thread  # noqa: E402
+from tandem.engine.scheduler.generate import Generation  # noqa: E402
 from tandem.services.verifier.core import VerifierCore  # noqa: E402
 from tandem.services.verifier.settings import VerifierSettings  # noqa: E402
 from tandem.tools.datasets import load_prompts, dev_set, to_chat  # noqa: E402

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from loop_profile import timed_threads  # noqa: E402  (beside this script)
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig  # noqa: E402
-from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.model.loading import load_model  # noqa: E402
+from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.native.threads import in_passing_thread  # noqa: E402
 from tandem.services.verifier.core import VerifierCore  # noqa: E402
 from tandem.services.verifier.settings import VerifierSettings  # noqa: E402

@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.tools.datasets import DEV_SETS, PROMPTS_DIR  # noqa: E402
 from tandem.tools.bench import median_speedup, speedup_cell  # noqa: E402
+from tandem.tools.datasets import DEV_SETS, PROMPTS_DIR  # noqa: E402
 from tandem.tools.plots import FILES, dataset_label, write_plots  # noqa: E402
 
 DATA = PROMPTS_DIR

@@ -92,8 +92,8 @@ def _time(fn, device, repeats: int = 30) -> float:
 
 def step_shares(device, model, batches=(1, 8, 32), k: int = 8, context: int = 512) -> list[dict]:
     from tandem.contract.params import SamplingParams
-    from tandem.engine.speculation.draft import Draft
     from tandem.engine.scheduler.runner import TargetRunner
+    from tandem.engine.speculation.draft import Draft
     from tandem.engine.speculation.sampling import make_generator
     from tandem.engine.speculation.verify import Check, verify_rows
 

@@ -46,13 +46,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.contract.params import DraftStrategy, SamplingParams
+from tandem.engine.native.threads import ComputeThread
 from tandem.engine.speculation.draft import Draft, Proposer
 from tandem.engine.speculation.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from tandem.engine.speculation.sampling import make_generator
 from tandem.engine.speculation.suffix import SuffixProposer, SuffixStores
-from tandem.engine.native.threads import ComputeThread
-from tandem.serving.messages import DraftBlock, DrafterInfo
 from tandem.services.drafter.settings import DrafterSettings
+from tandem.serving.messages import DraftBlock, DrafterInfo
 from tandem.serving.telemetry import tracer
 
 log = logging.getLogger("tandem.drafter")

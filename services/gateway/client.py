@@ -32,8 +32,8 @@ from tandem.services.gateway.errors import (
     VerifierBusy,
     VerifierUnreachable,
 )
-from tandem.serving.telemetry import inject_metadata, tracer
 from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
+from tandem.serving.telemetry import inject_metadata, tracer
 from tandem.serving.protoconv import (
     committed_from_proto,
     drafter_info_from_proto,

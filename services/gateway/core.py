@@ -47,14 +47,14 @@ from opentelemetry import trace
 from pydantic import ValidationError
 
 from tandem.contract.params import DraftStrategy, Grammar, SamplingParams, SpecConfig
-from tandem.serving.logs import log_prompts_enabled, session_id_var
-from tandem.serving.metrics import GatewayMetrics, status_of
 from tandem.engine.model.tokenizer import apply_chat_template
-from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
-from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
-from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingPolicy, RoutingReason
 from tandem.services.gateway import tool_calls
 from tandem.services.gateway.auth import OPEN, KeyringFile, Tenant, TenantLimiter, bearer_key
+from tandem.serving.logs import log_prompts_enabled, session_id_var
+from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
+from tandem.serving.metrics import GatewayMetrics, status_of
+from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
+from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingPolicy, RoutingReason
 from tandem.services.gateway.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -69,10 +69,10 @@ from tandem.services.gateway.errors import (
     VerifierBusy,
     VerifierUnreachable,
 )
-from tandem.services.gateway.settings import GatewaySettings
 from tandem.contract.ids import common_prefix_len
-from tandem.contract.text import Detokenizer
 from tandem.contract.results import FinishReason, SpecStats, TokenLogprob
+from tandem.contract.text import Detokenizer
+from tandem.services.gateway.settings import GatewaySettings
 from tandem.serving.telemetry import tracer
 
 log = logging.getLogger("tandem.gateway")

@@ -91,13 +91,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.serving.logs import session_id_var
-from tandem.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tandem.contract.params import Grammar
-from tandem.services.gateway.auth import Tenant
-from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest, clip
 from tandem.services.gateway import errors
 from tandem.services.gateway import tool_calls
+from tandem.services.gateway.auth import Tenant
+from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest, clip
+from tandem.serving.logs import session_id_var
+from tandem.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tandem.serving.telemetry import instrument_http_app
 
 SESSION_HEADER = "X-Session-Id"

@@ -14,13 +14,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.serving.tls import server_credentials
 from tandem.services.gateway import tool_calls
+from tandem.services.gateway import errors
 from tandem.services.gateway.auth import OPEN, Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest
-from tandem.services.gateway import errors
 from tandem.serving.protoconv import grammar_from_proto, logprobs_to_proto
 from tandem.serving.protoconv import FINISH_TO_PB, STRATEGY_FROM_PB, STRATEGY_TO_PB, stats_to_proto
+from tandem.serving.tls import server_credentials
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 _STATUS: dict[type[errors.GatewayError], grpc.StatusCode] = {

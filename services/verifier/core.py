@@ -23,15 +23,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
-from tandem.serving.logs import session_context
-from tandem.serving.metrics import VerifierMetrics, status_of
-from tandem.engine.model.loading import LoadedModel
-from tandem.engine.scheduler.prefill import PrefillPolicy
-from tandem.engine.scheduler.runner import Sequence
-from tandem.engine.scheduler.generate import Engine, trees_allowed
 from tandem.contract.results import GenerationResult, StepOutput
 from tandem.contract.results import FinishReason
+from tandem.engine.model.loading import LoadedModel
+from tandem.engine.scheduler.generate import Engine, trees_allowed
+from tandem.engine.scheduler.prefill import PrefillPolicy
+from tandem.engine.scheduler.runner import Sequence
 from tandem.engine.speculation.suffix import scope_of
+from tandem.serving.logs import session_context
+from tandem.serving.metrics import VerifierMetrics, status_of
 from tandem.serving.telemetry import tracer
 
 from .drafting import DrafterConnector, RemoteProposer

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import grpc
 from opentelemetry import context as otel_context
 
-from tandem.serving.tls import DRAFTER_NAME, TlsConfig, channel_credentials, channel_options
 from tandem.serving.protoconv import draft_block_from_proto, draft_open_to_proto
+from tandem.serving.tls import DRAFTER_NAME, TlsConfig, channel_credentials, channel_options
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
 from tandem.serving.messages import DraftBlock, DraftSessionOpen

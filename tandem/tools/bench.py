@@ -66,15 +66,15 @@ import torch
 from rich import box
 from rich.table import Table
 
-from tandem.engine.speculation.adaptive import AcceptanceCounts
 from tandem.contract.params import DraftStrategy, SamplingParams
-from tandem.engine.native.build import cpu_model
-from tandem.tools.datasets import PromptRecord, to_chat
-from tandem.engine.model.tokenizer import apply_chat_template
-from tandem.engine.native.progress import progress_bar
-from tandem.engine.scheduler.generate import Engine
 from tandem.contract.results import GenerationResult
 from tandem.contract.results import FinishReason, SpecStats
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.native.build import cpu_model
+from tandem.engine.native.progress import progress_bar
+from tandem.engine.scheduler.generate import Engine
+from tandem.engine.speculation.adaptive import AcceptanceCounts
+from tandem.tools.datasets import PromptRecord, to_chat
 
 MODES = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "suffix": DraftStrategy.suffix,
          "model": DraftStrategy.model, "hybrid": DraftStrategy.hybrid,

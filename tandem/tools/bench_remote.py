@@ -27,11 +27,11 @@ from pathlib import Path
 import grpc
 
 from tandem.contract.params import DraftStrategy, SamplingParams
-from tandem.tools.datasets import PromptRecord, to_chat
-from tandem.tools.stack import grpc_channel
-from tandem.serving.protoconv import FINISH_FROM_PB, STRATEGY_TO_PB, sampling_to_proto, stats_from_proto
 from tandem.contract.results import FinishReason
 from tandem.contract.results import GenerationResult
+from tandem.serving.protoconv import FINISH_FROM_PB, STRATEGY_TO_PB, sampling_to_proto, stats_from_proto
+from tandem.tools.datasets import PromptRecord, to_chat
+from tandem.tools.stack import grpc_channel
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 _MODE_STRATEGY = {"ar": DraftStrategy.none, "ngram": DraftStrategy.ngram, "suffix": DraftStrategy.suffix,

@@ -375,9 +375,9 @@ def bench(
     _setup(threads)
     from rich.console import Console
 
+    from tandem.engine.scheduler.generate import Engine
     from tandem.tools.bench import PEER_MODES, TOOL_MODES, format_category_table, format_table, run_bench
     from tandem.tools.datasets import records_for
-    from tandem.engine.scheduler.generate import Engine
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     try:
@@ -478,11 +478,11 @@ def distill(
     interruption. The result loads with --draft-model; for the default target, modes model and
     hybrid use it without one. The defaults took 13 minutes on 2 Intel Xeon cores (8 generating, 5 training) and 18 on 2 AMD EPYC cores (12 generating, 6 training)."""
     _setup(threads)
+    from tandem.engine.model.loading import load_model
+    from tandem.engine.model.paths import ModelError, default_draft_path
     from tandem.tools.datasets import PROMPTS_DIR
     from tandem.tools.distill import DistillConfig, dev_prompt_files
     from tandem.tools.distill import distill as run_distill
-    from tandem.engine.model.loading import load_model
-    from tandem.engine.model.paths import ModelError, default_draft_path
 
     try:
         cfg = DistillConfig(

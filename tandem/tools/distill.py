@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.tools.datasets import DEV_SETS, PromptRecord, load_prompts, to_chat
 from tandem.engine.model.loading import LoadedModel
 from tandem.engine.model.paths import DRAFT_MANIFEST
 from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.native.progress import progress_bar
+from tandem.tools.datasets import DEV_SETS, PromptRecord, load_prompts, to_chat
 
 log = logging.getLogger("tandem.tools.distill")
 

@@ -27,18 +27,18 @@ from scipy.stats import chisquare
 
 from conftest import EOS_ID, make_tiny_llama
 from tandem import kernels
-from tandem.engine.speculation.adaptive import AcceptanceCounts, BlockLengthController
 from tandem.contract.params import SamplingParams, SpecConfig
+from tandem.contract.results import FinishReason
+from tandem.engine.model.backends import ForwardCosts
+from tandem.engine.model.llama import NativeLlama
 from tandem.engine.model.loading import LoadedModel
 from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.scheduler.generate import Engine
+from tandem.engine.scheduler.runner import TargetRunner
+from tandem.engine.speculation.adaptive import AcceptanceCounts, BlockLengthController
 from tandem.engine.speculation.draft import Draft, Proposer
 from tandem.engine.speculation.proposers import DraftModelProposer, NgramProposer
-from tandem.engine.model.backends import ForwardCosts
-from tandem.engine.scheduler.runner import TargetRunner
-from tandem.engine.model.llama import NativeLlama
 from tandem.engine.speculation.sampling import exp_noise, logits_to_probs, make_generator
-from tandem.engine.scheduler.generate import Engine
-from tandem.contract.results import FinishReason
 from oracle import plain_generate
 
 GREEDY_TOKENS = 40

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from smollm_fixture import smollm  # noqa: F401 - fixture
-from tandem.engine.model import gemm
 from tandem.contract.params import SamplingParams, SpecConfig
+from tandem.engine.model import gemm
 from tandem.engine.model.gemm import GemmPath, GemmSettings, SLOTS, TunedLinear, candidates, forced_plan, slot_of
 from tandem.engine.model.llama import NativeLlama
 from tandem.engine.model.tokenizer import apply_chat_template

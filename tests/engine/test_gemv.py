@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.native import gemv
 from tandem.engine.model.gemm import GemmPath, GemmSettings, TunedLinear, candidates, forced_plan
+from tandem.engine.native import gemv
 
 needs_kernel = pytest.mark.skipif(gemv.library() is None, reason="no C compiler here: the path is not offered")
 

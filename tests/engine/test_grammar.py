@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tandem.contract.params import Grammar, SamplingParams, SpecConfig
-from tandem.engine.speculation.grammar import Constraint, GrammarError, compile_grammar
 from tandem.engine.scheduler.generate import Engine
+from tandem.engine.speculation.grammar import Constraint, GrammarError, compile_grammar
 
 from test_engine import DRAWS, P_MIN, chi_square_p_values, full_logits, run_draws  # noqa: F401
 from test_engine import contexts, near, sharp  # noqa: F401

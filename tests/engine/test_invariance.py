@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine.native import attend, quant
-from tandem.engine.model.llama import NativeLlama
-from tandem.engine.model.tokenizer import apply_chat_template
-from tandem.engine.model.loading import load_model
 from tandem.engine.model.backends import NativeBackend
+from tandem.engine.model.llama import NativeLlama
+from tandem.engine.model.loading import load_model
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.native import attend, quant
 
 needs_kernels = pytest.mark.skipif(
     attend.library() is None or not quant.int8_activations_available(),

@@ -16,13 +16,13 @@ import torch
 from conftest import EOS_ID, SPECIAL_TOKENS
 from smollm_fixture import smollm, smollm_draft  # noqa: F401  (fixtures)
 from tandem.contract.params import SamplingParams, SpecConfig
-from tandem.tools.datasets import PROMPTS_DIR, load_prompts, to_chat
+from tandem.contract.results import FinishReason
 from tandem.engine.model import paths
 from tandem.engine.model.loading import LoadedModel, check_same_tokenizer, convert_gguf, load_model
 from tandem.engine.model.paths import EMBEDDED_ID, ModelError, embedded_gguf_path, resolve_model_path
 from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.scheduler.generate import Engine
-from tandem.contract.results import FinishReason
+from tandem.tools.datasets import PROMPTS_DIR, load_prompts, to_chat
 from oracle import plain_generate
 
 DATA = PROMPTS_DIR

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from avx2_build import avx2_build
 
-from tandem.engine.native import panel
 from tandem.engine.model.gemm import GemmPath, candidates
+from tandem.engine.native import panel
 
 needs_kernel = pytest.mark.skipif(panel.library() is None, reason="no C compiler or neither AVX-512 nor AVX2 here: the path is not offered")
 

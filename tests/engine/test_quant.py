@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.native import attend, quant
 from tandem.contract.params import SamplingParams, SpecConfig
 from tandem.engine.model.llama import NativeLlama
 from tandem.engine.model.loading import LoadedModel, load_model
 from tandem.engine.model.paths import ModelError
 from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.native import attend, quant
 from tandem.engine.native.quant import QuantizedLinears, QuantizedWeight, QuantRows
 from tandem.engine.scheduler.generate import Engine
 from smollm_fixture import smollm  # noqa: F401 (fixture)
@@ -151,8 +151,8 @@ def test_a_drafts_int8_weights_run_as_blocks_within_rounding() -> None:
     """A draft model's int8 weights (one scale per output) on the int8-activation kernel, as Q8_0
     blocks that all carry the row's scale: the int8 weights' product within the activations' 8-bit
     rounding, and the kernel a draft step chooses among those that run here by measurement."""
-    from tandem.engine.native import panel
     from tandem.engine.model.llama import _Int8Weight
+    from tandem.engine.native import panel
 
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(300, 576, generator=gen) * 0.05
@@ -521,8 +521,8 @@ def test_a_prompt_piece_beside_decoding_rows_leaves_their_bits(activations, tiny
     torch's kernel) beside decoding rows still runs the raw calls, the decoding rows' logits equal
     the same rows' in a step without the piece bit for bit, and the piece's cache continues exactly
     as the same tokens prefilled alone."""
-    from tandem.engine.native import attend
     from tandem.engine.model import llama
+    from tandem.engine.native import attend
 
     target = quantize_model(tiny_loaded, "Q4_1", activations=activations)
     native = NativeLlama(target.model, quantized=target.quantized)
@@ -560,8 +560,8 @@ def test_a_batched_steps_sessions_attend_in_one_call_and_keep_their_bits(activat
     """A batched step of several sessions on the raw path attends for all of them in one kernel call
     a layer (`tandem_attend_many`), and each session's logits equal its block run alone bit for bit
     (one token, a chain and a token tree over caches of different lengths)."""
-    from tandem.engine.native import attend
     from tandem.engine.model import llama
+    from tandem.engine.native import attend
 
     if attend.library() is None:
         pytest.skip("no AVX-512 or no C compiler here: torch's attention serves")

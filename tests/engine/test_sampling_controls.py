@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tandem.contract.params import SamplingParams, SpecConfig
-from tandem.engine.speculation.sampling import adjust_logits, argmax_rows, logits_to_probs
 from tandem.engine.scheduler.generate import Engine
+from tandem.engine.speculation.sampling import adjust_logits, argmax_rows, logits_to_probs
 
 from test_engine import DRAWS, P_MIN, chi_square_p_values, full_logits, run_draws  # noqa: F401 (fixtures below)
 from test_engine import contexts, near, sharp, sampling_context  # noqa: F401
@@ -200,8 +200,8 @@ def test_a_draft_model_drafts_under_the_requests_bias_and_penalties(reduced_head
     depends on the drafter). A reduced LM head (`tandem distill`'s) maps its rows the same way."""
     import copy
 
-    from tandem.engine.speculation import proposers
     from tandem.engine.model.loading import LoadedModel
+    from tandem.engine.speculation import proposers
 
     draft = sharp
     if reduced_head:  # the whole vocabulary, as a permuted head: each row stands for head_vocab[row]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.speculation.proposers import DraftModelProposer
 from tandem.engine.native.threads import ComputeThread, in_passing_thread
+from tandem.engine.speculation.proposers import DraftModelProposer
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings

@@ -10,9 +10,9 @@ import torch
 
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.model.llama import NativeLlama
-from tandem.engine.speculation.draft import Draft, check_tree
-from tandem.engine.scheduler.runner import Sequence, TargetRunner
 from tandem.engine.scheduler.generate import Engine
+from tandem.engine.scheduler.runner import Sequence, TargetRunner
+from tandem.engine.speculation.draft import Draft, check_tree
 from tandem.engine.speculation.suffix import SuffixIndex, SuffixProposer, SuffixStore
 from test_suffix import _brute_counts as _brute_paths  # every continuation prefix after the occurrences
 

@@ -14,13 +14,13 @@ import redis
 import torch
 
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.contract.results import GenerationResult
 from tandem.engine.model.llama import NativeLlama
-from tandem.serving.residency import ResidencyPublisher
+from tandem.engine.scheduler.generate import Engine
 from tandem.services.verifier.core import Overloaded, VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.engine.scheduler.generate import Engine
-from tandem.contract.results import GenerationResult
+from tandem.serving.residency import ResidencyPublisher
 
 
 def _contexts(n: int, seed: int = 0) -> list[list[int]]:
@@ -70,8 +70,8 @@ def test_int8_draft_forward_stays_close_to_float32(tiny_loaded):
     exact, quant = NativeLlama(tiny_loaded.model), NativeLlama(tiny_loaded.model, int8=True)
     if not quant.int8:
         pytest.skip("no int8 kernel here, ours or torch's (drafts then run in float32)")
-    from tandem.engine.native import panel
     from tandem.engine.model.llama import _Int8Weight
+    from tandem.engine.native import panel
 
     kernels = {w.kernel for layer in quant.layers for w in (layer[k] for k in NativeLlama._LINEAR)}
     from tandem.engine.native import quant as quant_kernels

@@ -16,12 +16,9 @@ import grpc
 import pytest
 import redis
 
-from tandem.tools.bench import run_bench
-from tandem.tools.bench_remote import GatewayTarget
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
-from tandem.tools.datasets import PromptRecord
 from tandem.engine.model.tokenizer import apply_chat_template
-from tandem.serving.residency import ResidencyPublisher
+from tandem.engine.scheduler.generate import Engine
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
@@ -29,7 +26,10 @@ from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.server import build_server as build_verifier
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.engine.scheduler.generate import Engine
+from tandem.serving.residency import ResidencyPublisher
+from tandem.tools.bench import run_bench
+from tandem.tools.bench_remote import GatewayTarget
+from tandem.tools.datasets import PromptRecord
 from tandem.v1 import common_pb2, gateway_pb2
 
 from test_gateway import Gateway

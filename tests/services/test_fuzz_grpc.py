@@ -35,10 +35,8 @@ from hypothesis import strategies as st
 from conftest import TINY_VOCAB, make_tiny_llama
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.model.loading import LoadedModel
-from tandem.engine.speculation.proposers import DraftModelProposer, NgramProposer
 from tandem.engine.scheduler.generate import Engine
-from tandem.serving.grpc_server import build_server as build_grpc_server
-from tandem.serving.protoconv import sampling_from_proto
+from tandem.engine.speculation.proposers import DraftModelProposer, NgramProposer
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
@@ -46,6 +44,8 @@ from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.server import build_server as build_verifier
 from tandem.services.verifier.settings import VerifierSettings
+from tandem.serving.grpc_server import build_server as build_grpc_server
+from tandem.serving.protoconv import sampling_from_proto
 from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
 from tandem.v1.verifier_pb2_grpc import VerifierStub
 from test_drafter import wait_for

@@ -27,11 +27,11 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.serving.residency import ResidencyConfig, ResidencyPublisher, VerifierRecord
 from tandem.services.gateway.client import RpcClients
 from tandem.services.gateway.core import GatewayCore
 from tandem.services.gateway.serve import run_gateway
 from tandem.services.gateway.settings import GatewaySettings
+from tandem.serving.residency import ResidencyConfig, ResidencyPublisher, VerifierRecord
 from tandem.v1 import (
     common_pb2,
     drafter_pb2,

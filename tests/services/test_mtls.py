@@ -27,8 +27,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.scheduler.generate import Engine
-from tandem.serving.residency import ResidencyPublisher, VerifierRecord
-from tandem.serving.tls import VERIFIER_NAME, channel_credentials, channel_options, server_credentials, write_dev_certs
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import _build as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
@@ -36,6 +34,8 @@ from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.server import build_server as build_verifier
 from tandem.services.verifier.settings import VerifierSettings
+from tandem.serving.residency import ResidencyPublisher, VerifierRecord
+from tandem.serving.tls import VERIFIER_NAME, channel_credentials, channel_options, server_credentials, write_dev_certs
 from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from test_gateway import MODEL, FakeVerifier, Gateway

@@ -15,9 +15,9 @@ import torch
 
 from tandem import kernels
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.scheduler.prefill import PieceBudget, PrefillPolicy
-from tandem.engine.scheduler.generate import Engine
 from tandem.contract.results import GenerationResult
+from tandem.engine.scheduler.generate import Engine
+from tandem.engine.scheduler.prefill import PieceBudget, PrefillPolicy
 from tandem.services.verifier.core import Cancelled, Overloaded, VerifierCore
 from tandem.services.verifier.settings import VerifierSettings
 
@@ -235,8 +235,8 @@ def test_a_short_prompt_started_in_a_full_step_goes_whole_at_its_next(tiny_loade
     first goes whole, the second gets the oldest's min_piece because the step is full, the third
     waits. At the next step the second's rest goes whole like any short prompt (it is no long
     prompt's tail, which would stay in the budget: 4 tokens a step here), and the third starts."""
-    from tandem.engine.scheduler.runner import Sequence
     from tandem.engine.scheduler.batching import _Job
+    from tandem.engine.scheduler.runner import Sequence
 
     core = _core(tiny_loaded, prefill_chunk_tokens=16, prefill_min_tokens=4)
     ex, runner = core.executor, core.engine.runner

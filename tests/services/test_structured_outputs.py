@@ -12,7 +12,6 @@ import pydantic
 import pytest
 import redis
 
-from tandem.serving.residency import ResidencyPublisher
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
@@ -20,6 +19,7 @@ from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.server import build_server as build_verifier
 from tandem.services.verifier.settings import VerifierSettings
+from tandem.serving.residency import ResidencyPublisher
 
 from smollm_fixture import smollm  # noqa: F401 (fixture)
 from test_gateway import Gateway

@@ -6,11 +6,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.engine.scheduler.generate import Engine
 from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.server import build_server
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.scheduler.generate import Engine
 from tandem.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 

@@ -9,15 +9,15 @@ import grpc
 import pytest
 
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.contract.results import GenerationResult
+from tandem.engine.scheduler.generate import Engine
+from tandem.engine.speculation.suffix import scope_of
 from tandem.services.drafter.core import DrafterCore
 from tandem.services.drafter.server import build_server as build_drafter
 from tandem.services.drafter.settings import DrafterSettings
 from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.drafter_client import GrpcDrafterConnector
 from tandem.services.verifier.settings import VerifierSettings
-from tandem.engine.scheduler.generate import Engine
-from tandem.contract.results import GenerationResult
-from tandem.engine.speculation.suffix import scope_of
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
 CONTEXT = [5, 17, 42, 99, 17, 42, 7, 250, 17, 42, 99, 3, 11, 5, 17, 42]

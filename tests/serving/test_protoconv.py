@@ -8,9 +8,9 @@ import re
 import pytest
 
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
-from tandem.engine.scheduler.generate import Engine
 from tandem.contract.results import GenerationResult, StepOutput
 from tandem.contract.results import FinishReason, SpecStats
+from tandem.engine.scheduler.generate import Engine
 from tandem.serving import protoconv as pc
 from tandem.serving.messages import DraftBlock, DrafterInfo, DraftSessionOpen, VerifierRequest
 from tandem.v1 import common_pb2, drafter_pb2, verifier_pb2

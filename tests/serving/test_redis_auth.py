@@ -19,9 +19,9 @@ import pytest
 import redis
 
 from acceptor import Acceptor
-from tandem.serving.residency import ResidencyConfig, ResidencyIndex, ResidencyPublisher, VerifierRecord, redact_url
 from tandem.services.verifier.core import VerifierCore
 from tandem.services.verifier.settings import VerifierSettings
+from tandem.serving.residency import ResidencyConfig, ResidencyIndex, ResidencyPublisher, VerifierRecord, redact_url
 from tandem.tools.stack import VALKEY_USER, start_valkey
 
 

@@ -3,8 +3,8 @@ store, or with Redis down, decides. The same policy over a real Valkey is in tes
 
 from __future__ import annotations
 
-from tandem.serving.routing import RoutingPolicy, least_loaded
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
+from tandem.serving.routing import RoutingPolicy, least_loaded
 
 
 def rec(vid: str, active: int = 0, used: int = 0, model: str = "m") -> VerifierRecord:

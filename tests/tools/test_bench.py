@@ -24,13 +24,13 @@ from tandem.tools.bench import (
     speedup_ratios,
     steps_by_accepted,
 )
-from tandem.contract.params import SamplingParams, SpecConfig
-from tandem.tools.datasets import PromptRecord, load_prompts, to_chat
-from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.contract.ids import common_prefix_len
-from tandem.engine.scheduler.generate import Engine
+from tandem.contract.params import SamplingParams, SpecConfig
 from tandem.contract.results import GenerationResult
 from tandem.contract.results import FinishReason, SpecStats
+from tandem.engine.model.tokenizer import apply_chat_template
+from tandem.engine.scheduler.generate import Engine
+from tandem.tools.datasets import PromptRecord, load_prompts, to_chat
 
 MODE_KEYS = {
     "tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_len", "lossless",

@@ -15,12 +15,12 @@ import typer
 from typer.testing import CliRunner
 
 from conftest import make_tiny_tokenizer
-from tandem.tools.cli import app
 from tandem.contract.params import SamplingParams, SpecConfig
 from tandem.engine.model.gemm import GemmSettings
-from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.model.loading import load_model
+from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.scheduler.generate import Engine
+from tandem.tools.cli import app
 
 # Rich wraps help text to the terminal: wide enough that no option name is cut with an ellipsis.
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}

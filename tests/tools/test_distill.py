@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
-from tandem.tools.distill import DistillConfig, build_draft, choose_head_vocab, distill, spread_layers
 from tandem.engine.model.loading import LoadedModel, check_same_tokenizer, load_model
 from tandem.engine.model.paths import DRAFT_MANIFEST
 from tandem.engine.model.tokenizer import apply_chat_template
-from tandem.engine.speculation.proposers import DraftModelProposer, HybridProposer
 from tandem.engine.scheduler.generate import Engine
+from tandem.engine.speculation.proposers import DraftModelProposer, HybridProposer
+from tandem.tools.distill import DistillConfig, build_draft, choose_head_vocab, distill, spread_layers
 
 from smollm_fixture import smollm  # noqa: F401  (session fixture)
 
@@ -246,8 +246,8 @@ def test_distill_and_generate_from_the_cli(tiny_dir, prompt_file, tmp_path, monk
 def test_a_reduced_head_draft_keeps_smollm2_exact(smollm) -> None:
     """Greedy output with a reduced-vocabulary draft built from SmolLM2 (untrained: its acceptance is
     low, which exercises rejection) equals plain decoding, for the model and hybrid proposers."""
-    from tandem.tools.datasets import dev_set, load_prompts, to_chat
     from tandem.engine.model.tokenizer import apply_chat_template
+    from tandem.tools.datasets import dev_set, load_prompts, to_chat
 
     head_vocab = torch.arange(0, 49152, 6)  # every sixth id: many of the target's tokens are outside
     cfg = DistillConfig(layers=2)

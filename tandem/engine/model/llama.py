@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.native import attend, gemv, panel, quant, rowops
 from tandem.engine.model.gemm import SLOTS, GemmPath, GemmPlan, TunedLinear, median_seconds, parse_choice, plan_for
+from tandem.engine.native import attend, gemv, panel, quant, rowops
 from tandem.engine.native.quant import QuantizedLinears
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}

@@ -22,14 +22,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tandem.contract.results import FinishReason, GenerationResult, SpecStats, StepOutput, TokenLogprob
-from tandem.engine.speculation.adaptive import AcceptanceCounts, BlockLengthController
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
+from tandem.contract.results import FinishReason, GenerationResult, SpecStats, StepOutput, TokenLogprob
 from tandem.engine.model.loading import LoadedModel
-from tandem.engine.speculation.draft import Draft, Proposer
-from tandem.engine.speculation.proposers import ProposerFactory
 from tandem.engine.scheduler.batching import PlannedStep
 from tandem.engine.scheduler.runner import PrefillStats, Sequence, TargetRunner
+from tandem.engine.speculation.adaptive import AcceptanceCounts, BlockLengthController
+from tandem.engine.speculation.draft import Draft, Proposer
+from tandem.engine.speculation.proposers import ProposerFactory
 from tandem.engine.speculation.sampling import make_generator
 from tandem.engine.speculation.verify import Check
 

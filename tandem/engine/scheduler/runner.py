@@ -24,11 +24,11 @@ import logging
 
 import torch
 
+from tandem.contract.ids import common_prefix_len
 from tandem.engine.model.backends import ForwardCosts, NominalCosts, make_backend
+from tandem.engine.model.loading import LoadedModel
 from tandem.engine.scheduler.batching import BatchExecutor
 from tandem.engine.scheduler.prefill import PrefillPolicy
-from tandem.contract.ids import common_prefix_len
-from tandem.engine.model.loading import LoadedModel
 from tandem.engine.speculation.verify import Check, verify_rows
 
 log = logging.getLogger("tandem.engine.scheduler.runner")

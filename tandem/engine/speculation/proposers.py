@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from tandem.contract.params import SamplingParams, SpecConfig
 from tandem.contract.ids import common_prefix_len
+from tandem.contract.params import SamplingParams, SpecConfig
 from tandem.engine.model.loading import LoadedModel
 from tandem.engine.speculation.draft import STORE_BUCKET, UNBOUNDED, Draft, Offer, Proposer, confidence_bucket
 from tandem.engine.speculation.sampling import adjust_logits, argmax_rows, exp_noise
