@@ -250,6 +250,11 @@ def _sampling_from_pb(session_id: str, msg: common_pb2.SamplingParams) -> Sampli
         raise InvalidRequest(f"session {session_id}: {exc}") from None
 
 
+# Who may call what, with mutual TLS (docs/security.md, "Roles between services"): drafts go to
+# verifiers only (a draft stream carries a session's tokens); a gateway polls GetInfo for routing.
+ROLES = {f"/{SERVICE_NAME}/Draft": ("verifier",), f"/{SERVICE_NAME}/GetInfo": ("verifier", "gateway")}
+
+
 def _build(
     core: DrafterCore, address: str, max_workers: int, health_address: str | None = None
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
@@ -260,6 +265,7 @@ def _build(
     return build_grpc_server(
         lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),
         [SERVICE_NAME], address, max_workers=max_workers, tls=core.settings.tls, health_address=health_address,
+        roles=ROLES,
     )
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tandem.services.gateway.errors import Overloaded
+from tandem.services.gateway.errors import InvalidRequest, Overloaded
+from tandem.serving.logs import warn_if_exposed
 
 log = logging.getLogger("tandem.gateway.auth")
 
@@ -121,6 +122,7 @@ class Keyring:
 
     @classmethod
     def load(cls, path: str | Path) -> "Keyring":
+        warn_if_exposed(path, "API key file")
         try:
             raw = Path(path).read_text()
         except OSError as exc:
@@ -214,8 +216,17 @@ class TenantLimiter:
         b.stamp = now
         return b
 
-    def admit(self, tenant: Tenant, prompt_tokens: int) -> None:
-        """Count one request in, or raise Overloaded (429) with a retry hint."""
+    def admit(self, tenant: Tenant, prompt_tokens: int, max_new_tokens: int = 0) -> None:
+        """Count one request in, or raise Overloaded (429) with a retry hint. A request that could
+        spend more than a whole minute's allowance on its own (prompt + max_new_tokens) is refused
+        (InvalidRequest, 400): admitted, it would overdraw the bucket and lock the tenant out for
+        minutes; no wait makes it fit."""
+        need = prompt_tokens + max_new_tokens
+        if tenant.tokens_per_minute is not None and need > tenant.tokens_per_minute:
+            raise InvalidRequest(
+                f"this request may use {need} tokens ({prompt_tokens} of prompt + max_tokens {max_new_tokens}), more "
+                f"than this API key's tenant may use in a minute ({tenant.tokens_per_minute}): send a shorter "
+                "prompt or a lower max_tokens")
         with self._lock:
             cap = tenant.max_concurrent_requests
             active = self._active.get(tenant.name, 0)

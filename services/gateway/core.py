@@ -44,6 +44,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
+import jinja2
 from pydantic import ValidationError
 
 from tandem.contract.params import DraftStrategy, Grammar, SamplingParams, SpecConfig
@@ -271,6 +272,16 @@ def clip(value: object, limit: int = 80) -> str:
     """repr of a client's value for an error message, cut: errors never echo a whole input."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
+def _check_text(text: str, where: str) -> None:
+    """Text a tokenizer can take: valid Unicode, so no lone UTF-16 surrogate (JSON's "\\ud800"
+    escapes decode to one), said plainly instead of a codec exception from inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{where} holds a lone surrogate (U+{ord(text[exc.start]):04X} at character "
+                             f"{exc.start}), which is not Unicode text") from None
 
 
 def _describe(exc: ValidationError, prefix: str = "") -> str:
@@ -556,7 +567,7 @@ class GatewayCore:
                     f"the gateway has {self._active} requests in flight (limit "
                     f"{self.settings.max_concurrent_requests}); retry later"
                 )
-            self.limiter.admit(prep.tenant, len(prep.context_ids))
+            self.limiter.admit(prep.tenant, len(prep.context_ids), prep.sampling.max_new_tokens)
             self._active += 1
             if prep.key is not None:
                 self._busy.add(prep.key)
@@ -699,7 +710,7 @@ class GatewayCore:
             max_new = req.max_tokens
         bad = [t for t in req.stop_token_ids if not 0 <= t < self._vocab]
         if bad:
-            raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary [0, {self._vocab})")
+            raise InvalidRequest(f"stop_token_ids {bad[:8]}{' and more' if len(bad) > 8 else ''} are outside the vocabulary [0, {self._vocab})")
         bad = [t for t, _ in req.logit_bias if not 0 <= t < self._vocab]
         if bad:
             raise InvalidRequest(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {self._vocab})")
@@ -743,6 +754,7 @@ class GatewayCore:
                     raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
                 if not isinstance(m.get("content"), str):
                     raise InvalidRequest(f"messages[{i}].content must be a string")
+                _check_text(m["content"], f"messages[{i}].content")
             uses_tools = req.tool_functions or any(m.get("tool_calls") or m.get("role") == "tool" for m in req.messages)
             if uses_tools and self.tool_support.renderer == tool_calls.GATEWAY and not self.settings.tool_fallback:
                 raise InvalidRequest(
@@ -752,11 +764,15 @@ class GatewayCore:
                 context = (tool_calls.render(self.tokenizer, req.messages, list(req.tool_functions), apply_chat_template,
                                         self.tool_support)
                            if uses_tools else apply_chat_template(self.tokenizer, req.messages))
-            except Exception as exc:  # the template's own checks (role order, unknown roles)
+            except jinja2.TemplateError as exc:  # the template's own checks (role order, unknown roles)
                 raise InvalidRequest(f"the model's chat template cannot render these messages: {exc}") from None
+            except Exception:  # anything else is the library's business, not the client's to read
+                log.exception("rendering a chat failed")
+                raise InvalidRequest("the model's chat template cannot render these messages") from None
         elif isinstance(req.prompt, str):
             if not req.prompt:
                 raise InvalidRequest("prompt is empty")
+            _check_text(req.prompt, "prompt")
             context = list(self.tokenizer(req.prompt)["input_ids"])
         elif req.prompt is not None:
             context = list(req.prompt)

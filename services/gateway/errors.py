@@ -4,8 +4,23 @@ server.py (gRPC) and http.py (HTTP). Messages are for the client: they say what 
 from __future__ import annotations
 
 
+# The most of an error message a client gets: messages quote the client's own values (clipped one
+# by one), and a request can hold many (100,000 stop ids once made a 356 KB error body).
+MAX_MESSAGE_CHARS = 1000
+
+
+def bounded(message: str) -> str:
+    """`message`, cut to MAX_MESSAGE_CHARS with a note of how long it was."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[: MAX_MESSAGE_CHARS - 40]}... ({len(message)} characters in all)"
+
+
 class GatewayError(Exception):
-    """Base of the errors a client sees."""
+    """Base of the errors a client sees; the message is bounded (`bounded`)."""
+
+    def __init__(self, message: str = "", *args):
+        super().__init__(bounded(str(message)), *args)
 
 
 class InvalidRequest(GatewayError):

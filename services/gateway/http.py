@@ -130,7 +130,7 @@ def http_status(exc: errors.GatewayError) -> tuple[int, str]:
 
 
 def _error_body(message: str, kind: str, status: int) -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": {"message": errors.bounded(message), "type": kind, "param": None, "code": status}}
 
 
 RETRY_AFTER_S = 1  # a full verifier frees KV within seconds: sessions finish, idle ones are evicted

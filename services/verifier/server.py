@@ -84,6 +84,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 HEADROOM_WORKERS = 16  # threads beyond the generations in flight: health checks, GetInfo, refusals
 
 
+# Who may call what, with mutual TLS (docs/security.md, "Roles between services"): only a gateway
+# holds prompts of every tenant and chooses cache salts and session ids, so only a gateway's
+# certificate gets a verifier's answers. A drafter's or a client's certificate from the same CA gets
+# PERMISSION_DENIED before any handler runs.
+ROLES = {f"/{SERVICE}/Generate": ("gateway",), f"/{SERVICE}/GetInfo": ("gateway",)}
+
+
 def server_workers(settings) -> int:
     """gRPC worker threads: one per generation that can be in flight (the sessions that may generate
     at once and the requests waiting for admission) plus headroom. Each Generate stream holds a thread while it runs; with
@@ -101,7 +108,7 @@ def build_server(core: VerifierCore, address: str = "127.0.0.1:0", max_workers: 
     servicer = VerifierServicer(core)
     return _build(
         lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), [SERVICE], address,
-        max_workers=max_workers, tls=tls, health_address=health_address,
+        max_workers=max_workers, tls=tls, health_address=health_address, roles=ROLES,
     )
 
 

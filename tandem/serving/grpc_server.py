@@ -60,15 +60,23 @@ def build_server(
     max_workers: int = 32,
     tls: TlsConfig | None = None,
     health_address: str | None = None,
+    roles: dict[str, tuple[str, ...]] | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A started-ready (not yet started) server bound to `address` ("host:0" = any free port).
 
     `tls`: mutual TLS on `address`: the server presents tls.cert and accepts only clients whose
     certificate chains to tls.ca (tandem.serving.tls; rotated files are picked up by new
-    connections). `health_address`: also serve health checks, and only those, in plaintext there."""
+    connections), and `roles` (method -> the certificate roles it serves) is enforced on every
+    RPC of `service_names` (RoleCheck). `health_address`: also serve health checks, and only
+    those, in plaintext there."""
+    interceptors = []
+    if tls is not None:
+        from tandem.serving.tls import RoleCheck
+
+        interceptors.append(RoleCheck(roles or {}, service_names))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, initializer=handler_thread),
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0)], interceptors=interceptors,
     )
     register(server)
     health_servicer = health.HealthServicer()

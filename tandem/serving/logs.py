@@ -29,6 +29,25 @@ session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("tan
 _NOISY = ("httpx", "transformers", "accelerate", "urllib3", "opentelemetry.exporter")
 
 
+_warned_exposed: set[str] = set()
+
+
+def warn_if_exposed(path, what: str) -> bool:
+    """Log a warning (once per file) when a secret's file (`what`: "API key file", "TLS private key")
+    can be read by its group or by others; True when it can. Secrets of a service are its user's
+    alone: `chmod 600`."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    exposed = bool(mode & 0o077)
+    if exposed and str(path) not in _warned_exposed:
+        _warned_exposed.add(str(path))
+        logging.getLogger("tandem.security").warning(
+            "the %s %s is readable by group or others (mode %03o): run `chmod 600 %s`", what, path, mode & 0o777, path)
+    return exposed
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 

@@ -9,7 +9,9 @@ address, so
 - the gateway can dial a verifier's pod IP, which no certificate has to list, and
 - a drafter's certificate, although signed by the same CA, cannot answer for a verifier.
 
-A server checks that its client's certificate comes from the CA, not which role it names.
+A server checks that its client's certificate comes from the CA and, for every RPC of a Tandem
+service, that it names a role allowed to call it (`RoleCheck`, the matrix in docs/security.md): a
+verifier answers only gateways, a drafter drafts only for verifiers, whatever else the CA signed.
 
 Certificates come from PEM files (`TlsConfig`) and are re-read when they change, so cert-manager or
 a cron job can rotate them under a running server (`server_credentials`). `write_dev_certs` (the
@@ -35,6 +37,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from tandem.serving.logs import warn_if_exposed
 from tandem.serving.tlsconfig import TlsConfig  # noqa: F401 (re-exported: the settings hold it)
 
 log = logging.getLogger("tandem.tls")
@@ -62,6 +65,7 @@ def _read_identity(tls: TlsConfig) -> _Identity:
     """Read and check the files, so a wrong file fails here with its name rather than later as an
     anonymous handshake error (gRPC reports a key that does not match its certificate only as
     failed connections)."""
+    warn_if_exposed(tls.key, "TLS private key")
     chain, key = tls.cert.read_bytes(), tls.key.read_bytes()
     ca = tls.ca.read_bytes() if tls.ca is not None else None
     try:
@@ -305,3 +309,63 @@ def write_dev_certs(
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         configs[role] = TlsConfig(cert=cert_path, key=key_path, ca=ca_path)
     return configs
+
+
+def peer_roles(context: grpc.ServicerContext) -> set[str]:
+    """The roles the caller's verified certificate names: each DNS name `tandem-<role>` among its
+    subject alternative names (empty without mutual TLS)."""
+    names = context.auth_context().get("x509_subject_alternative_name", [])
+    roles = set()
+    for name in names:
+        text = name.decode("ascii", "replace") if isinstance(name, bytes) else str(name)
+        if text.startswith("tandem-"):
+            roles.add(text[len("tandem-"):])
+    return roles
+
+
+class RoleCheck(grpc.ServerInterceptor):
+    """PERMISSION_DENIED, before any handler runs, for a caller whose certificate names no role that
+    `allowed` lists for the method ("/tandem.v1.Verifier/Generate" -> ("gateway",)). Every method of
+    `services` (full names, "tandem.v1.Verifier") must be listed: one not listed is denied to all.
+    Health checks and reflection stay open to any certificate of the CA (they reveal no data)."""
+
+    def __init__(self, allowed: dict[str, tuple[str, ...]], services: Sequence[str]):
+        self.allowed = allowed
+        self.prefixes = tuple(f"/{name}/" for name in services)
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(self.prefixes):
+            return handler
+        return _guarded(handler, details.method, self.allowed.get(details.method, ()))
+
+
+def _guarded(handler: grpc.RpcMethodHandler, method: str, roles: tuple[str, ...]) -> grpc.RpcMethodHandler:
+    """`handler` with the role check in front of its behaviour, whatever its streaming kind."""
+
+    def check(context: grpc.ServicerContext) -> None:
+        held = peer_roles(context)
+        if not held & set(roles):
+            log.warning("refused %s to a certificate of role(s) %s (allowed: %s)", method,
+                        ", ".join(sorted(held)) or "none", ", ".join(roles) or "none")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{method} is served to {' or '.join(roles) or 'no'} certificates only")
+
+    def wrap(behaviour):
+        def guarded(request, context):
+            check(context)
+            return behaviour(request, context)
+        return guarded
+
+    kinds = {
+        "unary_unary": grpc.unary_unary_rpc_method_handler,
+        "unary_stream": grpc.unary_stream_rpc_method_handler,
+        "stream_unary": grpc.stream_unary_rpc_method_handler,
+        "stream_stream": grpc.stream_stream_rpc_method_handler,
+    }
+    for kind, make in kinds.items():
+        behaviour = getattr(handler, kind)
+        if behaviour is not None:
+            return make(wrap(behaviour), request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+    return handler

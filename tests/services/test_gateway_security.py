@@ -446,3 +446,70 @@ def test_a_rival_tenant_drafts_nothing_from_anothers_answers(made, tiny_loaded, 
         assert dcore.stats()["suffix"]["stores"] == 2, "one store per tenant scope"
     finally:
         dserver.stop(None)
+
+
+# -- bounded errors ---------------------------------------------------------------------------------
+
+MAX_ERROR_BODY = 2048  # bytes: errors.MAX_MESSAGE_CHARS of message and the JSON around it
+
+
+@pytest.mark.parametrize("name, body", [
+    ("100,000 stop ids outside the vocabulary", {"stop_token_ids": list(range(10**6, 10**6 + 100_000))}),
+    ("100,000 logit_bias entries", {"logit_bias": {str(10**6 + i): 1 for i in range(100_000)}}),
+    ("a 1 MB unknown field name", {"x" * 1_000_000: 1}),
+    ("a 1 MB stop string", {"stop": ["s" * 1_000_000]}),
+    ("20,000 wrong-typed stop strings", {"stop": [1] * 20_000}),
+    ("a 1 MB model name", {"model": "m" * 1_000_000}),
+    ("a 1 MB tool_choice naming no tool", {
+        "tools": [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "n" * 1_000_000}}}),
+    ("a 1 MB response_format", {"response_format": {"type": "t" * 1_000_000}}),
+])
+def test_every_error_body_is_bounded(made, tiny_tokenizer, name, body):
+    """Oversized values of every kind get a 4xx whose body stays under a fixed size and never
+    repeats the input (a 356 KB error body once quoted 100,000 stop ids back)."""
+    v = _verifier(made, tiny_tokenizer)
+    gw = _gateway(made, tiny_tokenizer, verifiers=(v.address,), max_body_bytes=8 * 1024 * 1024)
+    r = gw.http.post("/v1/chat/completions", json={**_chat_body(), **body})
+    assert 400 <= r.status_code < 500, (name, r.status_code)
+    assert len(r.content) < MAX_ERROR_BODY, (name, len(r.content))
+    assert r.json()["error"]["message"], name
+    assert not v.requests, "nothing reached a verifier"
+
+
+def test_a_lone_surrogate_is_named_not_a_codec_exception(made, tiny_tokenizer):
+    v = _verifier(made, tiny_tokenizer)
+    gw = _gateway(made, tiny_tokenizer, verifiers=(v.address,))
+    raw = '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}' % MODEL
+    r = gw.http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "surrogate" in message and "U+D800" in message and "codec" not in message and "utf-8" not in message
+    raw = '{"model": "%s", "max_tokens": 2, "prompt": "\\udfff"}' % MODEL
+    r = gw.http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "prompt holds a lone surrogate" in r.json()["error"]["message"]
+
+
+def test_one_request_larger_than_a_minutes_allowance_is_refused_not_admitted(made, tiny_tokenizer, keys_file):
+    """The 'small' tenant may use 60 tokens a minute: a request that may use more on its own is a
+    400 that says why, and the tenant's bucket is untouched (the next small request is served)."""
+    v = _verifier(made, tiny_tokenizer)
+    gw = _gateway(made, tiny_tokenizer, verifiers=(v.address,), api_keys_file=keys_file)
+    small = _auth(KEY_SLOW)
+    r = gw.http.post("/v1/completions", json={"prompt": "the answer is " * 19, "max_tokens": 8}, headers=small)
+    assert r.status_code == 400 and "more than this API key's tenant may use in a minute (60)" in r.json()["error"]["message"]
+    assert not v.requests
+    assert gw.http.post("/v1/completions", json={"prompt": "the answer", "max_tokens": 2}, headers=small).status_code == 200
+
+
+def test_a_key_file_readable_by_others_is_warned_about(keys_file, caplog):
+    keys_file.chmod(0o644)
+    caplog.set_level(logging.WARNING, logger="tandem.security")
+    Keyring.load(keys_file)
+    assert any("readable by group or others" in r.getMessage() and "chmod 600" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    other = keys_file.with_name("private.json")
+    other.write_text(keys_file.read_text())
+    other.chmod(0o600)
+    Keyring.load(other)
+    assert not any("readable by group or others" in r.getMessage() for r in caplog.records)

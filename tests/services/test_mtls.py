@@ -209,3 +209,63 @@ def test_public_https_and_grpc_tls(certs, tiny_tokenizer):
     finally:
         gw.close()
         v.stop()
+
+
+def _tls_stub(stub_class, address: str, role_tls, server_name: str):
+    channel = grpc.secure_channel(address, channel_credentials(role_tls), options=channel_options(server_name))
+    return channel, stub_class(channel)
+
+
+@pytest.mark.parametrize("role", ["drafter", "client", "verifier"])
+def test_only_a_gateway_certificate_gets_a_verifiers_answers(chain, certs, role):
+    """Any certificate of the deployment's CA passes the handshake; the verifier serves Generate and
+    GetInfo only to a gateway's. A drafter's or a client's certificate (or another verifier's) gets
+    PERMISSION_DENIED before any handler runs: it chose a cache salt and another tenant's session id,
+    and learns nothing of either (no session opened, no KV touched, no info returned)."""
+    from tandem.serving.tls import GATEWAY_NAME
+
+    _, verifier, _, vcore = chain
+    ours, _ = certs
+    before = vcore.info()
+    channel, stub = _tls_stub(verifier_pb2_grpc.VerifierStub, verifier, ours[role], VERIFIER_NAME)
+    with channel:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetInfo(verifier_pb2.InfoRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "gateway" in info.value.details()
+        probe = verifier_pb2.SessionGenerateRequest(
+            session_id="acme/victim-session", cache_salt="acme-salt-guess", context_ids=[5, 17, 42, 99] * 40,
+            sampling=common_pb2.SamplingParams(max_new_tokens=4))
+        with pytest.raises(grpc.RpcError) as gen:
+            list(stub.Generate(probe, timeout=10))
+        assert gen.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # health stays open to any certificate of the CA (it reveals nothing)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    after = vcore.info()
+    assert after["kv_used_tokens"] == before["kv_used_tokens"] and after["active_sessions"] == 0
+    # the gateway's certificate is served
+    channel, stub = _tls_stub(verifier_pb2_grpc.VerifierStub, verifier, ours["gateway"], VERIFIER_NAME)
+    with channel:
+        assert stub.GetInfo(verifier_pb2.InfoRequest(), timeout=10).verifier_id == "v0"
+    assert GATEWAY_NAME == "tandem-gateway"
+
+
+@pytest.mark.parametrize("role", ["gateway", "client", "drafter"])
+def test_only_a_verifier_certificate_may_open_draft_streams(chain, certs, role):
+    """A drafter drafts for verifiers only (a draft stream carries a session's tokens); a gateway's
+    certificate may still read GetInfo (routing), a client's may not."""
+    from tandem.serving.tls import DRAFTER_NAME
+
+    _, _, drafter, _ = chain
+    ours, _ = certs
+    channel, stub = _tls_stub(drafter_pb2_grpc.DrafterStub, drafter, ours[role], DRAFTER_NAME)
+    with channel:
+        with pytest.raises(grpc.RpcError) as draft:
+            list(stub.Draft(iter([drafter_pb2.DraftRequest()]), timeout=10))
+        assert draft.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        if role == "gateway":
+            assert stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=10).drafter_id == "d0"
+        else:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
