@@ -216,7 +216,44 @@ class TenantLimiter:
         b.stamp = now
         return b
 
-    def admit(self, tenant: Tenant, prompt_tokens: int, max_new_tokens: int = 0) -> None:
+    def enter(self, tenant: Tenant) -> "Slot":
+        """Take one of the tenant's request slots at intake, before its body is read or tokenized:
+        a tenant over its concurrency, or with its token bucket empty, is refused here (429) at no
+        cost, and one tenant never holds more of the tokenizer pool than its slots. The transport
+        releases the slot when the response ends (`Slot.release`)."""
+        with self._lock:
+            self._check_room(tenant)
+            self._active[tenant.name] = self._active.get(tenant.name, 0) + 1
+        return Slot(self, tenant)
+
+    def _leave(self, tenant: Tenant) -> None:
+        with self._lock:
+            n = self._active.get(tenant.name, 0) - 1
+            if n > 0:
+                self._active[tenant.name] = n
+            else:
+                self._active.pop(tenant.name, None)
+
+    def _check_room(self, tenant: Tenant) -> None:
+        """Raise Overloaded when the tenant has no request slot left or its bucket is empty (lock held)."""
+        cap = tenant.max_concurrent_requests
+        active = self._active.get(tenant.name, 0)
+        if cap is not None and active >= cap:
+            raise Overloaded(
+                f"this API key's tenant has {active} requests in flight (its limit is {cap}); retry later",
+                retry_after_s=1.0,
+            )
+        if tenant.tokens_per_minute is not None:
+            b = self._refill(tenant)
+            if b.tokens <= 0:
+                wait = (1 - b.tokens) / (tenant.tokens_per_minute / 60.0)
+                raise Overloaded(
+                    f"this API key's tenant used its {tenant.tokens_per_minute} tokens per minute; "
+                    f"retry in {math.ceil(wait)} s",
+                    retry_after_s=wait,
+                )
+
+    def admit(self, tenant: Tenant, prompt_tokens: int, max_new_tokens: int = 0, *, held: bool = False) -> None:
         """Count one request in, or raise Overloaded (429) with a retry hint. A request that could
         spend more than a whole minute's allowance on its own (prompt + max_new_tokens) is refused
         (InvalidRequest, 400): admitted, it would overdraw the bucket and lock the tenant out for
@@ -228,31 +265,33 @@ class TenantLimiter:
                 f"than this API key's tenant may use in a minute ({tenant.tokens_per_minute}): send a shorter "
                 "prompt or a lower max_tokens")
         with self._lock:
-            cap = tenant.max_concurrent_requests
-            active = self._active.get(tenant.name, 0)
-            if cap is not None and active >= cap:
-                raise Overloaded(
-                    f"this API key's tenant has {active} requests in flight (its limit is {cap}); retry later",
-                    retry_after_s=1.0,
-                )
+            if not held:  # a request without an intake slot (the core called directly) takes one now
+                self._check_room(tenant)
+                self._active[tenant.name] = self._active.get(tenant.name, 0) + 1
             if tenant.tokens_per_minute is not None:
-                b = self._refill(tenant)
-                if b.tokens <= 0:
-                    wait = (1 - b.tokens) / (tenant.tokens_per_minute / 60.0)
-                    raise Overloaded(
-                        f"this API key's tenant used its {tenant.tokens_per_minute} tokens per minute; "
-                        f"retry in {math.ceil(wait)} s",
-                        retry_after_s=wait,
-                    )
-                b.tokens -= prompt_tokens
-            self._active[tenant.name] = active + 1
+                self._refill(tenant).tokens -= prompt_tokens
 
-    def release(self, tenant: Tenant, completion_tokens: int) -> None:
-        with self._lock:
-            n = self._active.get(tenant.name, 0) - 1
-            if n > 0:
-                self._active[tenant.name] = n
-            else:
-                self._active.pop(tenant.name, None)
-            if tenant.tokens_per_minute is not None:
+    def release(self, tenant: Tenant, completion_tokens: int, *, held: bool = False) -> None:
+        """The request's end: charge its completion tokens; give back its slot unless a transport
+        holds it (`held`: the Slot is released there)."""
+        if not held:
+            self._leave(tenant)
+        if tenant.tokens_per_minute is not None:
+            with self._lock:
                 self._refill(tenant).tokens -= completion_tokens
+
+
+class Slot:
+    """One request's place among its tenant's concurrent requests (TenantLimiter.enter), from intake
+    to the end of its response. Released once, however often `release` is called."""
+
+    def __init__(self, limiter: TenantLimiter, tenant: Tenant):
+        self._limiter, self._tenant, self._held = limiter, tenant, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._limiter._leave(self._tenant)
+
+    def __del__(self):  # a path that forgot it must not lock the tenant out for good
+        self.release()

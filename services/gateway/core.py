@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import hashlib
 import itertools
 import logging
@@ -142,6 +143,9 @@ class GenerationRequest:
     adaptive: bool | None = None
     timeout_s: float | None = None  # the client's deadline, if shorter than the gateway's
     tenant: Tenant = OPEN  # who asked (GatewayCore.authenticate): owns the session and its caches
+    # The tenant's request slot the transport took at intake (TenantLimiter.enter) and releases when
+    # the response ends; None: the core takes one at admission.
+    slot: object = None
 
 
 # GenerationRequest's fields that are SamplingParams' own, under the same names (max_tokens is the
@@ -274,6 +278,22 @@ def clip(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
 
 
+def max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token of `tokenizer` stands for, where there is
+    one: a BPE model's tokens are its vocabulary entries, whose characters stand for one byte each in
+    a byte-level BPE and for up to 4 otherwise (an unknown character is one token). None for other
+    models (a word-level one maps a word of any length to <unk>)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    if (spec.get("model") or {}).get("type") != "BPE":
+        return None
+    longest = max((len(piece) for piece in tokenizer.get_vocab()), default=4)
+    byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer")) + json.dumps(spec.get("decoder"))
+    return max(16, longest if byte_level else 4 * longest)
+
+
 def _check_text(text: str, where: str) -> None:
     """Text a tokenizer can take: valid Unicode, so no lone UTF-16 surrogate (JSON's "\\ud800"
     escapes decode to one), said plainly instead of a codec exception from inside the tokenizer."""
@@ -364,6 +384,7 @@ class GatewayCore:
         # Chat templates and tokenization run here, off the event loop: a huge prompt must not
         # delay other requests or /health. A few threads, so one slow prompt does not queue others.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
+        self._max_token_bytes = max_token_bytes(tokenizer)
         self.stats = GatewayStats()
         self.metrics = GatewayMetrics(lambda: self.stats.routed, lambda: self.stats.connect_failures)
         self.metrics.read("tandem_requests_in_flight", "Requests this gateway is serving now.", lambda: self._active)
@@ -567,7 +588,7 @@ class GatewayCore:
                     f"the gateway has {self._active} requests in flight (limit "
                     f"{self.settings.max_concurrent_requests}); retry later"
                 )
-            self.limiter.admit(prep.tenant, len(prep.context_ids), prep.sampling.max_new_tokens)
+            self.limiter.admit(prep.tenant, len(prep.context_ids), prep.sampling.max_new_tokens, held=req.slot is not None)
             self._active += 1
             if prep.key is not None:
                 self._busy.add(prep.key)
@@ -591,7 +612,7 @@ class GatewayCore:
             finally:
                 self._active -= 1
                 self._busy.discard(prep.key)
-                self.limiter.release(prep.tenant, generated)
+                self.limiter.release(prep.tenant, generated, held=req.slot is not None)
         except Exception as exc:
             self.stats.failed[type(exc).__name__] += 1
             status = status_of(exc)
@@ -673,14 +694,15 @@ class GatewayCore:
         sid = req.session_id or None
         tenant = req.tenant
         key = session_key(tenant, sid) if sid else None
+        input_cap = min(n for n in (tenant.max_input_tokens, self.settings.max_input_tokens, 1 << 62) if n)
         if req.prompt is not None or req.messages is not None:
+            self._refuse_what_cannot_fit(req, min(input_cap, self.context_window()))
             loop = asyncio.get_running_loop()
             context = await loop.run_in_executor(self._tokenize_pool, self._context_ids, req)
         else:
             context = self._continued(sid, key)
         if not context:
             raise InvalidRequest("the prompt renders to zero tokens")
-        input_cap = min(n for n in (tenant.max_input_tokens, self.settings.max_input_tokens, 1 << 62) if n)
         if len(context) > input_cap:
             raise InvalidRequest(
                 f"the prompt is {len(context)} tokens (the session's whole history counts), above this "
@@ -741,6 +763,24 @@ class GatewayCore:
         if session is None:
             raise UnknownSession(f"no session {clip(sid)} to continue (never seen, or expired)")
         return list(session.token_ids)
+
+    def _refuse_what_cannot_fit(self, req: GenerationRequest, limit: int) -> None:
+        """Refuse, before any tokenization, a text that cannot come to `limit` tokens or fewer: no
+        token of this vocabulary covers more than `_max_token_bytes` bytes, so a text of B bytes is
+        at least B / that many tokens. (A 3.9 MB prompt once held a tokenizer thread for 40 s to
+        end in the same 400, while other tenants' requests queued behind it.)"""
+        if self._max_token_bytes is None:
+            return  # no bound for this tokenizer: the limits apply after tokenization
+        text_bytes = len(req.prompt.encode("utf-8", "surrogatepass")) if isinstance(req.prompt, str) else 0
+        for m in req.messages or ():
+            content = m.get("content")
+            if isinstance(content, str):
+                text_bytes += len(content.encode("utf-8", "surrogatepass"))
+        at_least = text_bytes // self._max_token_bytes
+        if at_least > limit:
+            raise InvalidRequest(
+                f"the prompt is {text_bytes} bytes, so at least {at_least} tokens, above the limit of {limit} "
+                "input tokens (this API key's, or the model's context window): send a shorter prompt")
 
     def _context_ids(self, req: GenerationRequest) -> list[int]:
         """The token ids of a request's prompt or messages. Runs on the tokenizer pool."""

@@ -658,6 +658,25 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise _ClientGone
 
 
+def _holding(response: Response, slot) -> Response:
+    """`response`, giving the tenant's request slot back when it ends: now for a whole body, when the
+    stream is done or cut for a stream."""
+    if not isinstance(response, StreamingResponse):
+        slot.release()
+        return response
+    body = response.body_iterator
+
+    async def held():
+        try:
+            async for part in body:
+                yield part
+        finally:
+            slot.release()
+
+    response.body_iterator = held()
+    return response
+
+
 async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, body: _CommonBody, chat: bool,
                    tools: "tool_calls.ToolPlan" = tool_calls.NO_TOOLS) -> Response:
     fmt = _Format(chat, core.model_name, req.session_id, bool(body.stream_options and body.stream_options.include_usage),
@@ -775,22 +794,33 @@ def create_app(core: GatewayCore) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tenant = tenant_of(request)  # before the body is read: an anonymous caller costs nothing
-        body = await _parse(request, ChatCompletionBody, max_bytes)
-        messages = [m.as_template_dict() for m in body.messages]
-        plan = body.tool_plan(core.tool_support)
-        req = _domain_request(request, body, tenant, plan=plan, messages=messages)
-        return await _respond(request, core, req, body, chat=True, tools=plan)
+        slot = core.limiter.enter(tenant)  # and a tenant over its limits nothing more
+        try:
+            body = await _parse(request, ChatCompletionBody, max_bytes)
+            messages = [m.as_template_dict() for m in body.messages]
+            plan = body.tool_plan(core.tool_support)
+            req = _domain_request(request, body, tenant, plan=plan, messages=messages, slot=slot)
+            return _holding(await _respond(request, core, req, body, chat=True, tools=plan), slot)
+        except BaseException:
+            slot.release()
+            raise
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         tenant = tenant_of(request)
-        body = await _parse(request, CompletionBody, max_bytes)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise errors.InvalidRequest("one prompt per request: batch prompts are not supported")
-            prompt = prompt[0]
-        return await _respond(request, core, _domain_request(request, body, tenant, prompt=prompt), body, chat=False)
+        slot = core.limiter.enter(tenant)
+        try:
+            body = await _parse(request, CompletionBody, max_bytes)
+            prompt = body.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                if len(prompt) != 1:
+                    raise errors.InvalidRequest("one prompt per request: batch prompts are not supported")
+                prompt = prompt[0]
+            req = _domain_request(request, body, tenant, prompt=prompt, slot=slot)
+            return _holding(await _respond(request, core, req, body, chat=False), slot)
+        except BaseException:
+            slot.release()
+            raise
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

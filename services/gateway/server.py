@@ -6,6 +6,7 @@ decides them. With API keys, Generate and ListModels need the metadata entry
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -206,10 +207,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request, context):
         if isinstance(request, _Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _NOT_A_MESSAGE.format("tandem.v1.GenerateRequest"))
+        slot = None
         try:
             tenant = self._tenant(context)
+            slot = self._core.limiter.enter(tenant)  # before the request is tokenized
             plan = tool_plan(request, self._core.tool_support)
-            req = unpack_request(request, context.time_remaining(), tenant, plan)
+            req = dataclasses.replace(unpack_request(request, context.time_remaining(), tenant, plan), slot=slot)
             n = max(1, request.n)
             texts: list[list[str]] = [[] for _ in range(min(n, self._core.MAX_CHOICES))]
             stream = (self._core.stream_choices(req, n) if n > 1
@@ -225,6 +228,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield msg
         except errors.GatewayError as exc:
             await context.abort(status_code(exc), str(exc))
+        finally:
+            if slot is not None:
+                slot.release()
 
     async def ListModels(self, request, context):
         if isinstance(request, _Undecodable):

@@ -513,3 +513,79 @@ def test_a_key_file_readable_by_others_is_warned_about(keys_file, caplog):
     other.chmod(0o600)
     Keyring.load(other)
     assert not any("readable by group or others" in r.getMessage() for r in caplog.records)
+
+
+# -- admission before work --------------------------------------------------------------------------
+
+MAXIMAL = json.dumps({"prompt": "ab " * 1_300_000, "max_tokens": 1}).encode()  # 3.9 MB
+
+
+def _start_slow_post(port: int, key: str, body: bytes, sent: int = 1024) -> socket.socket:
+    """A POST whose body is still on its way: headers and the first `sent` bytes only."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:sent])
+    return s
+
+
+def _finish(s: socket.socket, body: bytes, sent: int = 1024) -> int:
+    s.sendall(body[sent:])
+    s.settimeout(60)
+    head = s.recv(65536).decode("latin-1")
+    s.close()
+    return int(head.split(" ", 2)[1])
+
+
+def test_a_two_slot_tenant_sending_six_maximal_bodies_gets_four_429s_at_once_and_slows_nobody(made, tiny_tokenizer, tmp_path):
+    """The slot is taken at intake, before the body is read: with two of its maximal bodies still
+    streaming in, the tenant's next four are refused at once (429) without their bodies being read
+    or tokenized, another tenant's chat is served meanwhile (it ends before the two do: event
+    order, not a stopwatch), and the tenant's slots come back when the two end."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"tenants": {"pair": {"keys": [KEY_A], "max_concurrent_requests": 2},
+                                            "other": {"keys": [KEY_B]}}}))
+    keys.chmod(0o600)
+    v = _verifier(made, tiny_tokenizer)
+    gw = _gateway(made, tiny_tokenizer, verifiers=(v.address,), api_keys_file=keys, max_body_bytes=8 * 1024 * 1024)
+    port = int(gw.url.rsplit(":", 1)[1])
+    tokenized: list[int] = []
+    original = gw.core._context_ids
+    gw.core._context_ids = lambda req: tokenized.append(1) or original(req)
+
+    slow = [_start_slow_post(port, KEY_A, MAXIMAL) for _ in range(2)]
+    deadline = time.monotonic() + 30
+    while gw.core.limiter._active.get("pair", 0) < 2:
+        assert time.monotonic() < deadline, "the two slow requests never took their slots"
+        time.sleep(0.01)
+    refused = [gw.http.post("/v1/completions", content=MAXIMAL, headers={**_auth(KEY_A), "content-type": "application/json"})
+               for _ in range(4)]
+    assert [r.status_code for r in refused] == [429] * 4
+    assert all("2 requests in flight" in r.json()["error"]["message"] for r in refused)
+    assert tokenized == [], "a refused body was tokenized"
+
+    other = gw.http.post("/v1/chat/completions", json=_chat_body(), headers=_auth(KEY_B))
+    assert other.status_code == 200 and other.json()["choices"][0]["message"]["content"]
+    assert gw.core.limiter._active.get("pair") == 2, "the other tenant was served while both slow ones were still open"
+
+    assert [_finish(s, MAXIMAL) for s in slow] == [400, 400]  # too long for the context window
+    assert gw.core.limiter._active.get("pair") is None
+    assert gw.http.post("/v1/completions", json={"prompt": "the answer", "max_tokens": 2},
+                        headers=_auth(KEY_A)).status_code == 200
+
+
+def test_a_text_that_cannot_fit_is_refused_before_tokenization(made):
+    """With a BPE tokenizer (the embedded SmolLM2's) a text of B bytes is at least B / (longest
+    entry) tokens: a 3.9 MB prompt is refused at once, never tokenized, and said why."""
+    from tandem.engine.model.tokenizer import load_tokenizer
+
+    _, tok, _ = load_tokenizer("default", progress=False)
+    v = _verifier(made, tok)
+    gw = _gateway(made, tok, verifiers=(v.address,), max_body_bytes=8 * 1024 * 1024)
+    tokenized: list[int] = []
+    original = gw.core._context_ids
+    gw.core._context_ids = lambda req: tokenized.append(1) or original(req)
+    r = gw.http.post("/v1/completions", content=MAXIMAL, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "so at least" in r.json()["error"]["message"]
+    assert tokenized == []
+    assert gw.http.post("/v1/completions", json={"prompt": "the answer", "max_tokens": 2}).status_code == 200
+    assert tokenized == [1]
