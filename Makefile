@@ -15,7 +15,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install demo test draft protos clean image image-test
+.PHONY: install demo test fuzz draft protos clean image image-test
 
 install: $(STAMP)
 
@@ -36,6 +36,17 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The fuzz campaign (docs/security.md, "Fuzzing"): the HTTP fuzzer and the gRPC fuzzers of the three
+# services at a multiple of their test-suite budget, from random seeds (a failure prints its seed and
+# the shrunk example). The defaults run about ten minutes each on 2 cores.
+FUZZ_HTTP_SCALE ?= 40
+FUZZ_GRPC_SCALE ?= 70
+FUZZ_HTTP = tests/services/test_fuzz_http.py
+FUZZ_GRPC = tests/services/test_fuzz_grpc.py tests/services/test_fuzz_gateway_grpc.py
+fuzz: install
+	TANDEM_FUZZ_SCALE=$(FUZZ_HTTP_SCALE) $(PY) -m pytest -q -p no:cacheprovider --timeout 0 --durations 0 $(FUZZ_HTTP)
+	TANDEM_FUZZ_SCALE=$(FUZZ_GRPC_SCALE) $(PY) -m pytest -q -p no:cacheprovider --timeout 0 --durations 0 $(FUZZ_GRPC)
 
 draft: install
 	$(VENV)/bin/tandem distill

@@ -31,13 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, example, given
 from hypothesis import strategies as st
 
 from tandem.services.gateway.auth import bearer_key
 from tandem.v1 import common_pb2, gateway_pb2
 
 from conftest import EOS_ID, SPECIAL_TOKENS, TINY_VOCAB
+from fuzzing import fuzz_settings
 from test_fuzz_grpc import FLOAT32, INT32, TEXT, TOKEN, UINT32, UNKNOWN_STRATEGY, mostly_valid, wait_for
 from test_fuzz_grpc import finish as _finish
 from test_fuzz_grpc import thread_crashes  # noqa: F401 (a fixture: exceptions that escaped any thread)
@@ -57,13 +58,7 @@ CLIENT_ERRORS = {
 CLIENT_FAILURES = {"InvalidRequest", "Unauthenticated", "UnknownSession", "SessionConflict", "Overloaded",
                    "PayloadTooLarge"}
 CALL_TIMEOUT_S = 30.0  # far above any legitimate call here: reaching it means a hang
-FUZZ = settings(
-    max_examples=100,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+FUZZ = fuzz_settings(100, HealthCheck.data_too_large)
 KEY = "sk-fuzz-acme-0123456789abcdef"
 KEY_SMALL = "sk-fuzz-small-0123456789abcd"  # a tenant with every limit set low
 SMALL_MAX_OUTPUT = 6  # its max_output_tokens, below the fake verifier's 7-token script

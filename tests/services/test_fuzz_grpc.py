@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY_VOCAB, make_tiny_llama
@@ -48,6 +48,7 @@ from tandem.serving.grpc_server import build_server as build_grpc_server
 from tandem.serving.protoconv import sampling_from_proto
 from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
 from tandem.v1.verifier_pb2_grpc import VerifierStub
+from fuzzing import SCALE, fuzz_settings
 from test_drafter import wait_for
 
 CLIENT_ERRORS = {
@@ -60,13 +61,7 @@ CLIENT_ERRORS = {
 }
 CALL_TIMEOUT_S = 30.0  # far above any legitimate call here: reaching it means a hang
 MAX_CONTEXT = 64  # the fuzzed verifier's context window (tokens)
-FUZZ = settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FUZZ = fuzz_settings(60)
 PATTERN = list(range(20, 30))
 CONTEXT = PATTERN + PATTERN[:3]  # prompt lookup proposes 23 24 ... (as in test_drafter.py)
 
@@ -371,7 +366,7 @@ def test_verifier_output_is_the_targets_whatever_a_drafter_sends(verifier, scrip
     scripted, address = scripted_drafter
     accepted = []
 
-    @settings(FUZZ, max_examples=40)
+    @settings(FUZZ, max_examples=40 * SCALE)
     @given(script=SCRIPT, context=GOOD_TOKENS, max_new=st.integers(1, 12), strategy=st.sampled_from([2, 3, 4]),
            temperature=st.sampled_from([0.0, 0.0, 1.0]), seed=st.integers(0, 2**63 - 1))
     def one(script, context, max_new, strategy, temperature, seed) -> None:

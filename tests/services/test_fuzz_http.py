@@ -13,13 +13,13 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
+from fuzzing import fuzz_settings
 from test_gateway import MODEL, FakeVerifier, Gateway, chat
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = fuzz_settings(150, HealthCheck.function_scoped_fixture)
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
@@ -109,8 +109,7 @@ def test_fuzz_completions(gateway, body):
     _check(_post(gw, "/v1/completions", body))
 
 
-@settings(max_examples=80, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@fuzz_settings(80, HealthCheck.function_scoped_fixture)
 @given(raw=st.binary(max_size=200), ctype=st.sampled_from(["application/json", "application/json; charset=latin-1",
                                                             "text/plain", "", "application/x-www-form-urlencoded"]),
        path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/sessions/%00", "/v1/models"]),
