@@ -1,7 +1,7 @@
 """The fuzzers' budget: short and reproducible in the test suite, long and random in a campaign.
 
     make fuzz                                   # ~10 minutes per fuzzer, random seeds
-    make fuzz FUZZ_HTTP_SCALE=100 FUZZ_GRPC_SCALE=200
+    make fuzz FUZZ_HTTP_SCALE=100 FUZZ_GRPC_SCALE=300
 
 By default (scale 1) every fuzz test runs its own bounded number of examples, derandomized, so the
 suite is reproducible and takes seconds. With TANDEM_FUZZ_SCALE=N each runs N times as many, from

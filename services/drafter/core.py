@@ -588,9 +588,12 @@ class DrafterCore:
             return None
         proposals = []  # deterministic drafts: q is one-hot
         if draft.support is not None:
-            proposals = [
-                (draft.support[i].tolist(), draft.support_probs[i].tolist()) for i in range(n)
-            ]
+            # Only the support's entries of positive probability (the wire's promise: at a tiny
+            # temperature the top-k holds tokens whose probability underflowed to 0, which add
+            # nothing to q; the drafted token itself always has q > 0).
+            for ids, probs in zip(draft.support[:n].tolist(), draft.support_probs[:n].tolist()):
+                kept = [(t, p) for t, p in zip(ids, probs) if p > 0]
+                proposals.append(([t for t, _ in kept], [p for _, p in kept]))
         return DraftBlock(
             session_id=session.session_id,
             base_len=base_len,

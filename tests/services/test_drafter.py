@@ -557,3 +557,19 @@ def test_the_draft_window_setting_reaches_every_draft_model_proposer(tiny_draft_
         assert model.context == hybrid.model.context == window
     with pytest.raises(ValueError):
         DrafterSettings(draft_context=0)
+
+
+
+def test_a_near_greedy_sampled_draft_lists_only_tokens_it_could_draw(model_drafter) -> None:
+    """At temperature 1e-30 the draft model's top-k holds tokens whose probability underflowed to
+    0; a proposal lists only positive ones (the wire's promise), the drafted token among them.
+    (Found by `make fuzz`: its random campaign drew temperature 1e-30.)"""
+    _, channel = model_drafter
+    stream = DraftStream(channel)
+    stream.open("z", CONTEXT, strategy=common_pb2.DRAFT_STRATEGY_MODEL,
+                sampling=common_pb2.SamplingParams(temperature=1e-30, max_new_tokens=8))
+    block = stream.next()
+    assert block.proposals and len(block.proposals) == len(block.token_ids)
+    for tok, q in zip(block.token_ids, block.proposals):
+        assert tok in q.token_ids and len(q.token_ids) == len(q.probs) and all(p > 0 for p in q.probs)
+    stream.end()

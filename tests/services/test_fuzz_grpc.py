@@ -201,7 +201,9 @@ BAD_TOKENS = st.one_of(
 UNKNOWN_STRATEGY = st.one_of(st.integers(5, 100), st.integers(-(2**31), -1), st.integers(5, 2**31 - 1))
 TEXT = st.one_of(
     st.text(max_size=40),  # any unicode
-    st.builds(lambda c, n: c * n, st.characters(), st.integers(1000, 100_000)),  # very long
+    # very long; no lone surrogate: a protobuf string cannot hold one (invalid UTF-8 on the wire is
+    # test_verifier_survives_bytes_that_are_no_message's)
+    st.builds(lambda c, n: c * n, st.characters(exclude_categories=("Cs",)), st.integers(1000, 100_000)),
 )
 
 
