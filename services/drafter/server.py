@@ -104,15 +104,24 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         owner = uuid.uuid4().hex  # the stream's sessions are keyed under it
         stats = _StreamStats()
         dropped: set[str] = set()  # sessions dropped on this stream (quiet follow-up errors)
-        # A cancelled stream may never resume this generator (so `finally` would wait for garbage
-        # collection): the termination callback frees its sessions at once. Closing is idempotent.
-        context.add_callback(lambda: self.core.close_owner(owner))
         out: queue.Queue = queue.Queue()  # blocks ready to send, _WAKE, or an abort (code, message)
         # A session's lane: its messages not yet handled. A lane exists exactly while a worker runs
         # it (the worker removes it when it finds it empty), so len(lanes) is the workers busy.
         lanes: dict[str, deque] = {}
         lock = threading.Lock()
-        state = {"reading": True}
+        state = {"reading": True, "ended": False}
+
+        def end() -> int:
+            """The stream is over: free its sessions. A lane still running an `open` when this runs
+            closes what it opened itself (work() checks `ended` after each message), so no session
+            outlives its stream (`make fuzz` found one that did). Idempotent."""
+            with lock:
+                state["ended"] = True
+            return self.core.close_owner(owner)
+
+        # A cancelled stream may never resume this generator (so `finally` would wait for garbage
+        # collection): the termination callback frees its sessions at once.
+        context.add_callback(end)
 
         def work(sid: str) -> None:
             while True:
@@ -137,6 +146,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                             self._drop(sid, owner, exc, stats, dropped)
                         except Exception:  # noqa: BLE001 - the lane must finish, or the stream never ends
                             log.exception("dropping draft session %s failed", sid)
+                    with lock:
+                        ended = state["ended"]
+                    if ended:  # the stream ended while this message ran: nothing of it stays open
+                        self.core.close(sid, owner=owner)
 
         def read() -> None:
             try:
@@ -172,7 +185,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     context.abort(*item)
                 yield item
         finally:
-            left_open = self.core.close_owner(owner)
+            left_open = end()
             core = self.core.stats()
             log.info(
                 "draft stream ended: %d opens (%d sessions closed at the end), %d regular + %d "
