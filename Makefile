@@ -41,7 +41,7 @@ test: install
 # services at a multiple of their test-suite budget, from random seeds (a failure prints its seed and
 # the shrunk example). The defaults run about ten minutes each on 2 cores.
 FUZZ_HTTP_SCALE ?= 40
-FUZZ_GRPC_SCALE ?= 140
+FUZZ_GRPC_SCALE ?= 150
 FUZZ_HTTP = tests/services/test_fuzz_http.py
 FUZZ_GRPC = tests/services/test_fuzz_grpc.py tests/services/test_fuzz_gateway_grpc.py
 fuzz: install
