@@ -271,13 +271,16 @@ class Determinism:
         if not names:
             return None
         deadline = time.monotonic() + 60.0
-        time.sleep(self.rng.uniform(0.5, 1.5))
-        while time.monotonic() < deadline:
+
+        def serving_now() -> list[str]:
             with self._lock:
-                serving = [v for v in self._live.values() if v in names]
-            if serving:
-                break
-            time.sleep(0.05)
+                return [v for v in self._live.values() if v in names]
+
+        while not serving_now() and time.monotonic() < deadline:  # the round's first tokens
+            time.sleep(0.02)
+        # then a random moment while streams run (short: a round of short replies ends in ~1 s)
+        time.sleep(self.rng.uniform(0.05, 0.4))
+        serving = serving_now()
         name = max(names, key=lambda n: (serving.count(n), self.rng.random())) if serving else self.rng.choice(names)
         os.kill(stack.child(name).proc.pid, signal.SIGKILL)
         self.kills.append({"verifier": name})
