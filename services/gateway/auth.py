@@ -222,8 +222,7 @@ class TenantLimiter:
         cost, and one tenant never holds more of the tokenizer pool than its slots. The transport
         releases the slot when the response ends (`Slot.release`)."""
         with self._lock:
-            self._check_room(tenant)
-            self._active[tenant.name] = self._active.get(tenant.name, 0) + 1
+            self._take(tenant)
         return Slot(self, tenant)
 
     def _leave(self, tenant: Tenant) -> None:
@@ -234,8 +233,9 @@ class TenantLimiter:
             else:
                 self._active.pop(tenant.name, None)
 
-    def _check_room(self, tenant: Tenant) -> None:
-        """Raise Overloaded when the tenant has no request slot left or its bucket is empty (lock held)."""
+    def _take(self, tenant: Tenant) -> None:
+        """Count the tenant's request in, or raise Overloaded when it has no request slot left or its
+        bucket is empty (lock held)."""
         cap = tenant.max_concurrent_requests
         active = self._active.get(tenant.name, 0)
         if cap is not None and active >= cap:
@@ -252,6 +252,7 @@ class TenantLimiter:
                     f"retry in {math.ceil(wait)} s",
                     retry_after_s=wait,
                 )
+        self._active[tenant.name] = active + 1
 
     def admit(self, tenant: Tenant, prompt_tokens: int, max_new_tokens: int = 0, *, held: bool = False) -> None:
         """Count one request in, or raise Overloaded (429) with a retry hint. A request that could
@@ -266,8 +267,7 @@ class TenantLimiter:
                 "prompt or a lower max_tokens")
         with self._lock:
             if not held:  # a request without an intake slot (the core called directly) takes one now
-                self._check_room(tenant)
-                self._active[tenant.name] = self._active.get(tenant.name, 0) + 1
+                self._take(tenant)
             if tenant.tokens_per_minute is not None:
                 self._refill(tenant).tokens -= prompt_tokens
 
