@@ -37,14 +37,18 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# The fuzz campaign (docs/security.md, "Fuzzing"): the HTTP fuzzer and the gRPC fuzzers of the three
-# services at a multiple of their test-suite budget, from random seeds (a failure prints its seed and
-# the shrunk example). The defaults run about ten minutes each on 2 cores.
+# The fuzz campaign (docs/security.md, "Fuzzing"): schemathesis from the gateway's OpenAPI document,
+# the attacker-shaped HTTP fuzzer, and the gRPC fuzzers of the three services, each at a multiple of
+# its test-suite budget, from random seeds (a failure prints its seed and the shrunk example). The
+# defaults run about ten minutes each on 2 cores.
+FUZZ_OPENAPI_SCALE ?= 120
 FUZZ_HTTP_SCALE ?= 40
 FUZZ_GRPC_SCALE ?= 150
+FUZZ_OPENAPI = tests/services/test_fuzz_openapi.py
 FUZZ_HTTP = tests/services/test_fuzz_http.py
 FUZZ_GRPC = tests/services/test_fuzz_grpc.py tests/services/test_fuzz_gateway_grpc.py
 fuzz: install
+	TANDEM_FUZZ_SCALE=$(FUZZ_OPENAPI_SCALE) $(PY) -m pytest -q -p no:cacheprovider --timeout 0 --durations 0 $(FUZZ_OPENAPI)
 	TANDEM_FUZZ_SCALE=$(FUZZ_HTTP_SCALE) $(PY) -m pytest -q -p no:cacheprovider --timeout 0 --durations 0 $(FUZZ_HTTP)
 	TANDEM_FUZZ_SCALE=$(FUZZ_GRPC_SCALE) $(PY) -m pytest -q -p no:cacheprovider --timeout 0 --durations 0 $(FUZZ_GRPC)
 

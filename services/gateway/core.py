@@ -356,7 +356,7 @@ class GatewayCore:
         self.model_id = model_id
         self.model_name = settings.served_model_name or model_id
         self._max_context = min(max_context_tokens, settings.max_context_tokens or max_context_tokens)
-        self._vocab = len(tokenizer)
+        self.vocab_size = len(tokenizer)
         self._clients = clients
         # How requests with tools are rendered; said once here and in each such response
         self.tool_support = tool_calls.detect(tokenizer)
@@ -730,12 +730,12 @@ class GatewayCore:
             )
         else:
             max_new = req.max_tokens
-        bad = [t for t in req.stop_token_ids if not 0 <= t < self._vocab]
+        bad = [t for t in req.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequest(f"stop_token_ids {bad[:8]}{' and more' if len(bad) > 8 else ''} are outside the vocabulary [0, {self._vocab})")
-        bad = [t for t, _ in req.logit_bias if not 0 <= t < self._vocab]
+            raise InvalidRequest(f"stop_token_ids {bad[:8]}{' and more' if len(bad) > 8 else ''} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t, _ in req.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequest(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {self._vocab})")
+            raise InvalidRequest(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
         try:
             sampling = SamplingParams.from_given(
                 max_new_tokens=max_new, **{name: getattr(req, name) for name in REQUEST_SAMPLING})
@@ -816,9 +816,9 @@ class GatewayCore:
             context = list(self.tokenizer(req.prompt)["input_ids"])
         elif req.prompt is not None:
             context = list(req.prompt)
-            bad = [t for t in context if not 0 <= t < self._vocab]
+            bad = [t for t in context if not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequest(f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self._vocab})")
+                raise InvalidRequest(f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
         return context
 
     async def _route(self, prep: _Prepared, exclude: set[str]) -> RoutingDecision | None:

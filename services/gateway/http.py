@@ -96,14 +96,14 @@ from tandem.services.gateway import errors
 from tandem.services.gateway import tool_calls
 from tandem.services.gateway.auth import Tenant
 from tandem.services.gateway.core import Chunk, GatewayCore, GenerationRequest, clip
+from tandem.services.gateway.openapi import SESSION_HEADER, TIMEOUT_HEADER, openapi_document
 from tandem.serving.logs import session_id_var
 from tandem.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tandem.serving.telemetry import instrument_http_app
 
-SESSION_HEADER = "X-Session-Id"
-# The client's deadline for the whole request, in seconds (as gRPC's deadline does over gRPC): past
-# it the request ends with 504 (or an SSE error event) and its verifier frees the request's state.
-TIMEOUT_HEADER = "X-Request-Timeout"
+# TIMEOUT_HEADER: the client's deadline for the whole request, in seconds (as gRPC's deadline does
+# over gRPC): past it the request ends with 504 (or an SSE error event) and its verifier frees the
+# request's state.
 
 _HTTP: dict[type[errors.GatewayError], tuple[int, str]] = {
     errors.InvalidRequest: (400, "invalid_request_error"),
@@ -151,7 +151,9 @@ def error_response(exc: errors.GatewayError) -> JSONResponse:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields refused, and no coercion: "stream": 0 or "n": "2" is a client's mistake to hear
+    # of, not to have guessed (the OpenAPI document states the types; the fuzzer holds us to them).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SpeculationOptions(_Strict):
@@ -194,7 +196,7 @@ class TextPart(_Strict):
 
 class ChatMessageIn(BaseModel):
     # Extra keys (name, tool_calls, tool_call_id) go to the chat template as they are.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[TextPart] | None = None
@@ -685,13 +687,14 @@ async def _respond(request: Request, core: GatewayCore, req: GenerationRequest, 
         fmt.tool_format = core.tool_support.label
     fmt.continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     session_id_var.set(req.session_id)  # before the tasks below copy this request's context
-    if body.stream and (body.n or 1) > 1:
-        return await _stream_choices(request, core, req, body.n, fmt)
+    n = 1 if body.n is None else body.n  # 0 or less is refused by generate_choices, not taken as 1
+    if body.stream and n != 1:
+        return await _stream_choices(request, core, req, n, fmt)
     chunks = core.generate(req)
-    if not body.stream and (body.n or 1) > 1:
+    if not body.stream and n != 1:
         await chunks.aclose()  # n > 1: the core runs the choices itself
         try:
-            return JSONResponse(fmt.whole_choices(await _unless_disconnected(request, core.generate_choices(req, body.n))))
+            return JSONResponse(fmt.whole_choices(await _unless_disconnected(request, core.generate_choices(req, n))))
         except _ClientGone:
             return Response(status_code=499)
     if not body.stream:
@@ -776,6 +779,7 @@ async def _stream_choices(request: Request, core: GatewayCore, req: GenerationRe
 def create_app(core: GatewayCore) -> FastAPI:
     app = FastAPI(title="Tandem gateway", version="v1", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
+    document: dict = {}
 
     @app.exception_handler(errors.GatewayError)
     async def _gateway_error(request: Request, exc: errors.GatewayError) -> JSONResponse:
@@ -860,6 +864,14 @@ def create_app(core: GatewayCore) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"status": "ok"}
+
+    # Public like OpenAI's own: it names routes and fields, nothing of a tenant or a deployment.
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict:
+        if not document:
+            document.update(openapi_document(app, ChatCompletionBody, CompletionBody, auth=core.keys is not None,
+                                             max_tokens=core.settings.max_tokens_cap, vocab_size=core.vocab_size))
+        return document
 
     if core.settings.metrics_port is None:  # else only on its own port, which need not be public
 

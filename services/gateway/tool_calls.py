@@ -225,8 +225,10 @@ def _functions(tools: list[dict]) -> list[dict]:
         fn = tool["function"]
         if not isinstance(fn.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", fn["name"]):
             raise InvalidRequest(f"tools[{i}].function.name must be 1 to 64 letters, digits, '_', '.' or '-'")
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        elif not isinstance(params, dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object")
         out.append({"name": fn["name"], "description": fn.get("description", ""), "parameters": params})
     if len({f["name"] for f in out}) != len(out):
@@ -245,8 +247,9 @@ def chosen(tools: list[dict], tool_choice) -> tuple[list[dict], str]:
         if not fns:
             raise InvalidRequest("tool_choice 'required' needs tools")
         return fns, "required"
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
+            and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
         picked = [f for f in fns if f["name"] == name]
         if not picked:
             raise InvalidRequest(f"tool_choice names function {str(name)[:64]!r}, which is not among the tools")

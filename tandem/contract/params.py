@@ -44,7 +44,7 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, lt=2**31)  # the wire carries an int32
     seed: int | None = Field(None, ge=0, lt=2**63)
     max_new_tokens: int = Field(128, ge=1, le=1_000_000)
     stop_token_ids: tuple[int, ...] = ()

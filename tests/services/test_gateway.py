@@ -364,6 +364,14 @@ def test_malformed_requests_get_400_and_the_server_keeps_serving(stack) -> None:
         ({"messages": msgs, "logit_bias": {"99999": 1}}, "outside the vocabulary"),
         ({"messages": msgs, "presence_penalty": 3}, "presence_penalty"),
         ({"messages": msgs, "n": 9}, "n must be 1 to 8"),
+        ({"messages": msgs, "n": 0}, "n must be 1 to 8"),  # not taken as 1 (found by schemathesis)
+        ({"messages": msgs, "n": 0, "stream": True}, "n must be 1 to 8"),
+        ({"messages": msgs, "top_k": 2**40}, "top_k"),  # once a 500: the wire's int32 overflowed
+        ({"messages": msgs, "stream": 0}, "stream"),  # no coercion: the document says boolean
+        ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+         "parameters must be a JSON schema object"),
+        ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": "f"}}, "tool_choice must be"),
         ({"messages": msgs, "top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": msgs, "tools": [{"type": "web"}]}, "tools[0] must be"),
