@@ -39,7 +39,6 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, get_args
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -74,6 +73,7 @@ from tandem.services.gateway.errors import (
 from tandem.contract.ids import common_prefix_len
 from tandem.contract.results import FinishReason, SpecStats, TokenLogprob
 from tandem.contract.text import Detokenizer
+from tandem.services.gateway.fairpool import FairPool
 from tandem.services.gateway.settings import GatewaySettings
 from tandem.serving.telemetry import tracer
 
@@ -382,8 +382,9 @@ class GatewayCore:
         self.limiter = TenantLimiter()
         self._busy: set[str] = set()  # session keys with a request in flight
         # Chat templates and tokenization run here, off the event loop: a huge prompt must not
-        # delay other requests or /health. A few threads, so one slow prompt does not queue others.
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
+        # delay other requests or /health. A few threads, so one slow prompt does not queue others,
+        # taken in turn by tenants (fairpool.py), so one tenant's backlog does not queue another's.
+        self._tokenize_pool = FairPool(workers=4, name="tokenize")
         self._max_token_bytes = max_token_bytes(tokenizer)
         self.stats = GatewayStats()
         self.metrics = GatewayMetrics(lambda: self.stats.routed, lambda: self.stats.connect_failures)
@@ -430,7 +431,7 @@ class GatewayCore:
             except asyncio.CancelledError:
                 pass
         await self._clients.close()
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_pool.shutdown()
         if self._index is not None:
             self._index.close()
 
@@ -697,8 +698,7 @@ class GatewayCore:
         input_cap = min(n for n in (tenant.max_input_tokens, self.settings.max_input_tokens, 1 << 62) if n)
         if req.prompt is not None or req.messages is not None:
             self._refuse_what_cannot_fit(req, min(input_cap, self.context_window()))
-            loop = asyncio.get_running_loop()
-            context = await loop.run_in_executor(self._tokenize_pool, self._context_ids, req)
+            context = await self._tokenize_pool.run(tenant.name, self._context_ids, req)
         else:
             context = self._continued(sid, key)
         if not context:

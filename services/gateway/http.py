@@ -163,7 +163,7 @@ class SpeculationOptions(_Strict):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # description and other annotations: accepted, unused
+    model_config = ConfigDict(extra="allow", strict=True)  # description and other annotations: accepted, unused
 
     name: str = Field("response", max_length=64)
     schema_: dict = Field(alias="schema")

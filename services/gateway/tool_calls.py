@@ -225,6 +225,8 @@ def _functions(tools: list[dict]) -> list[dict]:
         fn = tool["function"]
         if not isinstance(fn.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", fn["name"]):
             raise InvalidRequest(f"tools[{i}].function.name must be 1 to 64 letters, digits, '_', '.' or '-'")
+        if not isinstance(fn.get("description", ""), str):
+            raise InvalidRequest(f"tools[{i}].function.description must be a string")
         params = fn.get("parameters")
         if params is None:
             params = {"type": "object", "properties": {}}

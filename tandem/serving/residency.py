@@ -66,6 +66,25 @@ _STALE_INDEX_S = 300.0  # heartbeats prune index members silent for this long (t
 
 T = TypeVar("T")
 
+# Per-role Redis ACL users: exactly the commands each side sends, on the residency keys only. A
+# gateway only reads (ResidencyIndex): a gateway's stolen credentials cannot forge a registration
+# or a session's residency to steer traffic. A verifier publishes (ResidencyPublisher). A drafter
+# has no Redis access at all. The Helm chart's Valkey and `tandem up`'s embedded one create these
+# users (tests/deploy checks the chart against this table, tests/serving/test_redis_auth.py the
+# rules against a real Valkey). CLIENT SETINFO: redis-py names itself on connect.
+ACL_COMMANDS = {
+    "gateway": ("hget", "hmget", "hgetall", "zrange", "smembers"),
+    "verifier": ("hget", "hmget", "hgetall", "zrange", "smembers", "hset", "pexpire", "zadd", "zrem",
+                 "zremrangebyscore", "sadd", "srem", "del", "scan"),
+}
+ACL_USERS = {"gateway": "tandem-gateway", "verifier": "tandem-verifier"}
+
+
+def acl_rules(role: str) -> list[str]:
+    """The ACL rules (after the user name, `on` and the password) of `role`'s Redis user."""
+    return ["resetchannels", "resetkeys", f"~{KEY_PREFIX}*", "-@all", "+ping", "+client|setinfo",
+            *(f"+{c}" for c in ACL_COMMANDS[role])]
+
 
 def verifier_key(verifier_id: str) -> str:
     return f"{KEY_PREFIX}verifier:{verifier_id}"

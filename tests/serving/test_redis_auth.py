@@ -305,3 +305,55 @@ def test_rediss_refuses_what_it_cannot_verify(tls_redis, case) -> None:
     pub, index = ResidencyPublisher(config), ResidencyIndex(config)
     assert not pub.register(record("vx")) and pub.errors == 1 and not pub.redis_ok
     assert index.verifiers() == [] and index.errors == 1 and not index.redis_ok
+
+
+# -- per-role users ---------------------------------------------------------------------------
+
+
+def test_role_users_send_only_their_own_commands(valkey_auth, auth_url) -> None:
+    """The gateway's user reads residency and can write nothing (a gateway's stolen credentials
+    cannot forge a registration or a session's residency); the verifier's publishes; neither
+    reaches a key outside the residency prefix nor administers the server."""
+    from tandem.serving.residency import session_key
+    from tandem.tools.stack import role_credentials
+
+    admin = password_of(auth_url)
+
+    def as_role(role: str) -> str:
+        user, password = role_credentials(admin, role)
+        return with_credentials(auth_url, f"{user}:{password}")
+
+    publisher = ResidencyPublisher(as_role("verifier"))
+    assert publisher.register(record("v1")) and publisher.heartbeat(record("v1"))
+    tokens = list(range(64))
+    assert publisher.publish_session("s1", "v1", tokens) and publisher.publish_session("s2", "v1", tokens)
+    assert publisher.evict_session("s2", tokens)
+    index = ResidencyIndex(as_role("gateway"))
+    assert [r.verifier_id for r in index.verifiers()] == ["v1"]
+    assert index.session_verifier("s1") == "v1" and index.session_verifier("s2") is None
+    assert index.longest_prefix(tokens) == {"v1": 64}
+    assert index.view("s1", tokens) is not None
+    assert publisher.errors == 0 and index.errors == 0
+
+    gateway = redis.Redis.from_url(as_role("gateway"))
+    for forge in (lambda: gateway.hset(session_key("s1"), "verifier_id", "evil"),
+                  lambda: gateway.delete(session_key("s1")),
+                  lambda: gateway.zadd("tandem:v1:verifiers", {"evil": 1}),
+                  lambda: gateway.get("elsewhere"),
+                  lambda: gateway.flushall(),
+                  lambda: gateway.config_get("*"),
+                  lambda: gateway.acl_list()):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forge()
+    verifier = redis.Redis.from_url(as_role("verifier"))
+    for forbidden in (lambda: verifier.set("elsewhere", "x"), lambda: verifier.flushall(),
+                      lambda: verifier.config_set("maxmemory", "1"), lambda: verifier.acl_list(),
+                      lambda: verifier.keys("*")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forbidden()
+    assert index.session_verifier("s1") == "v1"  # nothing the gateway tried changed it
+    assert publisher.forget_stale("v0") >= 0 and publisher.deregister("v1") and publisher.errors == 0
+    with pytest.raises(redis.exceptions.AuthenticationError):  # a role's password is not the admin's
+        redis.Redis.from_url(with_credentials(auth_url, f"{VALKEY_USER}:{role_credentials(admin, 'gateway')[1]}")).ping()
+    publisher.close()
+    index.close()

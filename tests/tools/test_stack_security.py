@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import tandem.tools.cli as cli
 import tandem.tools.stack as stack_module
-from tandem.tools.stack import Stack, StackConfig
+from tandem.tools.stack import Stack, StackConfig, role_credentials
 
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
 
@@ -78,8 +78,11 @@ def test_up_starts_valkey_with_a_password_and_wires_drafters_and_redis(fake_serv
             assert p.cmd[p.cmd.index("--drafter") + 1] == stack.drafter_address, "the verifier allows the stack's drafter"
         for p in fake_services:
             assert "--redis-url" not in p.cmd and not any(password in arg for arg in p.cmd)
-        for p in by_role["verifier"] + by_role["gateway"]:
-            assert p.env["TANDEM_REDIS_URL"] == url
+        for role in ("verifier", "gateway"):  # each as its own ACL user, never the administrator
+            user, secret = role_credentials(password, role)
+            for p in by_role[role]:
+                assert p.env["TANDEM_REDIS_URL"] == url.replace(f"tandem:{password}@", f"{user}:{secret}@")
+                assert password not in p.env["TANDEM_REDIS_URL"]
         assert "TANDEM_REDIS_URL" not in by_role["drafter"][0].env
         assert "starting verifier-0" in caplog.text and password not in caplog.text
     finally:

@@ -93,20 +93,42 @@ these and each verifier is given the same list: a verifier refuses a drafter it 
 {{- end }}
 
 {{/*
-The Redis URL for --redis-url, as env entries (TANDEM_REDIS_URL is the CLI's envvar). The chart's
-own Redis: the URL carries the password as $(REDIS_PASSWORD), which Kubernetes expands from the
-entry defined just before it, so the pod spec never shows the password itself.
+The Redis ACL users of the chart's own Redis, one per role that uses it (a drafter uses none): the
+user name and the rules after its password. The commands are exactly those the role sends, on the
+residency keys only; a gateway only reads. tandem/serving/residency.py (acl_rules) is the source,
+tests/deploy checks these against it.
+*/}}
+{{- define "tandem.redisAclUser" -}}
+{{- if eq . "gateway" -}}
+tandem-gateway
+{{- else -}}
+tandem-verifier
+{{- end -}}
+{{- end }}
+{{- define "tandem.redisAclRules" -}}
+{{- $base := list "resetchannels" "resetkeys" "~tandem:v1:*" "-@all" "+ping" "+client|setinfo" "+hget" "+hmget" "+hgetall" "+zrange" "+smembers" -}}
+{{- if eq . "verifier" -}}
+{{- $base = concat $base (list "+hset" "+pexpire" "+zadd" "+zrem" "+zremrangebyscore" "+sadd" "+srem" "+del" "+scan") -}}
+{{- end -}}
+{{- toJson $base -}}
+{{- end }}
+
+{{/*
+The Redis URL for --redis-url, as env entries (TANDEM_REDIS_URL is the CLI's envvar), for role
+"gateway" or "verifier". The chart's own Redis: the URL names the role's ACL user and carries its
+password as $(REDIS_PASSWORD), which Kubernetes expands from the entry defined just before it, so
+the pod spec never shows the password itself.
 */}}
 {{- define "tandem.redisEnv" -}}
-{{- $r := .Values.redis -}}
+{{- $r := .root.Values.redis -}}
 {{- if $r.enabled -}}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "tandem.redisSecretName" . }}
-      key: {{ $r.auth.existingSecret.key }}
+      name: {{ include "tandem.redisSecretName" .root }}
+      key: {{ index $r.auth.existingSecret (printf "%sKey" .role) }}
 - name: TANDEM_REDIS_URL
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "tandem.componentName" (dict "root" . "component" "redis")) (int $r.port) | quote }}
+  value: {{ printf "redis://%s:$(REDIS_PASSWORD)@%s:%d/0" (include "tandem.redisAclUser" .role) (include "tandem.componentName" (dict "root" .root "component" "redis")) (int $r.port) | quote }}
 {{- else if $r.external.existingSecret.name -}}
 - name: TANDEM_REDIS_URL
   valueFrom:
