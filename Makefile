@@ -41,7 +41,7 @@ test: install
 # the attacker-shaped HTTP fuzzer, and the gRPC fuzzers of the three services, each at a multiple of
 # its test-suite budget, from random seeds (a failure prints its seed and the shrunk example). The
 # defaults run about ten minutes each on 2 cores.
-FUZZ_OPENAPI_SCALE ?= 120
+FUZZ_OPENAPI_SCALE ?= 160
 FUZZ_HTTP_SCALE ?= 40
 FUZZ_GRPC_SCALE ?= 150
 FUZZ_OPENAPI = tests/services/test_fuzz_openapi.py

@@ -18,10 +18,12 @@ import os
 import threading
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from tandem.contract.ids import common_prefix_len
 from tandem.contract.params import DraftStrategy, SamplingParams, SpecConfig
 from tandem.contract.results import GenerationResult, StepOutput
 from tandem.contract.results import FinishReason
@@ -126,6 +128,9 @@ def kv_pool_slots(budget_tokens: int, max_sessions: int, free_bytes: int, bytes_
     return max(1, min(wanted, int(free_bytes * KV_POOL_MAX_MEMORY) // bytes_per_slot))
 
 
+LOST_REMEMBERED = 1024  # evicted sessions whose tokens are kept (4 bytes a token) to count recomputation
+
+
 @dataclass
 class _Session:
     seq: Sequence
@@ -133,6 +138,7 @@ class _Session:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
     reserved: int = 0  # context tokens admitted for while generating (its prefill may not have run yet)
+    lost: tuple[int, ...] = ()  # the tokens an eviction took from this session id (for the recompute count)
 
     @property
     def held(self) -> int:
@@ -168,6 +174,9 @@ class VerifierCore:
         self._room = threading.Condition(self._lock)  # notified when a session stops generating
         self._waiting: list[object] = []  # admission queue: tickets of requests waiting for room, FIFO
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        # session id -> the tokens an eviction took (oldest first, bounded): when the session comes
+        # back, what it computes again of them is counted (tandem_prefill_recomputed_tokens).
+        self._lost: OrderedDict[str, array] = OrderedDict()
         # Requests without a session id: nobody can resume them, so they are never resident, but
         # while they run their KV counts against the budget and they take a session slot like any
         # other (otherwise anonymous requests would be an unbounded way around admission).
@@ -404,7 +413,8 @@ class VerifierCore:
                              f"(max_generating={cap})")
         if sess is None:
             self._make_room(context_len, exclude=None)
-            sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt)
+            sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt,
+                            lost=tuple(self._lost.pop(session_id, ())) if session_id else ())
             if session_id:
                 self._sessions[session_id] = sess
             else:
@@ -448,6 +458,9 @@ class VerifierCore:
                 continue
             del self._sessions[sid]
             evicted.append((sid, sess.seq.ids, sess.salt))
+            self._lost[sid] = array("i", sess.seq.ids)
+            while len(self._lost) > LOST_REMEMBERED:
+                self._lost.popitem(last=False)
             self.metrics.eviction()
             log.info("evicted idle session %s (%d tokens) to make room", sid, len(sess.seq))
         if over():
@@ -578,6 +591,10 @@ class VerifierCore:
                                         resumed=resumed_tokens)
                 reused, computed = gen.stats.prefill_reused_tokens, gen.stats.prefill_computed_tokens
                 self.metrics.prefill(reused, computed)
+                if sess.lost:  # the tokens it held before an eviction, less what was copied back
+                    self.metrics.recomputed(max(0, min(common_prefix_len(sess.lost, context_ids), reused + computed)
+                                                - reused))
+                    sess.lost = ()
                 span.set_attributes({
                     "tandem.session_id": session_id, "tandem.context_tokens": len(context_ids),
                     "tandem.prefill.reused_tokens": reused, "tandem.prefill.computed_tokens": computed,

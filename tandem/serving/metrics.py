@@ -158,6 +158,9 @@ class VerifierMetrics(ServiceMetrics):
             "(a shared system prompt or tool schema; counted in reused too).", registry=r)
         self._evictions = Counter("tandem_kv_evictions", "Idle sessions evicted to make room in the KV cache.",
                                   registry=r)
+        self._recomputed = Counter(
+            "tandem_prefill_recomputed_tokens", "Context tokens computed again because their session's KV was "
+            "evicted from this verifier (counted in computed too).", registry=r)
         self._fallback = Counter(
             "tandem_drafter_fallback_steps", "Steps without a usable drafter block in time (drafted by the "
             "verifier's own prompt lookup, or decoded plainly).",
@@ -211,6 +214,9 @@ class VerifierMetrics(ServiceMetrics):
 
     def shared(self, tokens: int) -> None:
         self._shared.inc(tokens)
+
+    def recomputed(self, tokens: int) -> None:
+        self._recomputed.inc(tokens)
 
     def faults(self, fallback_steps: int, rejected_blocks: int) -> None:
         self._fallback.inc(fallback_steps)

@@ -525,6 +525,7 @@ def loadtest(
     long_tokens: Annotated[str, typer.Option("--long-tokens", help="--mixed: approximate sizes of the long prompts, in tokens, comma-separated (sent in turn).")] = "4000,7500",
     long_gap: Annotated[float, typer.Option("--long-gap", help="--mixed: seconds between one long prompt's end and the next one's start.", min=0)] = 3.0,
     strategy: Annotated[str, typer.Option("--strategy", help="The draft strategy of the phases with speculation on: ngram (prompt lookup, on the verifier), suffix, model or hybrid (these three on the stack's drafter). Not with --mixed (ngram).")] = "ngram",
+    metrics: Annotated[Optional[str], typer.Option("--metrics", help="The verifiers' Prometheus endpoints (comma-separated URLs, e.g. from `tandem up --metrics`): each phase then reports what they did meanwhile: prefill tokens computed, reused, shared and recomputed after evictions, evictions, rows per step, KV occupancy.")] = None,
 ) -> None:
     """Load-test a running stack: concurrent multi-turn sessions, speculation off and on at each
     concurrency; aggregate tokens/s (the whole phase, and while every session had a request in
@@ -585,9 +586,19 @@ def loadtest(
         )
         if row["top_error"]:
             console.print(f"  [red]failures:[/red] {row['top_error']}")
+        if "server" in row:
+            v = row["server"]
+            console.print(
+                f"  server: prefill {v['prefill_computed_tokens']} computed ({v['recomputed_tokens']} after evictions, "
+                f"{v['recomputed_share']:.0%}) / {v['prefill_reused_tokens']} reused ({v['prefix_shared_tokens']} shared)  "
+                f"{v['evictions']} evictions  {v['rows_per_step'] or 0} rows/step over {v['steps']} steps  "
+                f"KV max {v['kv_used_max_tokens']} mean {v['kv_used_mean_tokens']} of {v['kv_capacity_tokens']}  "
+                f"admission queue max {v['admission_waiting_max']}")
 
+    urls = [u.strip() for u in (metrics or "").split(",") if u.strip()]
     result = run_loadtest(base, records, levels, turns=turns, max_tokens=max_tokens, duration_s=duration,
-                          conversations_per_worker=conversations, on_phase=show, strategy=strategy)
+                          conversations_per_worker=conversations, on_phase=show, strategy=strategy,
+                          metrics_urls=urls or None)
     _report(result, out, as_json=out is None)
     if out:
         plot_loadtest(result, str(out.with_suffix(".png")), title=f"tandem loadtest: {Path(dataset).stem}")

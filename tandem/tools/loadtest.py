@@ -16,6 +16,9 @@ Per phase (JSON keys are fixed; the project is measured with them):
                         per request (the time per output token a user sees after the first)
     acceptance_rate     accepted / drafted over the phase (null when nothing was drafted)
     residency_hit_rate  fraction of later turns whose prompt found cached KV (cached_tokens > 0)
+    server              with --metrics (the verifiers' /metrics): what they did during the phase,
+                        the prefill composition, recomputation of evicted KV, evictions, rows per
+                        step, KV occupancy (SERVER_COUNTERS below)
 
 The mixed workload (`run_mixed`, `tandem loadtest --mixed`): the same short conversations, twice
 per concurrency: alone (the baseline), then while long prompts (4k-8k tokens, a few output tokens
@@ -71,6 +74,7 @@ class Phase:
     speculation: bool
     wall_s: float = 0.0
     results: list[RequestResult] = field(default_factory=list)
+    server: "ServerView | None" = None  # with --metrics: what the verifiers did meanwhile
 
     def summary(self) -> dict:
         ok = [r for r in self.results if r.ok]
@@ -94,6 +98,7 @@ class Phase:
             "completion_tokens": tokens,
             "wall_s": self.wall_s,
             **self.steady(),
+            **({"server": self.server.summary()} if self.server is not None else {}),
         }
 
     def steady(self) -> dict:
@@ -117,6 +122,84 @@ class Phase:
         tokens = sum(r.tokens / len(r.chunks) * sum(1 for t in r.chunks if start <= t <= end)
                      for r in self.results if r.ok and r.chunks)
         return {"steady_tokens_per_s": tokens / (end - start), "steady_window_s": end - start}
+
+
+# What the verifiers did during a phase (`--metrics`: their Prometheus endpoints, scraped before and
+# after it, the gauges every SAMPLE_S during it), summed over verifiers:
+#   prefill_computed/reused_tokens  context tokens computed at prefill / found resident (own or shared)
+#   prefix_shared_tokens            of reused: copied from another session of the tenant
+#   recomputed_tokens               of computed: tokens an eviction had taken from their session
+#   recomputed_share                recomputed_tokens / prefill_computed_tokens
+#   evictions                       idle sessions evicted for room
+#   steps, rows_per_step            target forwards and the mean sequences in each
+#   kv_used_max/mean_tokens         KV held by resident sessions (of kv_capacity_tokens)
+#   admission_waiting_max           requests waiting for KV room at once
+SERVER_COUNTERS = {
+    "prefill_computed_tokens": ("tandem_prefill_tokens_total", ("kind", "computed")),
+    "prefill_reused_tokens": ("tandem_prefill_tokens_total", ("kind", "reused")),
+    "prefix_shared_tokens": ("tandem_prefix_shared_tokens_total", None),
+    "recomputed_tokens": ("tandem_prefill_recomputed_tokens_total", None),
+    "evictions": ("tandem_kv_evictions_total", None),
+    "steps": ("tandem_verify_batch_size_count", None),
+    "rows": ("tandem_verify_batch_size_sum", None),
+}
+SERVER_GAUGES = {"kv_used": "tandem_kv_used_tokens", "kv_capacity": "tandem_kv_capacity_tokens",
+                 "admission_waiting": "tandem_admission_waiting", "resident": "tandem_resident_sessions"}
+SAMPLE_S = 0.5
+
+
+async def _scrape(client: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
+    """Counters and gauges of SERVER_COUNTERS / SERVER_GAUGES, summed over the endpoints."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for url in urls:
+        text = (await client.get(url, timeout=10)).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for key, (name, label) in SERVER_COUNTERS.items():
+                    if name == sample.name and (label is None or sample.labels.get(label[0]) == label[1]):
+                        out[key] = out.get(key, 0.0) + sample.value
+                for key, name in SERVER_GAUGES.items():
+                    if name == sample.name:
+                        out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+@dataclass
+class ServerView:
+    """The verifiers' counters over a phase and their gauges sampled during it."""
+
+    before: dict[str, float] = field(default_factory=dict)
+    after: dict[str, float] = field(default_factory=dict)
+    samples: list[dict[str, float]] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        d = {k: self.after.get(k, 0.0) - self.before.get(k, 0.0) for k in SERVER_COUNTERS}
+        used = [s.get("kv_used", 0.0) for s in self.samples] or [0.0]
+        computed = d["prefill_computed_tokens"]
+        return {
+            **{k: int(v) for k, v in d.items() if k != "rows"},
+            "recomputed_share": round(d["recomputed_tokens"] / computed, 4) if computed else 0.0,
+            "rows_per_step": round(d["rows"] / d["steps"], 2) if d["steps"] else None,
+            "kv_used_max_tokens": int(max(used)),
+            "kv_used_mean_tokens": int(sum(used) / len(used)),
+            "kv_capacity_tokens": int(self.after.get("kv_capacity", 0)),
+            "admission_waiting_max": int(max((s.get("admission_waiting", 0.0) for s in self.samples), default=0)),
+            "resident_sessions_max": int(max((s.get("resident", 0.0) for s in self.samples), default=0)),
+        }
+
+
+async def _watch(client: httpx.AsyncClient, urls: list[str], view: ServerView, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            view.samples.append(await _scrape(client, urls))
+        except (httpx.HTTPError, ValueError):
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), SAMPLE_S)
+        except asyncio.TimeoutError:
+            pass
 
 
 def _top_error(results: list[RequestResult]) -> str | None:
@@ -266,14 +349,20 @@ async def _worker(client, conversations, phase: Phase, *, speculation: bool, tur
 
 async def run_phase(base_url: str, records: list[PromptRecord], concurrency: int, speculation: bool, *,
                     turns: int, max_tokens: int, duration_s: float, conversations_per_worker: int,
-                    strategy: str = "ngram") -> Phase:
+                    strategy: str = "ngram", metrics_urls: list[str] | None = None) -> Phase:
     """One concurrency level, speculation on or off: `concurrency` workers, each running
-    `conversations_per_worker` conversations (records taken round-robin), bounded by `duration_s`."""
+    `conversations_per_worker` conversations (records taken round-robin), bounded by `duration_s`.
+    `metrics_urls`: the verifiers' Prometheus endpoints, for the phase's server view."""
     phase = Phase(concurrency, speculation)
     pool = itertools.cycle(records)
     plans = [[next(pool) for _ in range(conversations_per_worker)] for _ in range(concurrency)]
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client, \
+            httpx.AsyncClient() as scraper:
+        if metrics_urls:
+            phase.server = ServerView(before=await _scrape(scraper, metrics_urls))
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(_watch(scraper, metrics_urls, phase.server, stop))
         start = time.perf_counter()
         deadline = time.monotonic() + duration_s
         await asyncio.gather(*(
@@ -282,6 +371,10 @@ async def run_phase(base_url: str, records: list[PromptRecord], concurrency: int
             for i, plan in enumerate(plans)
         ))
         phase.wall_s = time.perf_counter() - start
+        if metrics_urls:
+            stop.set()
+            await watcher
+            phase.server.after = await _scrape(scraper, metrics_urls)
     return phase
 
 
@@ -298,13 +391,13 @@ def _each_reported(phases, on_phase) -> list[dict]:
 
 def run_loadtest(base_url: str, records: list[PromptRecord], concurrencies: list[int], *, turns: int = 2,
                  max_tokens: int = 64, duration_s: float = 120.0, conversations_per_worker: int = 1,
-                 on_phase=None, strategy: str = "ngram") -> dict:
+                 on_phase=None, strategy: str = "ngram", metrics_urls: list[str] | None = None) -> dict:
     """Every concurrency, speculation off then on (interleaved per concurrency, so machine noise
     hits both alike); speculation on = the draft strategy `strategy`. Returns {"results": [...],
     "config": {...}}."""
     phases = (asyncio.run(run_phase(base_url, records, c, speculation, turns=turns, max_tokens=max_tokens,
                                     duration_s=duration_s, conversations_per_worker=conversations_per_worker,
-                                    strategy=strategy)).summary()
+                                    strategy=strategy, metrics_urls=metrics_urls)).summary()
               for c in concurrencies for speculation in (False, True))
     return {
         "results": _each_reported(phases, on_phase),

@@ -238,10 +238,17 @@ def test_bench_sessions_through_the_gateway_a_tenant_per_mode(tiny_loaded, tiny_
 def test_loadtest_over_the_chain(chain, tmp_path):
     from tandem.tools.loadtest import plot_loadtest, run_loadtest
 
-    gw, _ = chain
+    gw, verifiers = chain
     records = [PromptRecord(id=str(i), dataset="tiny", category=None, system=None,
                             turns=[f"the answer is {i} the answer is", "and again the answer"]) for i in range(4)]
-    result = run_loadtest(gw.url, records, [1, 2], turns=2, max_tokens=8, duration_s=60)
+    urls = [f"http://127.0.0.1:{v.core.metrics.serve(0, '127.0.0.1')}/metrics" for v in verifiers]
+    result = run_loadtest(gw.url, records, [1, 2], turns=2, max_tokens=8, duration_s=60, metrics_urls=urls)
+    for row in result["results"]:  # what the verifiers did in each phase, from their own /metrics
+        server = row["server"]
+        assert server["prefill_computed_tokens"] > 0 and server["prefill_reused_tokens"] > 0  # second turns
+        assert server["steps"] > 0 and server["rows_per_step"] >= 1
+        assert server["recomputed_tokens"] == server["evictions"] == 0  # nothing evicted at this size
+        assert 0 < server["kv_used_max_tokens"] <= server["kv_capacity_tokens"]
     keys = {"concurrency", "speculation", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
             "itl_p99_ms", "acceptance_rate", "residency_hit_rate"}
     assert [(r["concurrency"], r["speculation"]) for r in result["results"]] == [(1, False), (1, True), (2, False), (2, True)]
@@ -262,6 +269,8 @@ def test_loadtest_over_the_chain(chain, tmp_path):
     # asserts no acceptance figure: under a loaded CPU it chose plain steps once. The drafter
     # session opens at the start of every hybrid turn whatever the controller does.)
     assert chain.drafter.stats()["sessions_resumed"] == resumed + 1
+    for v in verifiers:
+        v.core.metrics.close()
 
 
 def test_mixed_loadtest_sends_long_prompts_beside_running_streams(chain):

@@ -91,9 +91,12 @@ def test_schemathesis(served, path, method, mode):
     @FUZZ
     @given(case=operation.as_strategy(generation_mode=mode), data=st.data())
     def run(case, data):
-        response = case.call(base_url=gw.url, headers=headers, timeout=20)
+        # Our key, unless a negative case made its own (malformed) Authorization: that one must be
+        # refused, so it is sent as generated.
+        sent = {} if mode == GenerationMode.NEGATIVE and "Authorization" in (case.headers or {}) else headers
+        response = case.call(base_url=gw.url, headers=sent, timeout=20)
         SEEN.setdefault((keys, path, method), set()).add(response.status_code)
-        case.validate_response(response, checks=checks, headers=headers)
+        case.validate_response(response, checks=checks, headers=sent)
 
     run()
 

@@ -107,6 +107,14 @@ def test_kv_budget_evicts_least_recently_used(tiny_loaded):
     assert core.session_ids() == ["b", "c"]
     assert core.metrics.value("tandem_kv_evictions_total") == 1
     assert core.kv_used_tokens() <= 80
+    assert core.metrics.value("tandem_prefill_recomputed_tokens_total") == 0
+    # "a" comes back for its next turn: the 26 tokens it had held are computed again, and counted
+    # so; a new session's prefill is not (below the 32 tokens worth sharing, nothing is copied).
+    *_, last = core.generate("a", CONTEXT * 2 + [5, 6], sampling, spec)
+    assert last.stats.prefill_reused_tokens == 0 and last.stats.prefill_computed_tokens == 27
+    assert core.metrics.value("tandem_prefill_recomputed_tokens_total") == len(CONTEXT) * 2
+    list(core.generate("d", CONTEXT * 2, sampling, spec))
+    assert core.metrics.value("tandem_prefill_recomputed_tokens_total") == len(CONTEXT) * 2
 
 
 def test_kv_pool_slots_follow_the_budget_within_free_memory():
