@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -173,6 +173,9 @@ class VerifierCore:
         self._lock = threading.Lock()  # guards the session table
         self._room = threading.Condition(self._lock)  # notified when a session stops generating
         self._waiting: list[object] = []  # admission queue: tickets of requests waiting for room, FIFO
+        self._turns: set[object] = set()  # of them, next turns of resident sessions (they go first)
+        self._gaps: deque[float] = deque(maxlen=256)  # seconds between a session's turns, lately
+        self._heads: deque[tuple] = deque(maxlen=64)  # (salt, first tokens) of the sessions lately admitted
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         # session id -> the tokens an eviction took (oldest first, bounded): when the session comes
         # back, what it computes again of them is counted (tandem_prefill_recomputed_tokens).
@@ -343,14 +346,21 @@ class VerifierCore:
         raise InvalidRequest(f"drafter {shown!r} is not on this verifier's allowlist (its --drafter options)")
 
     def _checkout(self, session_id: str, context_len: int, salt: str = "",
-                  is_active: Callable[[], bool] = lambda: True) -> _Session:
+                  is_active: Callable[[], bool] = lambda: True, head: tuple[int, ...] = ()) -> _Session:
         """The session's resident state (created if new), marked busy; evicts idle sessions LRU to
         make room. A resident session of another salt is not this caller's: it is dropped and the
         request starts fresh (its KV is never read across salts).
 
-        Admission: when running sessions hold the budget, the request waits its turn (FIFO) for
-        room, up to settings.admission_wait_s and behind at most settings.admission_queue others;
-        past either it gets Overloaded with a retry hint."""
+        Admission: when running sessions hold the budget, the request waits its turn for room, up
+        to settings.admission_wait_s and behind at most settings.admission_queue others; past
+        either it gets Overloaded with a retry hint. The next turn of a resident session goes
+        before new sessions (it needs only its new tokens, and its conversation ends only if it
+        runs), and a new session may not evict a session that ended a turn more recently than the
+        next turns here usually take to come (`_protect_s`, at most settings.evict_after_idle_s):
+        it waits instead.
+        Measured on 64 agent sessions (docs/benchmarks.md, "Many sessions"): without these, new
+        sessions evicted conversations between their turns, whose next turns then evicted others,
+        and 60% of the prefill was recomputation."""
         if context_len > self.kv_capacity:  # could never fit here: no use waiting
             raise Overloaded(f"verifier {self.settings.verifier_id}: a context of {context_len} tokens is larger "
                              f"than its whole KV budget of {self.kv_capacity} tokens", retry_after_s=60.0)
@@ -360,8 +370,8 @@ class VerifierCore:
                 while True:
                     why = f"verifier {self.settings.verifier_id}"  # what is full, when _admit tried
                     try:
-                        if not self._waiting or self._waiting[0] is ticket:  # first come, first served
-                            return self._admit(session_id, context_len, salt)
+                        if self._may_try(ticket, session_id):
+                            return self._admit(session_id, context_len, salt, head)
                         ahead = self._waiting.index(ticket) if ticket in self._waiting else len(self._waiting)
                         why = f"verifier {self.settings.verifier_id}: {ahead} requests ahead"
                     except Overloaded as full:
@@ -375,7 +385,11 @@ class VerifierCore:
                             raise Overloaded(f"{why}; {len(self._waiting)} requests already wait for room "
                                              f"(admission_queue={self.settings.admission_queue})",
                                              retry_after_s=max(1.0, self.settings.admission_wait_s / 2)) from None
-                        self._waiting.append(ticket)
+                        if self._returning(session_id):  # after the other returning turns, before new sessions
+                            self._waiting.insert(sum(1 for t in self._waiting if t in self._turns), ticket)
+                            self._turns.add(ticket)
+                        else:
+                            self._waiting.append(ticket)
                         wait_s = self.settings.admission_wait_s
                         deadline = time.monotonic() + wait_s
                         log.info("request for session %s waits for KV room (%d waiting)", session_id,
@@ -388,11 +402,36 @@ class VerifierCore:
                     # Woken when a session stops generating; the slice notices a caller that left.
                     self._room.wait(max(0.0, min(0.25, deadline - time.monotonic())))
             finally:
+                self._turns.discard(ticket)
                 if ticket in self._waiting:
                     self._waiting.remove(ticket)
                     self._room.notify_all()  # the next in line may go now
 
-    def _admit(self, session_id: str, context_len: int, salt: str) -> _Session:
+    def _protect_s(self) -> float:
+        """How long after a turn a session is kept from new sessions: twice the 90th percentile of
+        the gaps seen between a session's turns here, at most settings.evict_after_idle_s; 0 until
+        a few next turns were seen (sessions that never return keep nothing from anyone)."""
+        if len(self._gaps) < 4:
+            return 0.0
+        gaps = sorted(self._gaps)
+        return min(self.settings.evict_after_idle_s, 2.0 * gaps[int(0.9 * (len(gaps) - 1))])
+
+    def _returning(self, session_id: str) -> bool:
+        """Whether this request is the next turn of a session resident here."""
+        sess = self._sessions.get(session_id) if session_id else None
+        return sess is not None and not sess.busy
+
+    def _may_try(self, ticket: object, session_id: str) -> bool:
+        """Whether a request may try admission now: the first in line, or any returning turn when
+        no other returning turn waits before it (new sessions never overtake)."""
+        if not self._waiting or self._waiting[0] is ticket:
+            return True
+        if not self._returning(session_id):
+            return False
+        ahead = self._waiting.index(ticket) if ticket in self._waiting else len(self._waiting)
+        return not any(t in self._turns for t in self._waiting[:ahead])
+
+    def _admit(self, session_id: str, context_len: int, salt: str, head: tuple[int, ...] = ()) -> _Session:
         """_checkout's one attempt: caller holds self._lock; raises Overloaded when there is no room."""
         sess = self._sessions.get(session_id) if session_id else None
         if sess is not None and sess.busy:
@@ -412,7 +451,10 @@ class VerifierCore:
             raise Overloaded(f"verifier {self.settings.verifier_id} is full: {generating} sessions generating "
                              f"(max_generating={cap})")
         if sess is None:
-            self._make_room(context_len, exclude=None)
+            key = (salt, head) if len(head) == Sequence.SHARE_MIN_TOKENS else None
+            self._make_room(context_len, exclude=None, protect_s=self._protect_s(), wanted=key)
+            if key is not None:
+                self._heads.append(key)
             sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt,
                             lost=tuple(self._lost.pop(session_id, ())) if session_id else ())
             if session_id:
@@ -422,6 +464,7 @@ class VerifierCore:
         else:
             self._make_room(context_len - len(sess.seq), exclude=session_id)
             self._sessions.move_to_end(session_id)
+            self._gaps.append(time.monotonic() - sess.last_used)
         sess.busy = True
         sess.reserved = context_len
         sess.last_used = time.monotonic()
@@ -436,26 +479,77 @@ class VerifierCore:
             donors = (other.seq for other in self._sessions.values()
                       if other is not sess and not other.busy and other.salt == sess.salt)
             shared = sess.seq.share_longest(donors, context_ids)
+            if not shared and not len(sess.seq) and len(context_ids) > 256:
+                log.debug("no donor for a new %d-token context: %d idle sessions of its tenant", len(context_ids),
+                          sum(1 for o in self._sessions.values() if not o.busy and o.salt == sess.salt))
         if shared:
             self.metrics.shared(shared)
         return shared
 
-    def _make_room(self, new_tokens: int, exclude: str | None) -> list[tuple[str, list[int], str]]:
+    def _make_room(self, new_tokens: int, exclude: str | None, protect_s: float = 0.0,
+                   wanted: tuple | None = None) -> list[tuple[str, list[int], str]]:
         """Evict idle sessions, least recently used first, until the budget holds `new_tokens`
-        more. Caller holds self._lock."""
+        more; none idle for less than `protect_s`; the last idle holder of a prefix in use (see
+        below; `wanted`: the prefix key of the session being admitted) only when nothing else
+        frees room. Caller holds self._lock."""
         evicted = []
+        recent = time.monotonic() - protect_s
 
         def over() -> bool:
             live = self._live()
             return (sum(s.held for s in live) + new_tokens > self.kv_capacity
                     or len(live) + (1 if exclude is None else 0) > self.settings.max_sessions)
 
-        for sid in list(self._sessions):
+        # A prefix that generating sessions share (a tool list, a system prompt) keeps one idle
+        # holder while the others can go: the next session of that prefix copies it from there
+        # rather than computing it (64 agent sessions: 20k of 21k computed prefill tokens were the
+        # tool list again, computed by sessions that found every holder busy). Only when nothing
+        # else frees room does the last holder go too.
+        def donor_key(sess: _Session) -> tuple | None:
+            ids = sess.seq.ids
+            return (sess.salt, tuple(ids[: Sequence.SHARE_MIN_TOKENS])) if len(ids) >= Sequence.SHARE_MIN_TOKENS else None
+
+        idle_holders: dict[tuple, int] = {}
+        # in use: a generating session's prefix, the arriving session's, one that sessions lately
+        # admitted here began with more than once
+        seen = Counter(self._heads)
+        in_use: set[tuple] = {key for key, n in seen.items() if n > 1} | ({wanted} if wanted else set())
+        for sess in self._live():
+            key = donor_key(sess)
+            if key is not None:
+                if sess.busy:
+                    in_use.add(key)
+                else:
+                    idle_holders[key] = idle_holders.get(key, 0) + 1
+        candidates = [sid for sid in self._sessions
+                      if sid != exclude and not self._sessions[sid].busy
+                      and not (protect_s and self._sessions[sid].last_used > recent)]
+        last_holder = []
+        for sid in candidates:
+            key = donor_key(self._sessions[sid])
+            if key in in_use and idle_holders.get(key, 0) == 1:
+                last_holder.append(sid)
+            elif key is not None and key in idle_holders:
+                idle_holders[key] -= 1
+        # The arriving session's own prefix is never evicted for it (it would copy from there),
+        # and nothing is evicted when evicting every candidate would not make room: the request
+        # waits, and the sessions stay (an attempt that failed once evicted them all for nothing,
+        # donors of the waiting requests' prefix among them).
+        order = [c for c in candidates if c not in last_holder] + [
+            c for c in last_holder if wanted is None or donor_key(self._sessions[c]) != wanted]
+        live = self._live()
+        left = sum(s.held for s in live) - sum(self._sessions[c].held for c in order)
+        count_left = len(live) - len(order)
+        if left + new_tokens > self.kv_capacity or count_left + (1 if exclude is None else 0) > self.settings.max_sessions:
+            raise Overloaded(
+                f"verifier {self.settings.verifier_id} is full: KV budget "
+                f"{self.kv_capacity} tokens / {self.settings.max_sessions} sessions "
+                f"in use by active sessions"
+            )
+        for sid in order:
             if not over():
                 break
             sess = self._sessions[sid]
-            if sid == exclude or sess.busy:
-                continue
             del self._sessions[sid]
             evicted.append((sid, sess.seq.ids, sess.salt))
             self._lost[sid] = array("i", sess.seq.ids)
@@ -546,7 +640,8 @@ class VerifierCore:
             raise InvalidRequest(f"resumed_tokens is {resumed_tokens}; it must be below the context's "
                                  f"{len(context_ids)} tokens")
         drafter_address = self.allowed_drafter(drafter_address)  # before any state changes or connections
-        sess = self._checkout(session_id, len(context_ids), cache_salt, is_active)
+        sess = self._checkout(session_id, len(context_ids), cache_salt, is_active,
+                              head=tuple(context_ids[: Sequence.SHARE_MIN_TOKENS]))
         proposer = None
         keep = True
         try:

@@ -78,7 +78,13 @@ class VerifierSettings(BaseModel):
     # sessions generating, waits (first come, first served) up to admission_wait_s for room, behind at most
     # admission_queue others; beyond either it is refused (RESOURCE_EXHAUSTED with a retry hint).
     admission_queue: int = Field(32, ge=0)
-    admission_wait_s: float = Field(10.0, ge=0)
+    # 60 s: a turn that waits for room still beats one refused (an agent's workflow fails on it);
+    # at 64 agent sessions over a full budget, the queue's front waited 10-20 s.
+    admission_wait_s: float = Field(60.0, ge=0)
+    # A new session may not evict a session that ended a turn more recently than next turns usually
+    # take to come here (twice the 90th percentile of the gaps seen), nor than this: it waits for
+    # room instead. An agent's next turn follows its last within milliseconds to seconds.
+    evict_after_idle_s: float = Field(2.0, ge=0)
     # The KV budget from free memory: this fraction of the memory free after the model loaded (RAM,
     # or the GPU's on CUDA), in tokens of this model's KV; the smaller of it and kv_capacity_tokens.
     kv_memory_fraction: float | None = Field(None, gt=0, le=0.95)

@@ -823,7 +823,11 @@ def verifier(
         "--admission-queue", help="Requests that may wait for room when running sessions hold the KV budget or --max-generating slots "
         "(first come, first served); beyond it, RESOURCE_EXHAUSTED with a retry hint.", min=0)] = 32,
     admission_wait_s: Annotated[float, typer.Option(
-        "--admission-wait-s", help="Longest wait in the admission queue before RESOURCE_EXHAUSTED.", min=0)] = 10.0,
+        "--admission-wait-s", help="Longest wait in the admission queue before RESOURCE_EXHAUSTED.", min=0)] = 60.0,
+    evict_after_idle_s: Annotated[float, typer.Option(
+        "--evict-after-idle-s", help="A new session does not evict a session that ended a turn more recently than next "
+        "turns usually take to come here (twice their 90th percentile), nor than this many seconds: it waits for room.",
+        min=0)] = 2.0,
     prefill_chunk_tokens: Annotated[int, typer.Option(
         "--prefill-chunk-tokens", help="Chunked prefill: the most prompt tokens one step runs. Prompts run in pieces "
         "between other sessions' decoding steps, so a long prompt does not stop their streams.", min=1)] = 256,
@@ -855,7 +859,8 @@ def verifier(
                   kv_capacity_tokens=kv_capacity_tokens, max_sessions=max_sessions, max_generating=max_generating,
                   draft_wait_ms=draft_wait_ms,
                   kv_memory_fraction=kv_memory_fraction, admission_queue=admission_queue,
-                  admission_wait_s=admission_wait_s, prefill_chunk_tokens=prefill_chunk_tokens,
+                  admission_wait_s=admission_wait_s, evict_after_idle_s=evict_after_idle_s,
+                  prefill_chunk_tokens=prefill_chunk_tokens,
                   prefill_min_tokens=min(prefill_min_tokens, prefill_chunk_tokens), prefill_cost_factor=prefill_cost_factor,
                   max_draft_tokens=max_draft_tokens, heartbeat_s=heartbeat_s, threads=svc.threads,
                   metrics_port=svc.metrics_port, drafters=_split_list(drafters),

@@ -26,7 +26,9 @@ NGRAM = SpecConfig(strategy=DraftStrategy.ngram, adaptive=False, max_draft_token
 
 
 def _core(loaded, **kw) -> VerifierCore:
-    return VerifierCore(VerifierSettings(**{"verifier_id": "v-sched", "port": 0, **kw}), loaded)
+    # evict_after_idle_s 0 unless a test is about it: the others evict what LRU order says at once
+    return VerifierCore(VerifierSettings(**{"verifier_id": "v-sched", "port": 0, "evict_after_idle_s": 0.0, **kw}),
+                        loaded)
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -505,6 +507,85 @@ def test_sessions_generating_at_once_are_capped_apart_from_resident_ones(tiny_lo
     assert sorted(core.session_ids()) == ["a", "b", "c", "idle-2"]
     list(b)
     assert core.info()["active_sessions"] == 0
+
+
+def test_a_new_session_waits_rather_than_evict_a_conversation_between_its_turns(tiny_loaded):
+    """The KV budget is full and the only idle session just ended a turn: a new session waits
+    (it may not evict it for evict_after_idle_s); that session's next turn arrives after it and
+    goes first, with its KV still resident; the new session gets in once a session has been idle
+    long enough. Before: the new session evicted the conversation, whose next turn then prefilled
+    everything again (60% of the prefill at 64 agent sessions)."""
+    core = _core(tiny_loaded, kv_capacity_tokens=100, admission_queue=4, admission_wait_s=60,
+                 evict_after_idle_s=30.0)
+    core._gaps.extend([5.0] * 8)  # next turns here have come within 5 s: protect for min(30, 2 x 5) s
+    assert core._protect_s() == 10.0
+    first = _ids(40, 60)
+    turn1 = list(core.generate("conv", first, SamplingParams(max_new_tokens=4, ignore_eos=True), NONE))[-1]
+    held = _hold(core, "busy", _ids(40, 61))  # 40 + 44 of 100 held
+    order: list[str] = []
+
+    def request(sid: str, ctx: list[int]) -> None:
+        last = list(core.generate(sid, ctx, SamplingParams(max_new_tokens=2, ignore_eos=True), NONE))[-1]
+        order.append(sid)
+        outcome[sid] = last
+
+    outcome: dict[str, GenerationResult] = {}
+    newcomer = threading.Thread(target=request, args=("new", _ids(30, 62)))
+    newcomer.start()
+    _wait_until(lambda: core.metrics.value("tandem_admission_waiting") == 1, "the new session to wait")
+    assert "conv" in core.session_ids(), "the conversation between its turns was not evicted"
+    turn2 = first + turn1.token_ids + [7, 8]
+    nxt = threading.Thread(target=request, args=("conv", turn2))
+    nxt.start()
+    nxt.join(60)
+    assert order == ["conv"], "the next turn went before the new session"
+    assert outcome["conv"].stats.prefill_reused_tokens >= len(first), "with its KV still resident"
+    assert core.metrics.value("tandem_kv_evictions_total") == 0 and newcomer.is_alive()
+    core.settings = core.settings.model_copy(update={"evict_after_idle_s": 0.0})  # as if the time had passed
+    newcomer.join(60)
+    assert not newcomer.is_alive()
+    assert order == ["conv", "new"] and core.metrics.value("tandem_kv_evictions_total") == 1
+    list(held)
+
+
+def test_eviction_keeps_the_last_idle_holder_of_a_prefix_in_use(tiny_loaded):
+    """A generating session shares its first tokens (a tool list) with one idle session: a new
+    session needing room evicts another idle session, though it was used more recently, so the
+    next session of that prefix can copy it rather than compute it."""
+    core = _core(tiny_loaded, kv_capacity_tokens=240)
+    prefix = _ids(36, 90)
+    small = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    list(core.generate("holder", prefix + _ids(4, 91), small, NONE))
+    list(core.generate("other", _ids(40, 92), small, NONE))
+    running = _hold(core, "running", prefix + _ids(4, 93))
+    list(core.generate("new", _ids(130, 94), small, NONE))  # room for it: one idle session goes
+    assert "holder" in core.session_ids() and "other" not in core.session_ids()
+    *_, last = core.generate("next", prefix + _ids(4, 95), small, NONE)  # "new" goes, idle and newer
+    assert sorted(core.session_ids()) == ["holder", "next", "running"]
+    assert last.stats.prefill_reused_tokens == 36, "the prefix was copied from its holder"
+    list(running)
+
+
+def test_a_request_that_must_wait_anyway_evicts_nobody(tiny_loaded):
+    """Evicting every idle session would not make room for the arriving one: it waits (and is
+    refused at its deadline), and the idle session stays resident."""
+    core = _core(tiny_loaded, kv_capacity_tokens=120, admission_wait_s=0.2)
+    small = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    list(core.generate("idle", _ids(30, 96), small, NONE))
+    running = _hold(core, "running", _ids(60, 97))
+    with pytest.raises(Overloaded):
+        list(core.generate("big", _ids(70, 98), small, NONE))  # 60 busy + 70 > 120 with or without "idle"
+    assert "idle" in core.session_ids() and core.metrics.value("tandem_kv_evictions_total") == 0
+    list(running)
+
+
+def test_sessions_that_never_return_are_not_protected(tiny_loaded):
+    """Until next turns have been seen, nothing is protected: one-shot sessions in a full verifier
+    are evicted at once for the next (no pause per admission)."""
+    core = _core(tiny_loaded, max_sessions=1, evict_after_idle_s=30.0, admission_wait_s=0.5)
+    for i in range(3):
+        list(core.generate(f"once-{i}", _ids(20, 70 + i), SamplingParams(max_new_tokens=2), NONE))
+    assert core._protect_s() == 0.0 and core.session_ids() == ["once-2"]
 
 
 def test_a_request_behind_others_in_the_queue_keeps_its_own_deadline(tiny_loaded):
