@@ -26,15 +26,7 @@ run() {  # run TANDEM NAME
 }
 
 if [ -n "${BEFORE:-}" ]; then
-  TREE=${TREE:-/tmp/tandem-before}
-  if [ ! -x "$TREE/.venv/bin/tandem" ]; then
-    git worktree add -f "$TREE" "$BEFORE"
-    python3 -m venv "$TREE/.venv"
-    site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    tsite=$("$TREE/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    echo "$site" > "$tsite/tandem_packages.pth"  # torch and the rest from this checkout's venv
-    "$TREE/.venv/bin/pip" install -q --no-deps -e "$TREE"
-  fi
+  before_tree "$BEFORE" "${TREE:-}"
   git -C "$TREE" log -1 --format='before: %h %s' > "$OUT/builds.txt"
   git log -1 --format='after: %h %s' >> "$OUT/builds.txt"
 fi

@@ -61,3 +61,18 @@ bench_setup() {
   lscpu > "$OUT/cpu.txt"
   T=.venv/bin/tandem
 }
+
+# before_tree REV [DIR]: a git worktree of REV at DIR (default /tmp/tandem-before) with its own
+# editable install sharing this checkout's packages (torch and the rest), for before/after pairs in
+# one sitting; sets TREE. Kept between runs: a second call reuses it.
+before_tree() {
+  TREE=${2:-/tmp/tandem-before}
+  if [ ! -x "$TREE/.venv/bin/tandem" ]; then
+    git worktree add -f "$TREE" "$1"
+    python3 -m venv "$TREE/.venv"
+    site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    tsite=$("$TREE/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$site" > "$tsite/tandem_packages.pth"
+    "$TREE/.venv/bin/pip" install -q --no-deps -e "$TREE"
+  fi
+}
