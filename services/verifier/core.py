@@ -535,9 +535,12 @@ class VerifierCore:
         # and nothing is evicted when evicting every candidate would not make room: the request
         # waits, and the sessions stay (an attempt that failed once evicted them all for nothing,
         # donors of the waiting requests' prefix among them).
-        order = [c for c in candidates if c not in last_holder] + [
-            c for c in last_holder if wanted is None or donor_key(self._sessions[c]) != wanted]
         live = self._live()
+        # (kept for the arriving session only while a generating session will free room: with
+        # none, waiting could not help)
+        keep_wanted = wanted is not None and any(s.busy for s in live)
+        order = [c for c in candidates if c not in last_holder] + [
+            c for c in last_holder if not keep_wanted or donor_key(self._sessions[c]) != wanted]
         left = sum(s.held for s in live) - sum(self._sessions[c].held for c in order)
         count_left = len(live) - len(order)
         if left + new_tokens > self.kv_capacity or count_left + (1 if exclude is None else 0) > self.settings.max_sessions:

@@ -566,6 +566,17 @@ def test_eviction_keeps_the_last_idle_holder_of_a_prefix_in_use(tiny_loaded):
     list(running)
 
 
+def test_the_last_holder_of_a_prefix_goes_when_nothing_else_could_make_room(tiny_loaded):
+    """Kept for a session of its prefix only while a generating session will free room: alone in
+    the verifier, it is evicted for the arriving session rather than leave it waiting in vain."""
+    core = _core(tiny_loaded, kv_capacity_tokens=100, admission_wait_s=5)
+    prefix = _ids(36, 99)
+    small = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    list(core.generate("holder", prefix + _ids(40, 100), small, NONE))
+    *_, last = core.generate("same-prefix", prefix + _ids(40, 101), small, NONE)
+    assert core.session_ids() == ["same-prefix"] and isinstance(last, GenerationResult)
+
+
 def test_a_request_that_must_wait_anyway_evicts_nobody(tiny_loaded):
     """Evicting every idle session would not make room for the arriving one: it waits (and is
     refused at its deadline), and the idle session stays resident."""
