@@ -457,6 +457,7 @@ class VerifierCore:
                 self._heads.append(key)
             sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt,
                             lost=tuple(self._lost.pop(session_id, ())) if session_id else ())
+            sess.seq.scope = salt  # its prompt may copy a same-tenant prompt's KV while both prefill
             if session_id:
                 self._sessions[session_id] = sess
             else:
@@ -689,6 +690,8 @@ class VerifierCore:
                                         resumed=resumed_tokens)
                 reused, computed = gen.stats.prefill_reused_tokens, gen.stats.prefill_computed_tokens
                 self.metrics.prefill(reused, computed)
+                if gen.prefill_copied:
+                    self.metrics.shared(gen.prefill_copied)
                 if sess.lost:  # the tokens it held before an eviction, less what was copied back
                     self.metrics.recomputed(max(0, min(common_prefix_len(sess.lost, context_ids), reused + computed)
                                                 - reused))

@@ -431,6 +431,32 @@ def test_one_sessions_failing_step_fails_it_alone(tiny_loaded, monkeypatch):
     assert "bad" not in core.session_ids(), "the failed session's KV is not trusted"
 
 
+@pytest.mark.parametrize("same_tenant", [True, False])
+def test_prompts_arriving_together_compute_their_common_prefix_once(tiny_loaded, same_tenant):
+    """Six sessions of one tenant arrive at once with a 300-token common prefix (a tool list) on a
+    verifier holding nothing: the step loop computes the prefix for the first and the others copy
+    it as it gets there; every output is the target's alone, token for token. Sessions of other
+    tenants share nothing."""
+    core = _core(tiny_loaded)
+    prefix = _ids(300, 110)
+    ctxs = {f"s{i}": prefix + _ids(10, 111 + i) for i in range(6)}
+    sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    out: dict[str, GenerationResult] = {}
+
+    def run(sid: str, ctx: list[int]) -> None:
+        out[sid] = list(core.generate(sid, ctx, sampling, NONE, cache_salt="acme" if same_tenant else sid))[-1]
+
+    _in_threads(run, list(ctxs.items()))
+    for sid, ctx in ctxs.items():
+        assert out[sid].token_ids == Engine(tiny_loaded).generate(ctx, sampling, NONE).token_ids, sid
+    computed = sum(r.stats.prefill_computed_tokens for r in out.values())
+    shared = core.metrics.value("tandem_prefix_shared_tokens_total")
+    if same_tenant:
+        assert shared >= 4 * 300 and computed <= 2 * 300 + 6 * 10, (shared, computed)
+    else:
+        assert shared == 0 and computed == 6 * 309
+
+
 def test_in_process_prefill_in_pieces_equals_one_piece(tiny_loaded):
     """TargetRunner without an executor runs a long prompt in prefill_chunk pieces; the next step's
     logits match the one-piece prefill's (same greedy token, rounding-level differences only)."""

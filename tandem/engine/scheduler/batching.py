@@ -14,11 +14,16 @@ from typing import Protocol
 
 import torch
 
+from tandem.contract.ids import common_prefix_len
 from tandem.contract.results import StepOutput
 from tandem.engine.scheduler.prefill import PieceBudget, PrefillPolicy
 from tandem.engine.speculation.verify import Check, verify_rows
 
 log = logging.getLogger("tandem.engine.scheduler.batching")
+
+
+# A common prefix shorter than this is cheaper to recompute than to find and copy
+SHARE_MIN_TOKENS = 32
 
 
 @dataclass
@@ -39,6 +44,10 @@ class _Job:
     layer: int = 0
     hidden: torch.Tensor | None = None
     start_ns: int = 0  # when a generation planned it (wall clock, for its trace span)
+    # a prompt whose cache was empty, of a scope (a tenant) whose prompts may share KV (_follow)
+    scope: str | None = None
+    fresh: bool = False
+    copied: int = 0  # of its tokens, those copied from another prompt's KV rather than computed
 
     @property
     def prefill(self) -> bool:
@@ -208,6 +217,7 @@ class BatchExecutor:
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._prefills: list[_Job] = []  # prompts being prefilled, oldest first (worker thread only)
+        self._recent: list[_Job] = []  # fresh prompts finished in the last step: donors for the next
         self._attached: list[Scheduled] = []  # generations the loop runs, in arrival order
         self.last_batch_tokens = 0
         self.last_batch_size = 0
@@ -246,7 +256,18 @@ class BatchExecutor:
     def forward(self, cache, ids: list[int], all_logits: bool, alone: bool = False,
                 tree: list[int] | None = None, check: Check | None = None) -> torch.Tensor | None:
         """One block from the caller's thread, run in the next step; the caller waits for it."""
-        job = _Job(cache, list(ids), all_logits, threading.Event(), alone=alone, tree=tree, check=check)
+        return self._wait(_Job(cache, list(ids), all_logits, threading.Event(), alone=alone, tree=tree, check=check))
+
+    def prefill(self, cache, ids: list[int], scope: str | None = None) -> int:
+        """A prompt's KV, in pieces between decoding steps; the caller waits for it. With a `scope`
+        and an empty cache, its first tokens may be copied from another prompt of the scope that
+        begins the same way and is being prefilled now (`_follow`). Returns the tokens copied."""
+        job = _Job(cache, list(ids), False, threading.Event(), scope=scope,
+                   fresh=self.runner.backend.cache_len(cache) == 0)
+        self._wait(job)
+        return job.copied
+
+    def _wait(self, job: _Job) -> torch.Tensor | None:
         if job.prefill and not job.ids:
             return None  # nothing to run (and a piece plan never finishes an empty prompt)
         with self._cond:
@@ -353,6 +374,43 @@ class BatchExecutor:
                 self._attached.remove(entry)
         entry._detach(error)
 
+    def _follow(self) -> set[int]:
+        """New prompts that begin like an older prompt of their scope (a tenant) take its KV for
+        the common part instead of computing it: at once when the older one has computed that far
+        (or finished in the step before), else they wait (the ids returned) while it gets there.
+        Why: 32 agent sessions arriving together on a verifier with no idle session of their
+        tool list each computed its 1,260 tokens (tandem.services.verifier.core shares only what
+        resident idle sessions hold). Here, between steps on the loop's thread, no forward runs,
+        and the positions copied are ones the older prompt has finished and will not change;
+        their bits are those the new prompt would compute itself (the kernels are row-invariant:
+        a position's KV depends only on the tokens up to it)."""
+        recent, self._recent = self._recent, []
+        if not self.runner.backend.shares_prefix:
+            return set()
+        waiting: set[int] = set()
+        donors: list[_Job] = list(recent)
+        for j in self._prefills:
+            if j.scope is None or not j.fresh:
+                continue
+            if j.done_tokens == 0 and j.layer == 0:
+                best, donor = 0, None
+                for d in donors:
+                    if d.scope == j.scope:
+                        n = common_prefix_len(d.ids, j.ids)
+                        if n > best:
+                            best, donor = n, d
+                if donor is not None and best >= SHARE_MIN_TOKENS:
+                    if donor.done_tokens >= best:
+                        self.runner.backend.copy_prefix(donor.cache, j.cache, best)
+                        j.done_tokens = j.copied = best
+                        if best == len(j.ids):
+                            j.done.set()
+                    else:
+                        waiting.add(id(j))
+            donors.append(j)  # only older prompts are donors: no two wait on each other
+        self._prefills = [j for j in self._prefills if not j.done.is_set()]
+        return waiting
+
     def _long(self, job: _Job) -> bool:
         """A prompt no one piece holds: its pieces are what the budget steers (and may split)."""
         return len(job.ids) > self.policy.max_piece
@@ -362,8 +420,9 @@ class BatchExecutor:
         decoding = bool(self._attached) or bool(decode)
         budget = self.budget.next(bool(decode), decoding)
         L, low = self.split_layers, budget < self.policy.min_piece
+        following = self._follow()
         moving = [j for j in self._prefills if j.layer > 0]  # a piece part-way through the layers
-        rest = [j for j in self._prefills if j.layer == 0]
+        rest = [j for j in self._prefills if j.layer == 0 and id(j) not in following]
         # Only a long prompt's tail stays in the budget once started. A short one (one piece holds
         # it) may have got a first min_piece piece only because whole prompts filled that step; it
         # goes whole at its next step, as a new chat turn would (held to the budget, a 137-token
@@ -446,6 +505,8 @@ class BatchExecutor:
             j.done_tokens += n
             if j.done_tokens == len(j.ids):
                 j.done.set()
+                if j.fresh and j.scope is not None:
+                    self._recent.append(j)  # a donor for the next step's new prompts still
         self._prefills = [j for j in self._prefills if not j.done.is_set()]
         return seconds
 

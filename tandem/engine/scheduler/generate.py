@@ -162,6 +162,7 @@ class Generation:
         prefill: PrefillStats = self.seq.set_context(list(context_ids))
         self.stats.prefill_reused_tokens = prefill.reused
         self.stats.prefill_computed_tokens = prefill.computed
+        self.prefill_copied = prefill.copied  # of reused: copied from a prompt prefilled beside it
 
     @property
     def finished(self) -> bool:

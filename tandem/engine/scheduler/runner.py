@@ -27,7 +27,7 @@ import torch
 from tandem.contract.ids import common_prefix_len
 from tandem.engine.model.backends import ForwardCosts, NominalCosts, make_backend
 from tandem.engine.model.loading import LoadedModel
-from tandem.engine.scheduler.batching import BatchExecutor
+from tandem.engine.scheduler.batching import SHARE_MIN_TOKENS, BatchExecutor
 from tandem.engine.scheduler.prefill import PrefillPolicy
 from tandem.engine.speculation.verify import Check, verify_rows
 
@@ -36,8 +36,9 @@ log = logging.getLogger("tandem.engine.scheduler.runner")
 
 @dataclass
 class PrefillStats:
-    reused: int  # context tokens whose KV was already resident
+    reused: int  # context tokens whose KV was already resident, or copied (of them: `copied`)
     computed: int  # context tokens run through the target now
+    copied: int = 0  # context tokens whose KV was copied from a prompt of its scope being prefilled
 
 
 class TargetRunner:
@@ -107,6 +108,15 @@ class TargetRunner:
             verify_rows([check], [logits])
         return logits
 
+    def prefill(self, cache, input_ids: list[int], scope: str | None = None) -> int:
+        """The KV of a prompt's tokens on top of `cache` (no logits). In the step loop, a prompt
+        of a `scope` may copy its first tokens from one being prefilled there
+        (BatchExecutor.prefill). Returns the tokens copied rather than computed."""
+        if self.executor is not None:
+            return self.executor.prefill(cache, input_ids, scope)
+        self.forward(cache, input_ids, all_logits=False)
+        return 0
+
     def enable_batching(self, prefill: "PrefillPolicy | None" = None) -> "BatchExecutor":
         """From now on one step loop runs every forward: generations attached to it
         (`BatchExecutor.attach`) and blocks of concurrent callers run batched, and prompts are
@@ -124,6 +134,9 @@ class Sequence:
         self.runner = runner
         self.cache = runner.backend.new_cache()
         self.ids: list[int] = []
+        # Whose prompts may lend this one their KV while both are prefilled (a tenant's cache
+        # salt; the verifier sets it): None, none (BatchExecutor._follow).
+        self.scope: str | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -145,10 +158,9 @@ class Sequence:
         keep = min(common, len(context_ids) - 1)
         self.rollback(keep)
         todo = context_ids[keep:-1]
-        if todo:
-            self.runner.forward(self.cache, todo, all_logits=False)
+        copied = self.runner.prefill(self.cache, todo, self.scope) if todo else 0
         self.ids = list(context_ids)
-        return PrefillStats(reused=keep, computed=len(todo))
+        return PrefillStats(reused=keep + copied, computed=len(todo) - copied, copied=copied)
 
     def block_inputs(self, drafts: list[int]) -> list[int]:
         """A step's forward input: the pending token, then the drafts."""
@@ -198,8 +210,7 @@ class Sequence:
         self.runner.backend.copy_prefix(other.cache, self.cache, length)
         self.ids = list(other.ids[:length])
 
-    # A common prefix shorter than this is cheaper to recompute than to find and copy
-    SHARE_MIN_TOKENS = 32
+    SHARE_MIN_TOKENS = SHARE_MIN_TOKENS
 
     def share_longest(self, donors: Iterable["Sequence"], context_ids: list[int]) -> int:
         """Copy the KV of the longest prefix of `context_ids` that one of `donors` holds (a common
