@@ -6,7 +6,7 @@
 # else may run meanwhile.
 #
 #   benchmarks/sessions_bench.sh            # docs/results/<host>/sessions/<NAME>.json (NAME=sessions; REPEAT=3 -> _2, _3)
-#   NAME=before LEVELS=1,4,64 benchmarks/sessions_bench.sh
+#   NAME=before LEVELS=1,4,64 benchmarks/sessions_bench.sh     # SUBDIR=... another folder
 #   BEFORE=52ffbe9 REPEAT=3 benchmarks/sessions_bench.sh
 #       before/after in one sitting, alternating: the stack built from BEFORE (a git worktree with
 #       its own editable install, sharing this checkout's packages), then this checkout's, the same
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/stack.sh
-bench_setup sessions
+bench_setup "${SUBDIR:-sessions}"
 PORT=${PORT:-50181}
 NAME=${NAME:-sessions}
 run() {  # run TANDEM NAME
