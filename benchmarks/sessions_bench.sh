@@ -21,7 +21,7 @@ run() {  # run TANDEM NAME
   stack_up "$1" "$PORT" "$OUT/${2}_stack_log.txt" ${UP_ARGS:-}
   metrics=$(grep -o 'http://[^ ]*/metrics   (verifier[^)]*)' "$OUT/${2}_stack_log.txt" | awk '{print $1}' | paste -sd,)
   $T loadtest --endpoint 127.0.0.1:$((PORT + 1)) -d agent_tools -c "${LEVELS:-1,4,16,32,64}" --strategy suffix \
-    --duration "${DURATION:-45}" --metrics "$metrics" -o "$OUT/${2}.json" 2>&1 | tee "$OUT/${2}_log.txt"
+    --duration "${DURATION:-45}" --metrics "$metrics" ${EXTRA:-} -o "$OUT/${2}.json" 2>&1 | tee "$OUT/${2}_log.txt"
   stack_down
 }
 

@@ -67,6 +67,10 @@ bench_setup() {
 # one sitting; sets TREE. Kept between runs: a second call reuses it.
 before_tree() {
   TREE=${2:-/tmp/tandem-before}
+  # a tree left by an earlier pair at another revision is made again (it once served the wrong build)
+  if [ -d "$TREE" ] && [ "$(git -C "$TREE" rev-parse HEAD 2>/dev/null)" != "$(git rev-parse "$1^{commit}")" ]; then
+    git worktree remove --force "$TREE"
+  fi
   if [ ! -x "$TREE/.venv/bin/tandem" ]; then
     git worktree add -f "$TREE" "$1"
     python3 -m venv "$TREE/.venv"
