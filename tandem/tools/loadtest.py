@@ -176,7 +176,8 @@ class ServerView:
 
     def summary(self) -> dict:
         d = {k: self.after.get(k, 0.0) - self.before.get(k, 0.0) for k in SERVER_COUNTERS}
-        used = [s.get("kv_used", 0.0) for s in self.samples] or [0.0]
+        # the samples, and the end (a phase shorter than SAMPLE_S may have no sample under load)
+        used = [s.get("kv_used", 0.0) for s in [*self.samples, self.after]]
         computed = d["prefill_computed_tokens"]
         return {
             **{k: int(v) for k, v in d.items() if k != "rows"},
