@@ -150,6 +150,9 @@ class GenerationRequest:
 
 # GenerationRequest's fields that are SamplingParams' own, under the same names (max_tokens is the
 # request's cap, checked against the context window before it becomes max_new_tokens).
+# How long a full verifier may queue a request while the gateway has another verifier to try.
+HOP_ADMISSION_WAIT_S = 2.0
+
 REQUEST_SAMPLING = tuple(name for name in SamplingParams.model_fields if name != "max_new_tokens")
 
 
@@ -889,7 +892,14 @@ class GatewayCore:
                     continue
                 detail = "; ".join(dict.fromkeys(failures)) if failures else self._why_none(exclude)
                 raise NoVerifierAvailable(f"no verifier available: {detail}")
-            stream = self._clients.generate(decision.address, request, max(0.001, deadline - time.monotonic()))
+            # A full verifier queues a request for room (its --admission-wait-s, 60 s): while
+            # another verifier is left to try, ask it to wait only briefly, so it does not hold a
+            # request another could start now; the last candidate keeps its own wait.
+            now = time.monotonic()
+            others = [r for r in self.live_verifiers() if r.verifier_id not in tried | {decision.verifier_id}
+                      and not r.draining and self._down.get(r.verifier_id, 0.0) <= now]
+            attempt = dataclasses.replace(request, admission_wait_s=HOP_ADMISSION_WAIT_S if others else 0.0)
+            stream = self._clients.generate(decision.address, attempt, max(0.001, deadline - time.monotonic()))
             self._streams.add(stream)  # from now on a shutdown's cut reaches it
             try:
                 try:

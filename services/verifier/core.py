@@ -346,7 +346,8 @@ class VerifierCore:
         raise InvalidRequest(f"drafter {shown!r} is not on this verifier's allowlist (its --drafter options)")
 
     def _checkout(self, session_id: str, context_len: int, salt: str = "",
-                  is_active: Callable[[], bool] = lambda: True, head: tuple[int, ...] = ()) -> _Session:
+                  is_active: Callable[[], bool] = lambda: True, head: tuple[int, ...] = (),
+                  wait_s: float = 0.0) -> _Session:
         """The session's resident state (created if new), marked busy; evicts idle sessions LRU to
         make room. A resident session of another salt is not this caller's: it is dropped and the
         request starts fresh (its KV is never read across salts).
@@ -390,7 +391,8 @@ class VerifierCore:
                             self._turns.add(ticket)
                         else:
                             self._waiting.append(ticket)
-                        wait_s = self.settings.admission_wait_s
+                        wait_s = min(wait_s, self.settings.admission_wait_s) if wait_s > 0 else \
+                            self.settings.admission_wait_s
                         deadline = time.monotonic() + wait_s
                         log.info("request for session %s waits for KV room (%d waiting)", session_id,
                                  len(self._waiting))
@@ -601,10 +603,12 @@ class VerifierCore:
         headers: tuple = (),
         cache_salt: str = "",
         resumed_tokens: int = 0,
+        admission_wait_s: float = 0.0,
     ) -> Iterator[StepOutput | GenerationResult]:
         """Run one request: yields a StepOutput per target step, then the GenerationResult.
         `cache_salt`: the isolation domain of the session's KV (SessionGenerateRequest.cache_salt);
-        `resumed_tokens`: the context's tail that is this request's output from before a failover."""
+        `resumed_tokens`: the context's tail that is this request's output from before a failover;
+        `admission_wait_s`: the caller's longest wait for KV room (0: settings.admission_wait_s)."""
         status = "cancelled"  # unless it finishes or fails: the consumer stopped early
         if len(cache_salt.encode()) > MAX_SALT_BYTES:
             raise InvalidRequest(f"cache_salt is longer than {MAX_SALT_BYTES} bytes")
@@ -612,7 +616,7 @@ class VerifierCore:
             raise Draining(f"verifier {self.settings.verifier_id} is shutting down; send the request to another one")
         steps = self._generate(session_id, context_ids, sampling, spec, drafter_address,
                                is_active=is_active, headers=headers, cache_salt=cache_salt,
-                               resumed_tokens=resumed_tokens)
+                               resumed_tokens=resumed_tokens, admission_wait_s=admission_wait_s)
         with session_context(session_id), contextlib.closing(steps):
             try:
                 for item in steps:
@@ -638,6 +642,7 @@ class VerifierCore:
         headers: tuple,
         cache_salt: str,
         resumed_tokens: int = 0,
+        admission_wait_s: float = 0.0,
     ) -> Iterator[StepOutput | GenerationResult]:
         self.validate(context_ids, sampling)
         if not 0 <= resumed_tokens < len(context_ids):
@@ -645,7 +650,7 @@ class VerifierCore:
                                  f"{len(context_ids)} tokens")
         drafter_address = self.allowed_drafter(drafter_address)  # before any state changes or connections
         sess = self._checkout(session_id, len(context_ids), cache_salt, is_active,
-                              head=tuple(context_ids[: Sequence.SHARE_MIN_TOKENS]))
+                              head=tuple(context_ids[: Sequence.SHARE_MIN_TOKENS]), wait_s=admission_wait_s)
         proposer = None
         keep = True
         try:

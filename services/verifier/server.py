@@ -65,7 +65,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             steps = self.core.generate(
                 request.session_id, list(request.context_ids), sampling, spec, request.drafter_address,
                 is_active=context.is_active, headers=inject_metadata(), cache_salt=request.cache_salt,
-                resumed_tokens=request.resumed_tokens,
+                resumed_tokens=request.resumed_tokens, admission_wait_s=request.admission_wait_ms / 1000.0,
             )
             try:
                 for item in steps:

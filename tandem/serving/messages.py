@@ -26,6 +26,7 @@ class VerifierRequest:
     drafter_address: str = ""  # "" = no drafter: plain decoding
     cache_salt: str = ""  # KV and prefix residency are shared only among requests of equal salt
     resumed_tokens: int = 0  # failover: the context's last N tokens are this request's output so far
+    admission_wait_s: float = 0.0  # longest wait for KV room on a full verifier; 0 = the verifier's own
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,7 @@ def verifier_request_to_proto(req: VerifierRequest) -> verifier_pb2.SessionGener
     return verifier_pb2.SessionGenerateRequest(
         session_id=req.session_id, context_ids=req.context_ids, sampling=sampling_to_proto(req.sampling),
         speculation=spec_to_proto(req.spec), drafter_address=req.drafter_address, cache_salt=req.cache_salt,
-        resumed_tokens=req.resumed_tokens,
+        resumed_tokens=req.resumed_tokens, admission_wait_ms=round(req.admission_wait_s * 1000),
     )
 
 

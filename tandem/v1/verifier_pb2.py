@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xe6\x01\n\x16SessionGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x17\n\x0f\x64rafter_address\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x07 \x01(\r\"@\n\x08StepInfo\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x11\n\tblock_len\x18\x03 \x01(\r\"\xe3\x01\n\x0f\x43ommittedTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12!\n\x04step\x18\x03 \x01(\x0b\x32\x13.tandem.v1.StepInfo\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\r\n\x0bInfoRequest\"\xee\x01\n\x0cVerifierInfo\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x04\x12\x16\n\x0ekv_used_tokens\x18\x06 \x01(\x04\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x11\n\tprecision\x18\n \x01(\t2\x93\x01\n\x08Verifier\x12K\n\x08Generate\x12!.tandem.v1.SessionGenerateRequest\x1a\x1a.tandem.v1.CommittedTokens0\x01\x12:\n\x07GetInfo\x12\x16.tandem.v1.InfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x81\x02\n\x16SessionGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x17\n\x0f\x64rafter_address\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x61\x64mission_wait_ms\x18\x08 \x01(\r\"@\n\x08StepInfo\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x11\n\tblock_len\x18\x03 \x01(\r\"\xe3\x01\n\x0f\x43ommittedTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12!\n\x04step\x18\x03 \x01(\x0b\x32\x13.tandem.v1.StepInfo\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\r\n\x0bInfoRequest\"\xee\x01\n\x0cVerifierInfo\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x04\x12\x16\n\x0ekv_used_tokens\x18\x06 \x01(\x04\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x11\n\tprecision\x18\n \x01(\t2\x93\x01\n\x08Verifier\x12K\n\x08Generate\x12!.tandem.v1.SessionGenerateRequest\x1a\x1a.tandem.v1.CommittedTokens0\x01\x12:\n\x07GetInfo\x12\x16.tandem.v1.InfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.verifier_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SESSIONGENERATEREQUEST']._serialized_start=64
-  _globals['_SESSIONGENERATEREQUEST']._serialized_end=294
-  _globals['_STEPINFO']._serialized_start=296
-  _globals['_STEPINFO']._serialized_end=360
-  _globals['_COMMITTEDTOKENS']._serialized_start=363
-  _globals['_COMMITTEDTOKENS']._serialized_end=590
-  _globals['_INFOREQUEST']._serialized_start=592
-  _globals['_INFOREQUEST']._serialized_end=605
-  _globals['_VERIFIERINFO']._serialized_start=608
-  _globals['_VERIFIERINFO']._serialized_end=846
-  _globals['_VERIFIER']._serialized_start=849
-  _globals['_VERIFIER']._serialized_end=996
+  _globals['_SESSIONGENERATEREQUEST']._serialized_end=321
+  _globals['_STEPINFO']._serialized_start=323
+  _globals['_STEPINFO']._serialized_end=387
+  _globals['_COMMITTEDTOKENS']._serialized_start=390
+  _globals['_COMMITTEDTOKENS']._serialized_end=617
+  _globals['_INFOREQUEST']._serialized_start=619
+  _globals['_INFOREQUEST']._serialized_end=632
+  _globals['_VERIFIERINFO']._serialized_start=635
+  _globals['_VERIFIERINFO']._serialized_end=873
+  _globals['_VERIFIER']._serialized_start=876
+  _globals['_VERIFIER']._serialized_end=1023
 # @@protoc_insertion_point(module_scope)

@@ -38,6 +38,7 @@ class SessionGenerateRequest(_message.Message):
     DRAFTER_ADDRESS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     RESUMED_TOKENS_FIELD_NUMBER: _builtins.int
+    ADMISSION_WAIT_MS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Session whose KV cache to reuse and extend; empty = one-off, nothing kept for reuse."""
     drafter_address: _builtins.str
@@ -55,6 +56,12 @@ class SessionGenerateRequest(_message.Message):
     is left), so the continuation is what one uninterrupted call would have produced: the same
     tokens when greedy, the same distribution when sampled. first_index still counts from 0 at
     this call's first token. 0 = a fresh request. At most len(context_ids) - 1.
+    """
+    admission_wait_ms: _builtins.int
+    """Longest wait, in milliseconds, for KV room when the verifier is full (its admission queue),
+    before RESOURCE_EXHAUSTED. 0 = the verifier's own (--admission-wait-s). A gateway that has
+    other verifiers to try asks for a short wait, so a full verifier does not hold a request that
+    another could start now; for its last candidate it leaves the verifier's own.
     """
     @_builtins.property
     def context_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -81,10 +88,11 @@ class SessionGenerateRequest(_message.Message):
         drafter_address: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
         resumed_tokens: _builtins.int = ...,
+        admission_wait_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "speculation", b"speculation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "context_ids", b"context_ids", "drafter_address", b"drafter_address", "resumed_tokens", b"resumed_tokens", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_wait_ms", b"admission_wait_ms", "cache_salt", b"cache_salt", "context_ids", b"context_ids", "drafter_address", b"drafter_address", "resumed_tokens", b"resumed_tokens", "sampling", b"sampling", "session_id", b"session_id", "speculation", b"speculation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -450,6 +450,8 @@ def test_full_verifiers_are_skipped_then_reported_as_overload(stack) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}]}
     r = gw.http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.json()["tandem"]["verifier_id"] == "vb"
+    # With vb left to try, va was asked to queue the request only briefly; vb, the last, for its own wait
+    assert [q.admission_wait_ms for q in va.requests] == [2000] and [q.admission_wait_ms for q in vb.requests] == [0]
     vb.kv_full = True
     r = gw.http.post("/v1/chat/completions", json=body)
     assert r.status_code == 429 and "KV cache is full" in r.json()["error"]["message"]

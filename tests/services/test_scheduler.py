@@ -679,6 +679,16 @@ def test_anonymous_requests_count_against_the_budget_while_they_run(tiny_loaded)
     assert isinstance(items[-1], GenerationResult)
 
 
+def test_the_caller_may_ask_for_a_shorter_admission_wait(tiny_loaded):
+    """A gateway with another verifier to try asks a full one to wait briefly (admission_wait_ms):
+    the request is refused after that, not after the verifier's own 60 s."""
+    core = _core(tiny_loaded, max_sessions=1, admission_wait_s=60)
+    held = _hold(core, "a", _ids(20, 120))
+    with pytest.raises(Overloaded, match=r"waited 0.2 s"):
+        list(core.generate("b", _ids(20, 121), SamplingParams(max_new_tokens=2), NONE, admission_wait_s=0.2))
+    list(held)
+
+
 def test_a_full_queue_refuses_at_once_with_a_retry_hint(tiny_loaded):
     core = _core(tiny_loaded, max_sessions=1, admission_queue=1, admission_wait_s=60)
     a = _hold(core, "a", _ids(20, 11))
