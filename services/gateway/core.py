@@ -148,11 +148,11 @@ class GenerationRequest:
     slot: object = None
 
 
-# GenerationRequest's fields that are SamplingParams' own, under the same names (max_tokens is the
-# request's cap, checked against the context window before it becomes max_new_tokens).
 # How long a full verifier may queue a request while the gateway has another verifier to try.
 HOP_ADMISSION_WAIT_S = 2.0
 
+# GenerationRequest's fields that are SamplingParams' own, under the same names (max_tokens is the
+# request's cap, checked against the context window before it becomes max_new_tokens).
 REQUEST_SAMPLING = tuple(name for name in SamplingParams.model_fields if name != "max_new_tokens")
 
 

@@ -101,10 +101,6 @@ from tandem.serving.logs import session_id_var
 from tandem.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tandem.serving.telemetry import instrument_http_app
 
-# TIMEOUT_HEADER: the client's deadline for the whole request, in seconds (as gRPC's deadline does
-# over gRPC): past it the request ends with 504 (or an SSE error event) and its verifier frees the
-# request's state.
-
 _HTTP: dict[type[errors.GatewayError], tuple[int, str]] = {
     errors.InvalidRequest: (400, "invalid_request_error"),
     errors.Unauthenticated: (401, "authentication_error"),

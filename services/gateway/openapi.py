@@ -19,6 +19,8 @@ from tandem.services.gateway import errors
 
 # The headers the generation routes read (http.py, which builds the app, names them).
 SESSION_HEADER = "X-Session-Id"
+# The client's deadline for the whole request, in seconds (as gRPC's deadline does over gRPC): past
+# it the request ends with 504 (or an SSE error event) and its verifier frees the request's state.
 TIMEOUT_HEADER = "X-Request-Timeout"
 
 # Every 4xx/5xx answer, in OpenAI's shape; the message is bounded (errors.MAX_MESSAGE_CHARS).

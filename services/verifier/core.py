@@ -131,6 +131,12 @@ def kv_pool_slots(budget_tokens: int, max_sessions: int, free_bytes: int, bytes_
 LOST_REMEMBERED = 1024  # evicted sessions whose tokens are kept (4 bytes a token) to count recomputation
 
 
+def prefix_key(salt: str, ids) -> tuple | None:
+    """What sessions whose KV may be shared have in common: the tenant and the first
+    SHARE_MIN_TOKENS tokens (None for a shorter context, which is not worth sharing)."""
+    return (salt, tuple(ids[: Sequence.SHARE_MIN_TOKENS])) if len(ids) >= Sequence.SHARE_MIN_TOKENS else None
+
+
 @dataclass
 class _Session:
     seq: Sequence
@@ -138,7 +144,7 @@ class _Session:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
     reserved: int = 0  # context tokens admitted for while generating (its prefill may not have run yet)
-    lost: tuple[int, ...] = ()  # the tokens an eviction took from this session id (for the recompute count)
+    lost: array | tuple = ()  # the tokens an eviction took from this session id (for the recompute count)
 
     @property
     def held(self) -> int:
@@ -346,7 +352,7 @@ class VerifierCore:
         raise InvalidRequest(f"drafter {shown!r} is not on this verifier's allowlist (its --drafter options)")
 
     def _checkout(self, session_id: str, context_len: int, salt: str = "",
-                  is_active: Callable[[], bool] = lambda: True, head: tuple[int, ...] = (),
+                  is_active: Callable[[], bool] = lambda: True, key: tuple | None = None,
                   wait_s: float = 0.0) -> _Session:
         """The session's resident state (created if new), marked busy; evicts idle sessions LRU to
         make room. A resident session of another salt is not this caller's: it is dropped and the
@@ -372,7 +378,7 @@ class VerifierCore:
                     why = f"verifier {self.settings.verifier_id}"  # what is full, when _admit tried
                     try:
                         if self._may_try(ticket, session_id):
-                            return self._admit(session_id, context_len, salt, head)
+                            return self._admit(session_id, context_len, salt, key)
                         ahead = self._waiting.index(ticket) if ticket in self._waiting else len(self._waiting)
                         why = f"verifier {self.settings.verifier_id}: {ahead} requests ahead"
                     except Overloaded as full:
@@ -433,7 +439,7 @@ class VerifierCore:
         ahead = self._waiting.index(ticket) if ticket in self._waiting else len(self._waiting)
         return not any(t in self._turns for t in self._waiting[:ahead])
 
-    def _admit(self, session_id: str, context_len: int, salt: str, head: tuple[int, ...] = ()) -> _Session:
+    def _admit(self, session_id: str, context_len: int, salt: str, key: tuple | None = None) -> _Session:
         """_checkout's one attempt: caller holds self._lock; raises Overloaded when there is no room."""
         sess = self._sessions.get(session_id) if session_id else None
         if sess is not None and sess.busy:
@@ -453,12 +459,11 @@ class VerifierCore:
             raise Overloaded(f"verifier {self.settings.verifier_id} is full: {generating} sessions generating "
                              f"(max_generating={cap})")
         if sess is None:
-            key = (salt, head) if len(head) == Sequence.SHARE_MIN_TOKENS else None
             self._make_room(context_len, exclude=None, protect_s=self._protect_s(), wanted=key)
             if key is not None:
                 self._heads.append(key)
             sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt,
-                            lost=tuple(self._lost.pop(session_id, ())) if session_id else ())
+                            lost=self._lost.pop(session_id, ()) if session_id else ())
             sess.seq.scope = salt  # its prompt may copy a same-tenant prompt's KV while both prefill
             if session_id:
                 self._sessions[session_id] = sess
@@ -494,83 +499,64 @@ class VerifierCore:
         """Evict idle sessions, least recently used first, until the budget holds `new_tokens`
         more; none idle for less than `protect_s`; the last idle holder of a prefix in use (see
         below; `wanted`: the prefix key of the session being admitted) only when nothing else
-        frees room. Caller holds self._lock."""
-        evicted = []
+        frees room. Raises Overloaded, evicting nobody, when evicting every candidate would not
+        make room (the request waits, and the sessions stay: an attempt that failed once evicted
+        them all for nothing, donors of the waiting requests' prefix among them). Caller holds
+        self._lock."""
+        live = self._live()
+        used, count = sum(s.held for s in live), len(live) + (1 if exclude is None else 0)
         recent = time.monotonic() - protect_s
-
-        def over() -> bool:
-            live = self._live()
-            return (sum(s.held for s in live) + new_tokens > self.kv_capacity
-                    or len(live) + (1 if exclude is None else 0) > self.settings.max_sessions)
 
         # A prefix that generating sessions share (a tool list, a system prompt) keeps one idle
         # holder while the others can go: the next session of that prefix copies it from there
         # rather than computing it (64 agent sessions: 20k of 21k computed prefill tokens were the
         # tool list again, computed by sessions that found every holder busy). Only when nothing
-        # else frees room does the last holder go too.
-        def donor_key(sess: _Session) -> tuple | None:
-            ids = sess.seq.ids
-            return (sess.salt, tuple(ids[: Sequence.SHARE_MIN_TOKENS])) if len(ids) >= Sequence.SHARE_MIN_TOKENS else None
-
-        idle_holders: dict[tuple, int] = {}
-        # in use: a generating session's prefix, the arriving session's, one that sessions lately
-        # admitted here began with more than once
-        seen = Counter(self._heads)
-        in_use: set[tuple] = {key for key, n in seen.items() if n > 1} | ({wanted} if wanted else set())
-        for sess in self._live():
-            key = donor_key(sess)
+        # else frees room does the last holder go too. In use: a generating session's prefix, the
+        # arriving session's, one that sessions lately admitted here began with more than once.
+        in_use = {key for key, n in Counter(self._heads).items() if n > 1} | ({wanted} if wanted else set())
+        idle_holders: Counter[tuple] = Counter()
+        for sess in live:
+            key = prefix_key(sess.salt, sess.seq.ids)
             if key is not None:
                 if sess.busy:
                     in_use.add(key)
                 else:
-                    idle_holders[key] = idle_holders.get(key, 0) + 1
-        candidates = [sid for sid in self._sessions
-                      if sid != exclude and not self._sessions[sid].busy
-                      and not (protect_s and self._sessions[sid].last_used > recent)]
-        last_holder = []
+                    idle_holders[key] += 1
+        candidates = [sid for sid, sess in self._sessions.items()
+                      if sid != exclude and not sess.busy and not (protect_s and sess.last_used > recent)]
+        first, last_holders = [], []
         for sid in candidates:
-            key = donor_key(self._sessions[sid])
-            if key in in_use and idle_holders.get(key, 0) == 1:
-                last_holder.append(sid)
-            elif key is not None and key in idle_holders:
-                idle_holders[key] -= 1
-        # The arriving session's own prefix is never evicted for it (it would copy from there),
-        # and nothing is evicted when evicting every candidate would not make room: the request
-        # waits, and the sessions stay (an attempt that failed once evicted them all for nothing,
-        # donors of the waiting requests' prefix among them).
-        live = self._live()
-        # (kept for the arriving session only while a generating session will free room: with
-        # none, waiting could not help)
+            key = prefix_key(self._sessions[sid].salt, self._sessions[sid].seq.ids)
+            if key in in_use and idle_holders[key] == 1:
+                last_holders.append(sid)
+            else:
+                first.append(sid)
+                if key is not None:
+                    idle_holders[key] -= 1
+        # The arriving session's own prefix is not evicted for it (it would copy from there) while
+        # a generating session will free room; with none, waiting could not help.
         keep_wanted = wanted is not None and any(s.busy for s in live)
-        order = [c for c in candidates if c not in last_holder] + [
-            c for c in last_holder if not keep_wanted or donor_key(self._sessions[c]) != wanted]
-        left = sum(s.held for s in live) - sum(self._sessions[c].held for c in order)
-        count_left = len(live) - len(order)
-        if left + new_tokens > self.kv_capacity or count_left + (1 if exclude is None else 0) > self.settings.max_sessions:
+        order = first + [sid for sid in last_holders
+                         if not keep_wanted or prefix_key(self._sessions[sid].salt, self._sessions[sid].seq.ids) != wanted]
+        if (used - sum(self._sessions[sid].held for sid in order) + new_tokens > self.kv_capacity
+                or count - len(order) > self.settings.max_sessions):
             raise Overloaded(
                 f"verifier {self.settings.verifier_id} is full: KV budget "
                 f"{self.kv_capacity} tokens / {self.settings.max_sessions} sessions "
                 f"in use by active sessions"
             )
+        evicted = []
         for sid in order:
-            if not over():
+            if used + new_tokens <= self.kv_capacity and count <= self.settings.max_sessions:
                 break
-            sess = self._sessions[sid]
-            del self._sessions[sid]
+            sess = self._sessions.pop(sid)
+            used, count = used - sess.held, count - 1
             evicted.append((sid, sess.seq.ids, sess.salt))
             self._lost[sid] = array("i", sess.seq.ids)
             while len(self._lost) > LOST_REMEMBERED:
                 self._lost.popitem(last=False)
             self.metrics.eviction()
             log.info("evicted idle session %s (%d tokens) to make room", sid, len(sess.seq))
-        if over():
-            for sid, ids, salt in evicted:  # keep what we evicted evicted: it is gone from memory already
-                self._evicted(sid, ids, salt)
-            raise Overloaded(
-                f"verifier {self.settings.verifier_id} is full: KV budget "
-                f"{self.kv_capacity} tokens / {self.settings.max_sessions} sessions "
-                f"in use by active sessions"
-            )
         for sid, ids, salt in evicted:
             self._evicted(sid, ids, salt)
         return evicted
@@ -650,7 +636,7 @@ class VerifierCore:
                                  f"{len(context_ids)} tokens")
         drafter_address = self.allowed_drafter(drafter_address)  # before any state changes or connections
         sess = self._checkout(session_id, len(context_ids), cache_salt, is_active,
-                              head=tuple(context_ids[: Sequence.SHARE_MIN_TOKENS]), wait_s=admission_wait_s)
+                              key=prefix_key(cache_salt, context_ids), wait_s=admission_wait_s)
         proposer = None
         keep = True
         try:
