@@ -20,7 +20,7 @@ import time
 import uuid
 from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tandem.contract.ids import common_prefix_len
@@ -144,12 +144,28 @@ class _Session:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
     reserved: int = 0  # context tokens admitted for while generating (its prefill may not have run yet)
+    expect: int = 0  # of them, what admission expected to read from a resident session's shared prefix
     lost: array | tuple = ()  # the tokens an eviction took from this session id (for the recompute count)
 
     @property
     def held(self) -> int:
-        """KV tokens this session counts against the budget."""
-        return max(len(self.seq), self.reserved if self.busy else 0)
+        """KV tokens of its own this session counts against the budget (a shared prefix it reads
+        counts once for all its readers: `_kv_used`)."""
+        own = max(0, self.seq.kv_parts()[0])
+        return max(own, self.reserved - self.expect if self.busy else 0)
+
+
+def _kv_used(sessions: Iterable[_Session]) -> int:
+    """KV tokens `sessions` hold: each one's own, plus each shared prefix once unless it lies in the
+    own storage of one of them (that one counts it already)."""
+    used, owners, prefixes = 0, set(), {}
+    for sess in sessions:
+        used += sess.held
+        _, prefix, own_key = sess.seq.kv_parts()
+        owners.add(own_key)
+        if prefix is not None:
+            prefixes[prefix[0]] = max(prefixes.get(prefix[0], 0), prefix[1])
+    return used + sum(n for key, n in prefixes.items() if key not in owners)
 
 
 class VerifierCore:
@@ -286,12 +302,12 @@ class VerifierCore:
 
     def kv_used_tokens(self) -> int:
         with self._lock:
-            return sum(len(s.seq) for s in self._live())
+            return _kv_used(self._live())
 
     def info(self) -> dict:
         with self._lock:
             active = self._generating()
-            used = sum(len(s.seq) for s in self._live())
+            used = _kv_used(self._live())
             resident = len(self._sessions)
         return {
             "verifier_id": self.settings.verifier_id,
@@ -353,7 +369,7 @@ class VerifierCore:
 
     def _checkout(self, session_id: str, context_len: int, salt: str = "",
                   is_active: Callable[[], bool] = lambda: True, key: tuple | None = None,
-                  wait_s: float = 0.0) -> _Session:
+                  wait_s: float = 0.0, context_ids: list[int] | None = None) -> _Session:
         """The session's resident state (created if new), marked busy; evicts idle sessions LRU to
         make room. A resident session of another salt is not this caller's: it is dropped and the
         request starts fresh (its KV is never read across salts).
@@ -378,7 +394,7 @@ class VerifierCore:
                     why = f"verifier {self.settings.verifier_id}"  # what is full, when _admit tried
                     try:
                         if self._may_try(ticket, session_id):
-                            return self._admit(session_id, context_len, salt, key)
+                            return self._admit(session_id, context_len, salt, key, context_ids)
                         ahead = self._waiting.index(ticket) if ticket in self._waiting else len(self._waiting)
                         why = f"verifier {self.settings.verifier_id}: {ahead} requests ahead"
                     except Overloaded as full:
@@ -439,7 +455,8 @@ class VerifierCore:
         ahead = self._waiting.index(ticket) if ticket in self._waiting else len(self._waiting)
         return not any(t in self._turns for t in self._waiting[:ahead])
 
-    def _admit(self, session_id: str, context_len: int, salt: str, key: tuple | None = None) -> _Session:
+    def _admit(self, session_id: str, context_len: int, salt: str, key: tuple | None = None,
+               context_ids: list[int] | None = None) -> _Session:
         """_checkout's one attempt: caller holds self._lock; raises Overloaded when there is no room."""
         sess = self._sessions.get(session_id) if session_id else None
         if sess is not None and sess.busy:
@@ -459,24 +476,39 @@ class VerifierCore:
             raise Overloaded(f"verifier {self.settings.verifier_id} is full: {generating} sessions generating "
                              f"(max_generating={cap})")
         if sess is None:
-            self._make_room(context_len, exclude=None, protect_s=self._protect_s(), wanted=key)
+            expect = self._expected_share(salt, key, context_ids)
+            self._make_room(context_len - expect, exclude=None, protect_s=self._protect_s(), wanted=key)
             if key is not None:
                 self._heads.append(key)
             sess = _Session(seq=self.engine.runner.new_sequence(), salt=salt,
                             lost=self._lost.pop(session_id, ()) if session_id else ())
             sess.seq.scope = salt  # its prompt may copy a same-tenant prompt's KV while both prefill
+            sess.expect = expect
             if session_id:
                 self._sessions[session_id] = sess
             else:
                 self._anonymous[id(sess)] = sess
         else:
             self._make_room(context_len - len(sess.seq), exclude=session_id)
+            prefix = sess.seq.kv_parts()[1]
+            sess.expect = prefix[1] if prefix else 0  # what it reads shared already
             self._sessions.move_to_end(session_id)
             self._gaps.append(time.monotonic() - sess.last_used)
         sess.busy = True
         sess.reserved = context_len
         sess.last_used = time.monotonic()
         return sess
+
+    def _expected_share(self, salt: str, key: tuple | None, context_ids: list[int] | None) -> int:
+        """Of a new session's context, what it will read from an idle resident session's shared
+        prefix (`_share_prefix`), so admission reserves only the rest: 64 agent sessions each
+        reserving the whole 1,260-token tool list they share would wait for room they never use.
+        Caller holds self._lock."""
+        if key is None or not context_ids:
+            return 0
+        return max((other.seq.shareable(context_ids) for other in self._sessions.values()
+                    if not other.busy and other.salt == salt and prefix_key(other.salt, other.seq.ids) == key),
+                   default=0)
 
     def _share_prefix(self, sess: _Session, context_ids: list[int]) -> int:
         """Copy the KV of the longest prefix of `context_ids` that another resident session of the
@@ -504,7 +536,7 @@ class VerifierCore:
         them all for nothing, donors of the waiting requests' prefix among them). Caller holds
         self._lock."""
         live = self._live()
-        used, count = sum(s.held for s in live), len(live) + (1 if exclude is None else 0)
+        used, count = _kv_used(live), len(live) + (1 if exclude is None else 0)
         recent = time.monotonic() - protect_s
 
         # A prefix that generating sessions share (a tool list, a system prompt) keeps one idle
@@ -538,7 +570,8 @@ class VerifierCore:
         keep_wanted = wanted is not None and any(s.busy for s in live)
         order = first + [sid for sid in last_holders
                          if not keep_wanted or prefix_key(self._sessions[sid].salt, self._sessions[sid].seq.ids) != wanted]
-        if (used - sum(self._sessions[sid].held for sid in order) + new_tokens > self.kv_capacity
+        gone = {id(self._sessions[sid]) for sid in order}
+        if (_kv_used(s for s in live if id(s) not in gone) + new_tokens > self.kv_capacity
                 or count - len(order) > self.settings.max_sessions):
             raise Overloaded(
                 f"verifier {self.settings.verifier_id} is full: KV budget "
@@ -550,7 +583,8 @@ class VerifierCore:
             if used + new_tokens <= self.kv_capacity and count <= self.settings.max_sessions:
                 break
             sess = self._sessions.pop(sid)
-            used, count = used - sess.held, count - 1
+            # what it frees: its own tokens, and a shared prefix only with its last reader
+            used, count = _kv_used(self._live()), count - 1
             evicted.append((sid, sess.seq.ids, sess.salt))
             self._lost[sid] = array("i", sess.seq.ids)
             while len(self._lost) > LOST_REMEMBERED:
@@ -636,7 +670,8 @@ class VerifierCore:
                                  f"{len(context_ids)} tokens")
         drafter_address = self.allowed_drafter(drafter_address)  # before any state changes or connections
         sess = self._checkout(session_id, len(context_ids), cache_salt, is_active,
-                              key=prefix_key(cache_salt, context_ids), wait_s=admission_wait_s)
+                              key=prefix_key(cache_salt, context_ids), wait_s=admission_wait_s,
+                              context_ids=context_ids)
         proposer = None
         keep = True
         try:

@@ -200,7 +200,7 @@ def test_avx2_and_native_builds_give_the_same_bits() -> None:
         for lib in (native, avx2):
             out = torch.empty(n, H * D)
             rc = lib.tandem_attend(q.data_ptr(), H * D, k.data_ptr(), v.data_ptr(), out.data_ptr(), H * D, H, KV, n, D,
-                                   start, cap, D**-0.5, torch.get_num_threads(), None, int(half))
+                                   start, cap, D**-0.5, torch.get_num_threads(), None, int(half), None, None, 0, 0)
             assert rc == 0
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), (H, KV, D, start, n, half)
@@ -315,3 +315,58 @@ def test_a_float16_cache_gives_the_bits_of_its_float32_widening(H, KV, D) -> Non
         attend.attend_many([blocks16[0], blocks32[1]], D**-0.5)
     with pytest.raises(ValueError, match="float16"):  # bfloat16 would be read as float16: refused
         attend.attend(blocks16[0][0], blocks16[0][1].bfloat16(), blocks16[0][2].bfloat16(), blocks16[0][3], 0, 0.1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("half", [False, True])
+def test_a_shared_prefix_gives_the_bits_of_one_cache(half) -> None:
+    """Positions 0 .. plen-1 read from another cache (a tenant's tool list held once) and the rest
+    from the block's own: every row, causal or tree, alone or beside other blocks, gets the bits
+    it gets with the whole context in one cache. The prefix's cache may be longer than the prefix
+    (its owner's cache, positions past plen are never read)."""
+    gen = torch.Generator().manual_seed(7 + half)
+    H, KV, D = 9, 3, 64
+    dt = torch.float16 if half else torch.float32
+    for plen, start, n in ((256, 256, 1), (256, 300, 9), (512, 700, 33), (1024, 1024, 40), (256, 1500, 1)):
+        cap = start + n + 5
+        k = torch.randn(KV, cap, D, generator=gen).to(dt)
+        v = torch.randn(KV, cap, D, generator=gen).to(dt)
+        q = torch.randn(n, H, D, generator=gen) * 2
+        owner_k = torch.randn(KV, plen + 300, D, generator=gen).to(dt)  # another cache, longer than the prefix
+        owner_v = torch.randn(KV, plen + 300, D, generator=gen).to(dt)
+        owner_k[:, :plen], owner_v[:, :plen] = k[:, :plen], v[:, :plen]
+        own_k, own_v = k[:, plen:].contiguous(), v[:, plen:].contiguous()  # position p at p - plen
+        own_k[:, start + n - plen:] = float("nan")  # past the block: never read (a NaN would spread)
+        whole, split = torch.empty(n, H * D), torch.empty(n, H * D)
+        attend.attend(q, k, v, whole, start, D**-0.5)
+        attend.attend(q, own_k, own_v, split, start, D**-0.5, prefix=(owner_k, owner_v, plen))
+        assert torch.equal(split, whole), (plen, start, n)
+        if n <= attend.MAX_ROWS:
+            parents = [-1] + [r // 2 for r in range(n - 1)]
+            bits = attend.tree_bits(parents)
+            t_whole, t_split = torch.empty(n, H * D), torch.empty(n, H * D)
+            attend.attend(q, k, v, t_whole, start, D**-0.5, tree=bits)
+            attend.attend(q, own_k, own_v, t_split, start, D**-0.5, tree=bits, prefix=(owner_k, owner_v, plen))
+            assert torch.equal(t_split, t_whole), (plen, start, n)
+        # beside a block without a prefix, in one call
+        other_q = torch.randn(3, H, D, generator=gen)
+        other_alone, other_many, many = torch.empty(3, H * D), torch.empty(3, H * D), torch.empty(n, H * D)
+        attend.attend(other_q, k, v, other_alone, 100, D**-0.5)
+        attend.attend_many([(q, own_k, own_v, many, start, None, (owner_k, owner_v, plen)),
+                            (other_q, k, v, other_many, 100, None)], D**-0.5)
+        assert torch.equal(many, whole) and torch.equal(other_many, other_alone)
+
+
+@needs_kernel
+def test_a_shared_prefix_is_checked() -> None:
+    """A prefix length off the kernel's runs, longer than its cache, or past the block's start is
+    refused before the kernel reads anything."""
+    k, v = torch.randn(3, 64, 64), torch.randn(3, 64, 64)
+    pk, pv = torch.randn(3, 512, 64), torch.randn(3, 512, 64)
+    out = torch.empty(1, 9 * 64)
+    q = torch.randn(1, 9, 64)
+    for plen, start in ((100, 300), (768, 800), (512, 300)):
+        with pytest.raises(ValueError, match="multiple of 256"):
+            attend.attend(q, k, v, out, start, 0.125, prefix=(pk, pv, plen))
+    with pytest.raises(ValueError, match="start \\+ n <= cap"):  # the own part past its cache
+        attend.attend(q, k, v, out, 256 + 64, 0.125, prefix=(pk, pv, 256))

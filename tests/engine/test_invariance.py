@@ -120,3 +120,41 @@ def test_a_copied_prefix_and_a_busy_batch_give_the_idle_bits(default_target) -> 
                                + [([tokens[-1]], b_cache)])
         tokens.append(int(outs[-1][-1].argmax()))
     assert tokens == idle_tokens
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_a_shared_prefix_held_once_gives_the_idle_bits(default_target) -> None:
+    """Sessions of one tenant whose system prompt and tool list (here ~700 tokens) are held once
+    (llama.KVPrefix: the owner's storage read in place by the others, on the raw layer calls and
+    their one call a layer for all blocks): a sharer's prompt rest and decode rows, batched beside
+    the owner and a session without a prefix, give the tokens and logits of its context alone."""
+    loaded, m = default_target
+    assert m.raw_layers
+    tok = loaded.tokenizer
+    tools = "\n".join(f"def tool_{i}(path: str, limit: int = {i}) -> list[str]: \"\"\"Read {i} lines of a file.\"\"\""
+                      for i in range(40))
+    system = SYSTEM + "\nYou can call these tools:\n" + tools
+    a_ids = apply_chat_template(tok, [{"role": "system", "content": system}, {"role": "user", "content": "List /tmp."}])
+    b_ids = apply_chat_template(tok, [{"role": "system", "content": system},
+                                      {"role": "user", "content": "Read the first lines of /etc/hosts, please."}])
+    shared = next(i for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y)
+    assert shared >= 2 * attend.SPAN
+    idle_cache = m.new_cache()
+    idle = _prefill(m, idle_cache, b_ids, [])
+    idle_tokens = _decode(m, idle_cache, idle, 16)
+
+    a_cache = m.new_cache()
+    _prefill(m, a_cache, a_ids, [100, 300])
+    b_cache = m.new_cache()
+    NativeBackend.copy_prefix(a_cache, b_cache, shared)
+    assert b_cache.off == shared // attend.SPAN * attend.SPAN and b_cache.prefix.k.data_ptr() == a_cache.k.data_ptr()
+    other = m.new_cache()
+    m.forward(list(range(1000, 1040)), other, all_logits=False)
+    logits = m.forward_batch([([5], other), (b_ids[shared:], b_cache), ([6], a_cache)])[1][-1]
+    assert torch.equal(logits, idle)
+    tokens = [int(logits.argmax())]
+    while len(tokens) < len(idle_tokens):
+        outs = m.forward_batch([([7], other), ([tokens[-1]], b_cache), ([8, 9], a_cache)])
+        tokens.append(int(outs[1][-1].argmax()))
+    assert tokens == idle_tokens

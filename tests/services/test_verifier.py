@@ -117,6 +117,32 @@ def test_kv_budget_evicts_least_recently_used(tiny_loaded):
     assert core.metrics.value("tandem_prefill_recomputed_tokens_total") == len(CONTEXT) * 2
 
 
+def test_a_shared_tool_list_counts_once_against_the_budget(tiny_loaded):
+    """Sessions of one tenant that begin with the same 300-token tool list read its first 256
+    positions (one attention run) from the first session's storage: each counts only the rest
+    against the budget, four fit where two would with copies, the output is the target's, and
+    the prefix outlives the session it came from."""
+    core = VerifierCore(VerifierSettings(verifier_id="v-shared", port=0, kv_capacity_tokens=600), tiny_loaded)
+    sampling, spec = SamplingParams(max_new_tokens=8), SpecConfig(strategy=DraftStrategy.none)
+    tools = [4 + (i * 7) % 50 for i in range(300)]
+    contexts = {sid: tools + [5 + i, 17, 42, 99] * 5 for i, sid in enumerate("abcde")}
+    for sid in "abcd":
+        *_, last = core.generate(sid, contexts[sid], sampling, spec)
+        assert last.token_ids == _reference(tiny_loaded, contexts[sid], 8), sid
+        if sid != "a":
+            assert last.stats.prefill_reused_tokens >= len(tools)
+    held = len(contexts["a"]) + 8  # each session: its context and 8 tokens, the last one pending
+    assert core.session_ids() == list("abcd")  # copies (4 x 328 tokens) would not fit in 600
+    assert core.metrics.value("tandem_kv_evictions_total") == 0
+    assert core.kv_used_tokens() == held + 3 * (held - 256)
+    *_, last = core.generate("e", contexts["e"], sampling, spec)  # 600 - 544 is too little: "a" goes
+    assert last.token_ids == _reference(tiny_loaded, contexts["e"], 8)
+    assert core.session_ids() == list("bcde") and core.metrics.value("tandem_kv_evictions_total") == 1
+    assert core.kv_used_tokens() == 256 + 4 * (held - 256)  # a's prefix, still read by four, once
+    *_, last = core.generate("b", contexts["b"] + [7, 8], sampling, spec)  # a next turn over it
+    assert last.token_ids == _reference(tiny_loaded, contexts["b"] + [7, 8], 8)
+
+
 def test_kv_pool_slots_follow_the_budget_within_free_memory():
     from tandem.services.verifier.core import kv_pool_slots
 

@@ -198,10 +198,33 @@ class NativeBackend:
     @staticmethod
     @torch.inference_mode()  # dst may hold inference tensors already (a resident session's cache)
     def copy_prefix(src, dst, length: int) -> None:
-        dst.ensure(length)
-        dst.k[:, :, :length] = src.k[:, :, :length]
-        dst.v[:, :, :length] = src.v[:, :, :length]
-        dst.length = length
+        """dst becomes src's first `length` positions: read from src's storage in place where they
+        fill whole attention runs (llama.KVCache.take_prefix: held once however many sessions
+        share them), the rest copied."""
+        dst.take_prefix(src, length)
+
+    @staticmethod
+    def kv_held(cache) -> tuple[int, tuple[int, int] | None]:
+        """(positions the cache holds in storage of its own, its shared prefix as (an identity
+        of the storage it lies in, its length) or None); an identity is also the own storage's
+        `own_key` for the cache it came from."""
+        pre = cache.prefix
+        return cache.length - cache.off, None if pre is None else (pre.k.data_ptr(), cache.off)
+
+    @staticmethod
+    def own_key(cache) -> int:
+        return cache.k.data_ptr()
+
+    @staticmethod
+    def shareable(cache, length: int) -> int:
+        """Of a cache's first `length` positions, how many another cache taking them would read in
+        place (KVCache.take_prefix)."""
+        from tandem.engine.native.attend import SPAN
+
+        if cache.pool is not None or length < SPAN:
+            return 0
+        whole = length // SPAN * SPAN
+        return min(cache.off, whole) if cache.prefix is not None else whole
 
     batched = True  # ragged blocks of many sequences in one forward
     shares_prefix = True  # a sequence can start from a copy of another's KV prefix

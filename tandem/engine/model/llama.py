@@ -134,6 +134,18 @@ class KVPool:
                 free[i - 1:i + 1] = [(free[i - 1][0], free[i - 1][1] + free[i][1])]
 
 
+class KVPrefix:
+    """The first `length` positions of some cache's keys and values, read by other caches in place
+    of a copy of their own: k, v `# [layers, kv_heads, cap, head_dim]` (the whole storage they
+    live in; positions past `length` are not this prefix's). Its tensors stay alive while any
+    cache holds it, so the cache it came from may be dropped."""
+
+    __slots__ = ("k", "v", "length")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int):
+        self.k, self.v, self.length = k, v, length
+
+
 class KVCache:
     """Preallocated keys and values of one sequence: `# [layers, kv_heads, capacity, head_dim]`.
 
@@ -142,6 +154,16 @@ class KVCache:
     `v` are views of one region of the pool's buffers (`base` its first slot); when the pool has no
     room (at first or when growing), the cache holds tensors of its own (`pool` None) and works
     the same, its rows taking the per-sequence path of the forward.
+
+    A shared prefix (`prefix`, CPU caches outside a pool): positions 0 .. off-1 are another cache's
+    (`KVPrefix`, read in place by the attention) and `k`/`v` hold position p at slot p - off. Why:
+    64 agent sessions of one tenant each held a copy of the same 1,260-token tool list, 64 x 1,260
+    of the 93k tokens they wanted against a budget of 65,536, so they ran in waves
+    (docs/benchmarks.md, "Many agent sessions"). `off` is a multiple of attend.SPAN, so the kernel
+    reads the same keys in the same runs as from one cache: the same bits (tested). Positions a
+    cache lent out (`frozen`: slots 0 .. frozen-1 of its own storage) are never written again:
+    a rollback below them or a growth moves the cache to new storage and leaves the old to its
+    readers (`_detach`, `ensure`).
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, capacity: int = 256,
@@ -150,6 +172,9 @@ class KVCache:
         self.base = 0
         self._region: weakref.finalize | None = None
         self.length = 0
+        self.prefix: KVPrefix | None = None
+        self.off = 0  # positions held by `prefix`
+        self.frozen = 0  # slots of k/v that other caches read as their prefix
         if pool is None or not self._take(pool, capacity):
             self.k = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)
             self.v = torch.empty_like(self.k)
@@ -175,18 +200,34 @@ class KVCache:
             self._region()  # releases the old region now, once
             self._region = None
 
+    def _own_storage(self, capacity: int, keep: int) -> None:
+        """New tensors of our own of `capacity` slots holding the first `keep` slots of the old."""
+        old_k, old_v = self.k, self.v
+        self.k = torch.empty(old_k.shape[0], old_k.shape[1], capacity, old_k.shape[3], dtype=old_k.dtype,
+                             device=old_k.device)
+        self.v = torch.empty_like(self.k)
+        self.k[:, :, :keep] = old_k[:, :, :keep]
+        self.v[:, :, :keep] = old_v[:, :, :keep]
+
     def ensure(self, needed: int) -> None:
         cap = self.k.shape[2]
-        if needed <= cap:
+        if needed - self.off <= cap:
             return
-        new_cap = max(needed, 2 * cap)
+        if self.frozen:  # other caches read our first slots: they stay theirs, and become our prefix too
+            self.prefix, self.off = KVPrefix(self.k, self.v, self.frozen), self.frozen
+            keep, self.frozen = self.length - self.off, 0
+            new_cap = max(needed - self.off, 2 * max(keep, 1), 256)
+            old_k, old_v = self.k, self.v
+            self.k = torch.empty(old_k.shape[0], old_k.shape[1], new_cap, old_k.shape[3], dtype=old_k.dtype,
+                                 device=old_k.device)
+            self.v = torch.empty_like(self.k)
+            self.k[:, :, :keep] = old_k[:, :, self.off : self.length]
+            self.v[:, :, :keep] = old_v[:, :, self.off : self.length]
+            return
+        new_cap = max(needed - self.off, 2 * cap)
         if self.pool is not None and self._take(self.pool, new_cap):
             return
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = torch.empty(old.shape[0], old.shape[1], new_cap, old.shape[3], dtype=old.dtype, device=old.device)
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
+        self._own_storage(new_cap, self.length - self.off)
         # a pool without room: continue with tensors of our own (the region goes back after the copy)
         self._give_back()
         self.pool = None
@@ -195,7 +236,62 @@ class KVCache:
         return self.length
 
     def crop_to(self, length: int) -> None:
+        if length < self.length and (length < self.off or length < self.frozen):
+            self._detach(length)
         self.length = min(self.length, length)
+
+    def _detach(self, length: int) -> None:
+        """Before positions below what others read (or below our prefix) are written again: keep
+        the first `length` positions in storage nobody else reads (the prefix shortened to whole
+        kernel runs where it reaches that far)."""
+        keys, values = self.read(0, length)
+        shared = length // attend.SPAN * attend.SPAN if self.prefix is not None else 0
+        self.prefix = KVPrefix(self.prefix.k, self.prefix.v, shared) if shared else None
+        self.off, self.frozen = shared, 0
+        cap = max(self.k.shape[2], length - shared)
+        self.k = torch.empty(keys.shape[0], keys.shape[1], cap, keys.shape[3], dtype=keys.dtype, device=keys.device)
+        self.v = torch.empty_like(self.k)
+        self.k[:, :, : length - shared] = keys[:, :, shared:]
+        self.v[:, :, : length - shared] = values[:, :, shared:]
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions a .. b-1 (< length), `# [layers, kv_heads, b - a, head_dim]`
+        each: views where they lie in one storage, else a copy."""
+        off = self.off
+        if a >= off:
+            return self.k[:, :, a - off : b - off], self.v[:, :, a - off : b - off]
+        if b <= off:
+            return self.prefix.k[:, :, a:b], self.prefix.v[:, :, a:b]
+        return (torch.cat([self.prefix.k[:, :, a:off], self.k[:, :, : b - off]], dim=2),
+                torch.cat([self.prefix.v[:, :, a:off], self.v[:, :, : b - off]], dim=2))
+
+    def take_prefix(self, src: "KVCache", length: int, share: bool = True) -> None:
+        """Become the first `length` positions of `src` (anything held before is dropped). With
+        `share` (and both caches outside a pool), the whole kernel runs of them are read from
+        src's storage in place (`KVPrefix`) and only the rest is copied."""
+        shared = 0
+        if share and self.pool is None and src.pool is None and length >= attend.SPAN:
+            if src.prefix is not None:
+                shared = min(src.off, length // attend.SPAN * attend.SPAN)
+                prefix = KVPrefix(src.prefix.k, src.prefix.v, shared)
+            else:
+                shared = length // attend.SPAN * attend.SPAN
+                src.frozen = max(src.frozen, shared)
+                prefix = KVPrefix(src.k, src.v, shared)
+        keys, values = src.read(shared, length)
+        if shared:
+            if self.frozen or self.k.shape[2] < length - shared:  # others read our storage, or it is short
+                self._own_storage(max(256, 2 * (length - shared)), 0)
+            self.prefix, self.off, self.frozen, self.length = prefix, shared, 0, shared
+        else:
+            if self.off or self.frozen:  # our storage may be read by others, or hold no position 0
+                self.prefix, self.off, self.frozen = None, 0, 0
+                self._own_storage(max(self.k.shape[2], length), 0)
+            self.length = 0
+            self.ensure(length)
+        self.k[:, :, self.length - self.off : length - self.off] = keys
+        self.v[:, :, self.length - self.off : length - self.off] = values
+        self.length = length
 
 
 class _PlainWeight:
@@ -321,7 +417,8 @@ class _FusedAttention:
         # call for all of them (`tandem_attend_many`, one parallel region; same bits as a call a
         # block). Their descriptors are set at layer 0, once its checked calls passed.
         self.many = [b for b, use in enumerate(kernel) if use]
-        self.desc: np.ndarray | None = None  # `# [len(many), 10]` int64, attend.DESC_FIELDS
+        self.desc: np.ndarray | None = None  # `# [len(many), 14]` int64, attend.DESC_FIELDS
+        self.pk0: np.ndarray | None = None  # the shared prefixes' layer-0 addresses (0: none), where any
         # and the rotary's and cache writes' of every block (`tandem_rope_store_many`): `# [blocks, 6]`
         # int64 (first row, rows, k, v, capacity, start)
         self.rope_desc: np.ndarray | None = None
@@ -334,9 +431,11 @@ class _FusedAttention:
             for b, ((a, e, s, cache, tree), use) in enumerate(zip(self.blocks, self.kernel)):
                 if act is not None and not act[b]:
                     continue
-                rowops.rope_store(qkv[a:e], self.cos2[a:e], self.sin2[a:e], self.q[a:e], cache.k[0], cache.v[0], s)
+                rowops.rope_store(qkv[a:e], self.cos2[a:e], self.sin2[a:e], self.q[a:e], cache.k[0], cache.v[0],
+                                  s - cache.off)
                 if use:
-                    attend.attend(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, self.scale, tree)
+                    attend.attend(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, self.scale, tree,
+                                  _prefix_at(cache, 0))
             self._torch_attention(0, act)
             if len(self.many) > 1:
                 self._describe()
@@ -352,6 +451,9 @@ class _FusedAttention:
             rd, desc = self.rope_desc, self.desc
             rd[:, 2], rd[:, 3] = k_p, v_p
             desc[:, 1], desc[:, 2] = k_p[self.many], v_p[self.many]
+            if self.pk0 is not None:  # blocks with a shared prefix: its layer li (0 stays 0: none)
+                desc[:, 10] = np.where(self.pk0 != 0, self.pk0 + li * self.pk_step, 0)
+                desc[:, 11] = np.where(self.pv0 != 0, self.pv0 + li * self.pv_step, 0)
             if act is not None:  # only the blocks inside their layers (copies: the arrays stay whole)
                 rd, desc = np.ascontiguousarray(rd[act]), np.ascontiguousarray(desc[act[self.many]])
             self.rope.tandem_rope_store_many(len(rd), rd.ctypes.data, qkv_p, self.width, H, KV, D, cos_p, sin_p, q_p,
@@ -367,13 +469,17 @@ class _FusedAttention:
                 k_p = cache.k.data_ptr() + li * cache.k.stride(0) * cache.k.element_size()
                 v_p = cache.v.data_ptr() + li * cache.v.stride(0) * cache.v.element_size()
                 self.rope.tandem_rope_store(qkv_p + a * self.width * f, self.width, e - a, H, KV, D, cos_p + a * D * f,
-                                            sin_p + a * D * f, q_p + a * H * D * f, k_p, v_p, cache.k.shape[2], s,
-                                            self.half)
+                                            sin_p + a * D * f, q_p + a * H * D * f, k_p, v_p, cache.k.shape[2],
+                                            s - cache.off, self.half)
                 if not use:
                     continue
+                pre = cache.prefix
+                pk_p = 0 if pre is None else pre.k.data_ptr() + li * pre.k.stride(0) * pre.k.element_size()
+                pv_p = 0 if pre is None else pre.v.data_ptr() + li * pre.v.stride(0) * pre.v.element_size()
                 rc = self.attn.tandem_attend(q_p + a * H * D * f, H * D, k_p, v_p, att_p + a * H * D * f, H * D, H, KV,
                                              e - a, D, s, cache.k.shape[2], self.scale, self.threads,
-                                             None if tree is None else ctypes.addressof(tree), self.half)
+                                             None if tree is None else ctypes.addressof(tree), self.half,
+                                             pk_p, pv_p, 0 if pre is None else pre.k.shape[2], cache.off)
                 if rc != 0:
                     raise MemoryError(f"the CPU attention kernel failed ({rc})")
         self._torch_attention(li, act)
@@ -383,10 +489,18 @@ class _FusedAttention:
         of the blocks on attend.c (`tandem_attend_many`, `attend.describe`), at layer 0's addresses:
         the tensors its checked calls used. Later layers move k and v by whole layers of their
         caches (k0 + li * k_step)."""
-        self.rope_desc = np.array([[a, e - a, cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[2], s]
+        self.rope_desc = np.array([[a, e - a, cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[2], s - cache.off]
                                    for a, e, s, cache, _ in self.blocks], dtype=np.int64)
-        self.desc = np.array([attend.describe(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, tree)
+        self.desc = np.array([attend.describe(self.q[a:e], cache.k[0], cache.v[0], self.att[a:e], s, tree,
+                                              _prefix_at(cache, 0))
                               for a, e, s, cache, tree in (self.blocks[b] for b in self.many)], dtype=np.int64)
+        prefixed = [self.blocks[b][3].prefix for b in self.many]
+        if any(p is not None for p in prefixed):
+            self.pk0, self.pv0 = self.desc[:, 10].copy(), self.desc[:, 11].copy()
+            self.pk_step = np.array([0 if p is None else p.k.stride(0) * p.k.element_size() for p in prefixed],
+                                    dtype=np.int64)
+            self.pv_step = np.array([0 if p is None else p.v.stride(0) * p.v.element_size() for p in prefixed],
+                                    dtype=np.int64)
         self.k0, self.v0 = self.rope_desc[:, 2].copy(), self.rope_desc[:, 3].copy()
         self.k_step = np.array([c.k.stride(0) * c.k.element_size() for _, _, _, c, _ in self.blocks],
                                dtype=np.int64)  # bytes a layer
@@ -409,7 +523,12 @@ def _torch_block_attention(q: torch.Tensor, cache: KVCache, li: int, start: int,
     on either. A float16 cache is widened to q's float32 first (exact), as attend.c reads it."""
     n, H, D = q.shape
     L = start + n
-    k, v = cache.k[li, :, :L], cache.v[li, :, :L]  # [KV, L, D] each
+    if cache.prefix is None:
+        k, v = cache.k[li, :, :L], cache.v[li, :, :L]  # [KV, L, D] each
+    else:  # the shared prefix's keys, then the cache's own (a copy: torch's kernel takes one tensor)
+        off, pre = cache.off, cache.prefix
+        k = torch.cat([pre.k[li, :, :off], cache.k[li, :, : L - off]], dim=1)  # [KV, L, D]
+        v = torch.cat([pre.v[li, :, :off], cache.v[li, :, : L - off]], dim=1)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(
@@ -959,10 +1078,12 @@ class NativeLlama:
                     if b in member:
                         continue
                     a, e, s = offsets[b], offsets[b + 1], starts[b]
-                    cache.k[li, :, s : s + (e - a)] = k[:, a:e]
-                    cache.v[li, :, s : s + (e - a)] = v[:, a:e]
+                    at = s - cache.off  # the cache's own slot of position s
+                    cache.k[li, :, at : at + (e - a)] = k[:, a:e]
+                    cache.v[li, :, at : at + (e - a)] = v[:, a:e]
                     if kernel[b]:
-                        attend.attend(q[a:e], cache.k[li], cache.v[li], att[a:e], s, self.scale, bits[b])
+                        attend.attend(q[a:e], cache.k[li], cache.v[li], att[a:e], s, self.scale, bits[b],
+                                      _prefix_at(cache, li))
                         continue
                     att[a:e] = _torch_block_attention(q[a:e], cache, li, s, masks[b], self.scale)  # [n_b, H D]
             o = w["wo"](att)  # [N, hidden]
@@ -997,6 +1118,7 @@ class NativeLlama:
         """After a tree block written at slots start .. : move the KV of its accepted `rows`
         (ascending block rows, row 0 the pending token first) to slots start, start + 1, ...
         Each row's keys were rotated at its depth, which is its slot on the path: a plain copy."""
+        start -= cache.off  # the cache's own slots (the path lies past any shared prefix)
         src = [start + r for r in rows]
         if src == list(range(start, start + len(rows))):
             return
@@ -1010,6 +1132,13 @@ class NativeLlama:
         Returns logits `# [n, vocab]` (float32) when `all_logits`, else None (prefill).
         """
         return self.forward_batch([(input_ids, cache)], [all_logits])[0]
+
+
+def _prefix_at(cache: KVCache, li: int) -> tuple | None:
+    """`attend.attend`'s `prefix` for layer li of a cache (None without a shared prefix)."""
+    if cache.prefix is None:
+        return None
+    return cache.prefix.k[li], cache.prefix.v[li], cache.off
 
 
 def _depths(parents: list[int], n: int) -> list[int]:

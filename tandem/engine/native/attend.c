@@ -29,6 +29,13 @@
  *   out  row t, head h at out[t * o_stride + h * D]   (the [n, H * D] input of the output projection)
  * D must be a multiple of 16 (one v16 of floats) and at most 256; the loader checks.
  *
+ * A shared prefix: with `plen` > 0, positions 0 .. plen-1 are read from another cache, `pk`/`pv`
+ * (capacity `pcap`: key j of KV head g at pk[(g * pcap + j) * D]), and position p >= plen from
+ * k/v at p - plen. Sessions of one tenant that begin with the same tool list hold its keys and
+ * values once (tandem/engine/model/llama.py, KVCache). plen is a multiple of SPAN, so every run
+ * lies wholly in one of the two and reads the same keys in the same order as over one cache: a
+ * row gets the same bits with the prefix shared as with it copied.
+ *
  * Token trees: with `tree` non-NULL, row t sees the cache's keys 0 .. s-1 and the block's keys s + i
  * for the bits i set in tree[t] (itself and its ancestors; a block has at most 32 rows) instead of
  * the causal s .. s+t. Keys it cannot see add exact zeros, as keys past a causal row's position do.
@@ -438,7 +445,9 @@ typedef struct {
     const char *k, *v; /* float32, or float16 where half */
     float *out;
     const unsigned *tree;
+    const char *pk, *pv; /* the shared prefix's cache (positions 0 .. plen-1), or NULL with plen 0 */
     int q_stride, o_stride, n, s, cap;
+    int pcap, plen; /* its capacity and length (a multiple of SPAN, at most s) */
     int half;     /* keys and values stored as float16 (IEEE binary16), widened exactly on load */
     int runs;     /* runs of SPAN keys over its s + n positions */
     size_t first; /* its first item among all blocks' (head, run) items, and its partials' offset / per */
@@ -453,9 +462,18 @@ static void block_item(const block_t *b, int H, int KV, int D, float scale, int 
     const int G = H / KV, R = G * b->n, L = b->s + b->n;
     const int g = item / b->runs, c = item % b->runs;
     const int j0 = c * SPAN, j1 = (j0 + SPAN < L) ? j0 + SPAN : L;
-    const size_t head = (size_t)g * b->cap * D * (b->half ? 2 : 4); /* bytes to KV head g */
-    run(b->half, b->q, b->q_stride, b->k + head, b->v + head, G, b->n, D, b->s, g, j0, j1, scale, b->tree, m, m + R,
-        m + 2 * R);
+    const size_t es = b->half ? 2 : 4;
+    if (j0 < b->plen) { /* a run of the shared prefix: every key before the block's rows */
+        const size_t head = (size_t)g * b->pcap * D * es; /* bytes to KV head g */
+        run(b->half, b->q, b->q_stride, b->pk + head, b->pv + head, G, b->n, D, b->s, g, j0, j1, scale, b->tree, m,
+            m + R, m + 2 * R);
+        return;
+    }
+    /* the block's own cache, which holds position p at p - plen: the run's keys and the block's
+     * start move together, so every visibility test compares the same distances */
+    const size_t head = (size_t)g * b->cap * D * es;
+    run(b->half, b->q, b->q_stride, b->k + head, b->v + head, G, b->n, D, b->s - b->plen, g, j0 - b->plen,
+        j1 - b->plen, scale, b->tree, m, m + R, m + 2 * R);
 }
 
 /* Merge the runs of KV head g's rows of block b: out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M).
@@ -495,7 +513,9 @@ static int attend_blocks(block_t *bl, int nb, int H, int KV, int D, float scale,
     const int G = H / KV;
     size_t items = 0, floats = 0;
     for (int i = 0; i < nb; i++) {
-        if (bl[i].n <= 0 || bl[i].s < 0) return -1;
+        if (bl[i].n <= 0 || bl[i].s < 0 || bl[i].plen < 0 || bl[i].plen % SPAN || bl[i].plen > bl[i].s
+            || (bl[i].plen && (!bl[i].pk || !bl[i].pv || bl[i].pcap < bl[i].plen)))
+            return -1;
         bl[i].runs = (bl[i].s + bl[i].n + SPAN - 1) / SPAN;
         bl[i].first = items;
         items += (size_t)KV * bl[i].runs;
@@ -572,25 +592,28 @@ static int attend_split(const block_t *in, int nb, int H, int KV, int D, float s
 
 int tandem_attend(const float *restrict q, int q_stride, const void *restrict k, const void *restrict v,
                   float *restrict out, int o_stride, int H, int KV, int n, int D, int s, int cap,
-                  float scale, int threads, const unsigned *restrict tree, int half) {
-    block_t b = {q, k, v, out, tree, q_stride, o_stride, n, s, cap, half != 0, 0, 0};
+                  float scale, int threads, const unsigned *restrict tree, int half,
+                  const void *pk, const void *pv, int pcap, int plen) {
+    block_t b = {q, k, v, out, tree, pk, pv, q_stride, o_stride, n, s, cap, pcap, plen, half != 0, 0, 0};
     return attend_split(&b, 1, H, KV, D, scale, threads);
 }
 
-/* nb blocks of one layer, block i described by desc[10 i .. 10 i + 9]: the addresses of its q, k,
- * v, out and tree (0: causal), q's and out's row strides (floats), its rows n, its start s, its
- * cache's capacity cap. Each block as tandem_attend takes it; the caller checks every address
- * (tandem/engine/llama.py checks them through tandem_attend at layer 0 and moves them by whole
- * layers after). */
+/* nb blocks of one layer, block i described by desc[DESC i .. DESC i + DESC - 1]: the addresses of
+ * its q, k, v, out and tree (0: causal), q's and out's row strides (floats), its rows n, its start
+ * s, its cache's capacity cap, then its shared prefix's pk, pv (0: none), pcap and plen. Each block
+ * as tandem_attend takes it; the caller checks every address (tandem/engine/model/llama.py checks
+ * them through tandem_attend at layer 0 and moves them by whole layers after). */
+#define DESC 14
 int tandem_attend_many(int nb, const long long *desc, int H, int KV, int D, float scale, int threads, int half) {
     if (nb <= 0) return 0;
     block_t *bl = malloc(sizeof(block_t) * nb);
     if (!bl) return -2;
     for (int i = 0; i < nb; i++) {
-        const long long *d = desc + 10 * (size_t)i;
+        const long long *d = desc + DESC * (size_t)i;
         bl[i] = (block_t){(const float *)(size_t)d[0], (const char *)(size_t)d[1], (const char *)(size_t)d[2],
-                          (float *)(size_t)d[3], (const unsigned *)(size_t)d[4], (int)d[5], (int)d[6], (int)d[7],
-                          (int)d[8], (int)d[9], half != 0, 0, 0};
+                          (float *)(size_t)d[3], (const unsigned *)(size_t)d[4], (const char *)(size_t)d[10],
+                          (const char *)(size_t)d[11], (int)d[5], (int)d[6], (int)d[7], (int)d[8], (int)d[9],
+                          (int)d[12], (int)d[13], half != 0, 0, 0};
     }
     const int rc = attend_split(bl, nb, H, KV, D, scale, threads);
     free(bl);

@@ -145,6 +145,18 @@ class Sequence:
     def cached_len(self) -> int:
         return self.runner.backend.cache_len(self.cache)
 
+    def kv_parts(self) -> tuple[int, tuple[int, int] | None, int | None]:
+        """What this sequence's KV costs: (committed tokens not read from a shared prefix, the shared
+        prefix as (the identity of the storage it lies in, its length) or None, the identity of
+        this sequence's own storage or None). A prefix is counted once however many sequences read
+        it, and not at all while the sequence whose own storage it lies in is counted
+        (llama.KVPrefix)."""
+        backend = self.runner.backend
+        if not hasattr(backend, "kv_held"):
+            return len(self.ids), None, None
+        _, prefix = backend.kv_held(self.cache)
+        return len(self.ids) - (prefix[1] if prefix else 0), prefix, backend.own_key(self.cache)
+
     def set_context(self, context_ids: list[int]) -> PrefillStats:
         """Make the committed tokens equal `context_ids`, reusing the longest resident prefix.
 
@@ -161,6 +173,15 @@ class Sequence:
         copied = self.runner.prefill(self.cache, todo, self.scope) if todo else 0
         self.ids = list(context_ids)
         return PrefillStats(reused=keep + copied, computed=len(todo) - copied, copied=copied)
+
+    def shareable(self, context_ids: list[int]) -> int:
+        """How many of `context_ids`' positions a sequence sharing from this one (`share_from`)
+        would read in place rather than hold itself (0 where the backend copies)."""
+        backend = self.runner.backend
+        if not hasattr(backend, "shareable"):
+            return 0
+        n = min(common_prefix_len(self.ids[: self.cached_len], context_ids), len(context_ids) - 1)
+        return backend.shareable(self.cache, n) if n > 0 else 0
 
     def block_inputs(self, drafts: list[int]) -> list[int]:
         """A step's forward input: the pending token, then the drafts."""
@@ -205,8 +226,9 @@ class Sequence:
         self.rollback(length - 1)
 
     def share_from(self, other: "Sequence", length: int) -> None:
-        """Take the first `length` positions of another sequence's KV (a copy: both stay
-        independent) instead of computing them; then `set_context` computes only the rest."""
+        """Take the first `length` positions of another sequence's KV instead of computing them (its
+        whole attention runs read in place where the backend can, the rest copied: both stay
+        independent); then `set_context` computes only the rest."""
         self.runner.backend.copy_prefix(other.cache, self.cache, length)
         self.ids = list(other.ids[:length])
 
