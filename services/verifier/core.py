@@ -673,7 +673,7 @@ class VerifierCore:
                               key=prefix_key(cache_salt, context_ids), wait_s=admission_wait_s,
                               context_ids=context_ids)
         proposer = None
-        keep = True
+        keep, released = True, False
         try:
             self._share_prefix(sess, list(context_ids))
             # Prompt lookup runs here, drafter or not: the same algorithm on the same ids in tens of
@@ -761,6 +761,13 @@ class VerifierCore:
                         f"{streamed} tokens (its drain grace ended); continue it on another verifier")
             result = gen.result()
             self.metrics.faults(result.stats.fallback_steps, result.stats.rejected_blocks)
+            # The session is idle before its last message leaves: the client may send the next turn
+            # the moment it reads it, sooner than this generator is resumed to finish (64 sessions
+            # on 2 cores: a next turn once found its session still marked busy and failed).
+            if proposer is not None:
+                proposer.close("finished")
+            self._release(session_id, sess, gen_ok(sess))
+            released = True
             yield result
         except GeneratorExit:
             raise  # the client went away between steps: the session's state is consistent, keep it
@@ -770,9 +777,10 @@ class VerifierCore:
             keep = False
             raise
         finally:
-            if proposer is not None:
-                proposer.close("finished" if keep else "cancelled")
-            self._release(session_id, sess, keep and gen_ok(sess))
+            if not released:
+                if proposer is not None:
+                    proposer.close("finished" if keep else "cancelled")
+                self._release(session_id, sess, keep and gen_ok(sess))
 
     def _observe(self, span, step: StepOutput, faults_before: tuple[int, int], batch_size: int, proposer) -> None:
         """One verify step to the metrics and its span (in docs/design.md's terms); a drafter fallback

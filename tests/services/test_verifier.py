@@ -143,6 +143,22 @@ def test_a_shared_tool_list_counts_once_against_the_budget(tiny_loaded):
     assert last.token_ids == _reference(tiny_loaded, contexts["b"] + [7, 8], 8)
 
 
+def test_a_next_turn_sent_on_the_last_message_finds_its_session_idle(tiny_loaded):
+    """The client may send a session's next turn the moment it reads the last message of the
+    previous one, before the verifier's handler is resumed to finish: the session is idle by then
+    (once, under 64 sessions on 2 cores, such a turn failed with "already generating")."""
+    core = VerifierCore(VerifierSettings(verifier_id="v-turns", port=0, kv_capacity_tokens=4096), tiny_loaded)
+    sampling, spec = SamplingParams(max_new_tokens=6), SpecConfig(strategy=DraftStrategy.ngram)
+    first = core.generate("s", CONTEXT, sampling, spec)
+    result = next(item for item in first if hasattr(item, "token_ids"))  # the last message; `first` not resumed
+    context = CONTEXT + result.token_ids + [5, 6]
+    *_, second = core.generate("s", context, sampling, spec)
+    assert second.token_ids == _reference(tiny_loaded, context, 6)
+    assert second.stats.prefill_reused_tokens >= len(CONTEXT) + len(result.token_ids) - 1
+    first.close()
+    assert core.session_ids() == ["s"]
+
+
 def test_kv_pool_slots_follow_the_budget_within_free_memory():
     from tandem.services.verifier.core import kv_pool_slots
 
