@@ -1102,6 +1102,7 @@ def determinism(
     kill_every: Annotated[int, typer.Option("--kill-every", help="SIGKILL a verifier mid-stream every k-th round (0: never).", min=0)] = 2,
     tls: Annotated[bool, typer.Option("--tls/--no-tls", help="Mutual TLS between the services, TLS at the gateway.")] = False,
     api_keys: Annotated[bool, typer.Option("--api-keys/--no-api-keys", help="Two tenants with API keys: the streams use one, the long prompts the other.")] = False,
+    tools: Annotated[int, typer.Option("--tools", help="Tools listed in the streams' shared system prompt, as an agent's (40: ~700 tokens, read by every session from one copy).", min=0, max=500)] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Seeds the kills and the session ids.")] = 0,
     out: Annotated[Path, typer.Option("--out", help="Where the JSON report goes.")] = Path("determinism.json"),
 ) -> None:
@@ -1128,7 +1129,7 @@ def determinism(
             _fail("no strategy left to check")
     cfg = DeterminismConfig(model=model, draft_model=draft, rounds=rounds, streams=streams, strategies=chosen, max_tokens=max_tokens,
                             long_prompts=long_prompts, long_words=long_words, n_choices=n_choices, sampled=sampled, verifiers=verifiers,
-                            kill_every=kill_every, tls=tls, api_keys=api_keys, seed=seed)
+                            kill_every=kill_every, tls=tls, api_keys=api_keys, tools=tools, seed=seed)
     console.print(f"determinism: {streams} streams x {rounds} rounds ({', '.join(chosen)}), {verifiers} verifiers; "
                   "starting the stack ...")
     report = run_determinism(cfg, on_event=lambda text: console.print(f"  {text}", highlight=False), out=out)

@@ -15,7 +15,7 @@ runs them), then:
    equal the idle one too).
 
 The chat requests share a system prompt, so their prompts share a prefix: its KV is computed once
-and copied between sessions, and each prompt is prefilled in whatever pieces the load allows,
+and shared between sessions (with `tools`, long enough to be read in place rather than copied), and each prompt is prefilled in whatever pieces the load allows,
 which is what made chat output differ under load before every position's bits were made
 independent of how it arrived (docs/history.md, "One request, one answer").
 
@@ -47,6 +47,17 @@ log = logging.getLogger("tandem.tools.determinism")
 
 STRATEGIES = ("none", "ngram", "suffix", "hybrid")
 SYSTEM = "You are a helpful assistant. Answer clearly and concisely."
+
+
+def system_prompt(tools: int) -> str:
+    """The streams' shared system prompt; with `tools`, an agent's tool list of that many
+    signatures after it (40: ~700 tokens), long enough that the sessions read whole attention runs
+    of it from one storage (llama.KVPrefix) rather than copies."""
+    if not tools:
+        return SYSTEM
+    lines = [f"def tool_{i}(path: str, limit: int = {i}) -> list[str]: \"\"\"Read {i} lines of a file.\"\"\""
+             for i in range(tools)]
+    return SYSTEM + "\nYou can call these tools:\n" + "\n".join(lines)
 TENANTS = ("replay", "other")  # the streams' tenant and the hostile one (with api_keys)
 HOSTILE_TOKENS = 8  # tokens each long prompt generates
 
@@ -67,6 +78,7 @@ class DeterminismConfig:
     kill_every: int = 2  # SIGKILL a verifier mid-stream in every k-th round (0: never)
     tls: bool = False
     api_keys: bool = False  # two tenants with keys; the streams use one, the hostile mix the other
+    tools: int = 0  # tools listed in the shared system prompt (an agent's tool list: ~18 tokens each)
     dataset: str = "mt_bench"
     prompts: tuple[str, ...] = ()  # user turns instead of the dataset's
     seed: int = 0
@@ -139,7 +151,7 @@ class Determinism:
                                              temperature=req.temperature)
         if req.seed is not None:
             sampling.seed = req.seed
-        msgs = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="system", content=SYSTEM),
+        msgs = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="system", content=system_prompt(self.config.tools)),
                                                   gateway_pb2.ChatMessage(role="user", content=req.prompt)])
         grpc_req = gateway_pb2.GenerateRequest(
             session_id=session if req.n == 1 else "",  # several continuations are no one session's

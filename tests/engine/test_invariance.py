@@ -20,6 +20,7 @@ from tandem.engine.model.llama import NativeLlama
 from tandem.engine.model.loading import load_model
 from tandem.engine.model.tokenizer import apply_chat_template
 from tandem.engine.native import attend, quant
+from tandem.tools.determinism import system_prompt
 
 needs_kernels = pytest.mark.skipif(
     attend.library() is None or not quant.int8_activations_available(),
@@ -132,9 +133,7 @@ def test_a_shared_prefix_held_once_gives_the_idle_bits(default_target) -> None:
     loaded, m = default_target
     assert m.raw_layers
     tok = loaded.tokenizer
-    tools = "\n".join(f"def tool_{i}(path: str, limit: int = {i}) -> list[str]: \"\"\"Read {i} lines of a file.\"\"\""
-                      for i in range(40))
-    system = SYSTEM + "\nYou can call these tools:\n" + tools
+    system = system_prompt(40)  # `tandem determinism --tools 40`'s
     a_ids = apply_chat_template(tok, [{"role": "system", "content": system}, {"role": "user", "content": "List /tmp."}])
     b_ids = apply_chat_template(tok, [{"role": "system", "content": system},
                                       {"role": "user", "content": "Read the first lines of /etc/hosts, please."}])
