@@ -55,7 +55,7 @@ from tandem.serving.logs import log_prompts_enabled, session_id_var
 from tandem.serving.messages import CommittedTokens, DrafterInfo, VerifierRequest
 from tandem.serving.metrics import GatewayMetrics, status_of
 from tandem.serving.residency import ResidencyConfig, ResidencyIndex, VerifierRecord
-from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingPolicy, RoutingReason
+from tandem.serving.routing import RESIDENCY_HITS, RoutingDecision, RoutingReason, make_policy
 from tandem.services.gateway.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -379,7 +379,7 @@ class GatewayCore:
                 )
             )
         self._index = index
-        self._policy = RoutingPolicy(index)
+        self._policy = make_policy(settings.routing, index)
         self.sessions = SessionStore(settings.max_sessions, settings.session_idle_s)
         self.keys = KeyringFile(settings.api_keys_file) if settings.api_keys_file else None
         self.limiter = TenantLimiter()

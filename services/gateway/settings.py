@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -49,6 +50,9 @@ class GatewaySettings(BaseModel):
     redis_cert: str | None = None
     redis_key: str | None = None
     prefix_block_size: int = Field(32, ge=1, le=4096)  # must equal the verifiers' block size
+    # residency (session > prefix > load), or a baseline that ignores what verifiers hold
+    # (tandem/serving/routing.py)
+    routing: Literal["residency", "round-robin", "least-loaded"] = "residency"
     redis_timeout_s: float = Field(0.2, gt=0)
 
     # The gateway loads only the tokenizer (and the context window) of this model: a Hugging Face

@@ -18,17 +18,24 @@ serving. Redis is the store this policy reads (`ResidencyIndex.view`), nothing m
 Worked example: verifiers A (2 active) and B (0 active); the context's first 64 tokens are
 resident on A. A new session goes to A by `prefix` (64 matched tokens); with A excluded it goes to
 B by `load`; its next turn goes to whichever served it, by `session`.
+
+Two baselines, to measure what residency buys (`--routing`, docs/benchmarks.md "Routing"):
+`round-robin` sends every request to the next live verifier in turn and `least-loaded` to the
+least loaded one, both whatever it holds. They read the same view from Redis as the policy above
+(the same cost per request) and honour the same exclusions.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from tandem.serving.residency import ResidencyIndex, ResidencyView, VerifierRecord
 
-RoutingReason = Literal["session", "prefix", "load", "redis-unavailable"]
+RoutingReason = Literal["session", "prefix", "load", "redis-unavailable", "round-robin"]
+ROUTING_POLICIES = ("residency", "round-robin", "least-loaded")
 RESIDENCY_HITS = frozenset({"session", "prefix"})  # reasons that found the request's KV resident
 
 
@@ -89,11 +96,15 @@ class RoutingPolicy:
             live.update((r.verifier_id, r) for r in view.registered if usable(r))
         if not live:
             return None
+        return self._pick(live, view, len(token_ids), affinity, inflight)
+
+    def _pick(self, live: dict[str, VerifierRecord], view: ResidencyView | None, context_len: int,
+              affinity: tuple[str, int] | None, inflight: Mapping[str, int] | None) -> RoutingDecision:
         if self.index is not None and view is None:
             return self._without_residency(live, affinity, inflight, "redis-unavailable")
         if view is None:
             return self._without_residency(live, affinity, inflight, "load")
-        return self._with_residency(live, view, len(token_ids), affinity, inflight)
+        return self._with_residency(live, view, context_len, affinity, inflight)
 
     @staticmethod
     def _without_residency(live: dict[str, VerifierRecord], affinity: tuple[str, int] | None,
@@ -118,3 +129,32 @@ class RoutingPolicy:
             return RoutingDecision(best.verifier_id, best.address, "prefix", best_n)
         rec = least_loaded(list(live.values()), inflight)
         return RoutingDecision(rec.verifier_id, rec.address, "load", 0)
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Baseline: each request to the next live verifier in turn (by id), whatever it holds."""
+
+    def __init__(self, index: ResidencyIndex | None = None):
+        super().__init__(index)
+        self._turn = itertools.count()  # next() is atomic: routes run on several threads
+
+    def _pick(self, live, view, context_len, affinity, inflight) -> RoutingDecision:
+        ids = sorted(live)
+        vid = ids[next(self._turn) % len(ids)]
+        return RoutingDecision(vid, live[vid].address, "round-robin", 0)
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    """Baseline: each request to the least loaded live verifier (`least_loaded`), whatever it holds."""
+
+    def _pick(self, live, view, context_len, affinity, inflight) -> RoutingDecision:
+        rec = least_loaded(list(live.values()), inflight)
+        return RoutingDecision(rec.verifier_id, rec.address, "load", 0)
+
+
+def make_policy(name: str, index: ResidencyIndex | None = None) -> RoutingPolicy:
+    """The policy called `name` (ROUTING_POLICIES)."""
+    kinds = {"residency": RoutingPolicy, "round-robin": RoundRobinPolicy, "least-loaded": LeastLoadedPolicy}
+    if name not in kinds:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(ROUTING_POLICIES)}")
+    return kinds[name](index)

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -186,6 +187,19 @@ def _load(model: str, draft_model: str | None, *, needs_draft: bool = False, pre
     return target, draft
 
 
+class Routing(str, Enum):
+    """The gateway's routing policies (tandem/serving/routing.py ROUTING_POLICIES)."""
+
+    residency = "residency"
+    round_robin = "round-robin"
+    least_loaded = "least-loaded"
+
+
+RoutingOpt = Annotated[Routing, typer.Option(
+    "--routing",
+    help="How the gateway picks a verifier: residency (the one holding the session's KV, else the longest "
+         "resident prefix, else the least loaded), or a baseline that ignores what verifiers hold: round-robin, "
+         "least-loaded (to measure what residency buys).")]
 # The strategy of requests that do not choose one (a client that cannot send Tandem's
 # `speculation` field: lm-eval, load generators): `none` serves plain decoding.
 SpeculationOpt = Annotated[DraftStrategy, typer.Option(
@@ -579,9 +593,11 @@ def loadtest(
     def show(row: dict) -> None:
         console.print(
             f"c={row['concurrency']:<3} speculation={'on ' if row['speculation'] else 'off'} "
-            f"{row['tokens_per_s']:7.1f} tok/s ({_steady(row)})  TTFT p50 {row['ttft_p50_ms'] or 0:7.0f} ms  "
+            f"{row['tokens_per_s']:7.1f} tok/s ({_steady(row)})  TTFT p50 {row['ttft_p50_ms'] or 0:7.0f} ms "
+            f"p90 {row['ttft_p90_ms'] or 0:7.0f} ms  "
             f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} ms p99 {row['itl_p99_ms'] or 0:6.1f} ms  "
             f"accept {row['acceptance_rate'] or 0:.0%}  residency hits {row['residency_hit_rate'] or 0:.0%}  "
+            f"cached {row['cached_share'] or 0:.0%}  "
             f"({row['requests']} requests, {row['errors']} errors)"
         )
         if row["top_error"]:
@@ -960,6 +976,7 @@ def gateway(
     public_key: Annotated[Optional[Path], typer.Option("--public-key", envvar="TANDEM_PUBLIC_KEY", exists=True, dir_okay=False, help="Private key of --public-cert.")] = None,
     drain_grace_s: _drain_opt(20.0, "requests in flight (the rest end with an SSE error event / UNAVAILABLE)") = 20.0,
     resume_wait_s: Annotated[float, typer.Option("--resume-wait-s", min=0, help="A stream cut mid-way (its verifier died or drained) with no other verifier to take it waits this long for one (a restart, a rolling update) before it ends with an error.")] = 10.0,
+    routing: RoutingOpt = Routing.residency,
 ) -> None:
     """Run the gateway: OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models,
     SSE streaming) and gRPC Generate; routes each session to the verifier holding its KV cache.
@@ -977,7 +994,7 @@ def gateway(
             redis_url=redis_url, max_tokens_cap=max_tokens_cap, max_concurrent_requests=max_concurrent_requests,
             metrics_port=metrics_port, api_keys_file=api_keys, allow_unauthenticated=allow_unauthenticated,
             max_body_bytes=max_body_bytes, max_input_tokens=max_input_tokens, grpc_reflection=grpc_reflection,
-            tool_fallback=tool_fallback, shutdown_grace_s=drain_grace_s, resume_wait_s=resume_wait_s,
+            tool_fallback=tool_fallback, shutdown_grace_s=drain_grace_s, resume_wait_s=resume_wait_s, routing=routing.value,
             default_speculation=GatewaySettings.model_fields["default_speculation"].default.model_copy(
                 update={"strategy": speculation}),
             redis_ca=_path_str(redis_ca), redis_cert=_path_str(redis_cert), redis_key=_path_str(redis_key),
@@ -1012,6 +1029,8 @@ def up(
     speculation: SpeculationOpt = DraftStrategy.ngram,
     liveness_timeout_s: Annotated[float, typer.Option("--liveness-timeout-s", min=0, help="A service that has not answered a health check for this long (hung) is killed and started again; 0: only exits are watched.")] = 30.0,
     verifier_max_sessions: Annotated[Optional[int], typer.Option("--verifier-max-sessions", min=1, help="Sessions each verifier keeps resident (its --max-sessions; default: the verifier's, 256). Size it above the conversations that run at once: a full verifier evicts an idle session, which may be one between its turns.")] = None,
+    verifier_kv_tokens: Annotated[Optional[int], typer.Option("--verifier-kv-capacity-tokens", min=1, help="Each verifier's KV budget in tokens (its --kv-capacity-tokens; default: the verifier's, 65,536).")] = None,
+    routing: RoutingOpt = Routing.residency,
 ) -> None:
     """Start the whole stack on this machine: embedded Valkey (unless --redis-url; it gets a
     generated password), a drafter, verifier(s) and the gateway, as separate processes, and keep it
@@ -1027,8 +1046,9 @@ def up(
     _run_stack(StackConfig(model=model, draft_model=draft_model, redis_url=redis_url, host=host, http_port=http_port,
                            grpc_port=grpc_port, verifiers=verifiers, verifier_threads=verifier_threads,
                            log_level=log_level, tls_dir=tls_dir, api_keys_file=api_keys, speculation=speculation.value,
-                           liveness_timeout_s=liveness_timeout_s,
-                           verifier_args=() if verifier_max_sessions is None else ("--max-sessions", str(verifier_max_sessions))),
+                           liveness_timeout_s=liveness_timeout_s, routing=routing.value,
+                           verifier_args=(*(() if verifier_max_sessions is None else ("--max-sessions", str(verifier_max_sessions))),
+                                          *(() if verifier_kv_tokens is None else ("--kv-capacity-tokens", str(verifier_kv_tokens))))),
                demo_request=False)
 
 

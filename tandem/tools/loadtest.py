@@ -11,11 +11,12 @@ Per phase (JSON keys are fixed; the project is measured with them):
     tokens_per_s        completion tokens of the phase / its wall time (aggregate throughput)
     steady_tokens_per_s the same while every worker had a request in flight (no start, no tail;
                         `Phase.steady`), over `steady_window_s` seconds; null without such a window
-    ttft_p50/p99_ms     time to the first streamed token, over requests
+    ttft_p50/p90/p99_ms time to the first streamed token, over requests
     itl_p50/p99_ms      inter-token latency: (last token time - first token time) / (tokens - 1),
                         per request (the time per output token a user sees after the first)
     acceptance_rate     accepted / drafted over the phase (null when nothing was drafted)
     residency_hit_rate  fraction of later turns whose prompt found cached KV (cached_tokens > 0)
+    cached_share        prompt tokens found cached / all prompt tokens (the responses' usage)
     server              with --metrics (the verifiers' /metrics): what they did during the phase,
                         the prefill composition, recomputation of evicted KV, evictions, rows per
                         step, KV occupancy (SERVER_COUNTERS below)
@@ -86,11 +87,14 @@ class Phase:
             "speculation": self.speculation,
             "tokens_per_s": tokens / self.wall_s if self.wall_s > 0 else 0.0,
             "ttft_p50_ms": _pct([r.ttft_s for r in ok], 50),
+            "ttft_p90_ms": _pct([r.ttft_s for r in ok], 90),
             "ttft_p99_ms": _pct([r.ttft_s for r in ok], 99),
             "itl_p50_ms": _pct([r.itl_s for r in ok], 50),
             "itl_p99_ms": _pct([r.itl_s for r in ok], 99),
             "acceptance_rate": sum(r.accepted for r in ok) / drafted if drafted else None,
             "residency_hit_rate": sum(1 for r in later if r.cached_tokens > 0) / len(later) if later else None,
+            "cached_share": (sum(r.cached_tokens for r in ok) / prompt) if (prompt := sum(r.prompt_tokens for r in ok))
+            else None,
             "requests": len(self.results),
             "errors": len(self.results) - len(ok),
             # what went wrong, said once: the most frequent failure and how often (None: no failure)

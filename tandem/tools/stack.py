@@ -335,6 +335,7 @@ class StackConfig:
     tls_dir: Path | None = None
     api_keys_file: Path | None = None  # the gateway's API keys (none: open, on loopback only)
     speculation: str = "ngram"  # the gateway's strategy for requests that do not set one
+    routing: str = "residency"  # the gateway's routing policy (tandem/serving/routing.py)
     # Supervision (Stack.supervise): restart backoff doubles from restart_backoff_s up to
     # max_backoff_s; a child dying this many times in a row before it is healthy, or within
     # stable_s of coming up, ends the stack.
@@ -563,7 +564,7 @@ class Stack:
                 child.state, child.last_alive = "up", time.monotonic()
             args = ["gateway", "--host", topo.bind("gateway"), "--http-port", str(c.http_port),
                     "--grpc-port", str(c.grpc_port), "--model", c.model, "--drafter", self.drafter_dial,
-                    "--speculation", c.speculation]
+                    "--speculation", c.speculation, "--routing", c.routing]
             for i, address in enumerate(self.verifier_addresses):
                 args += ["--verifier", topo.dial(f"verifier-{i}", address)]
             args += self._metrics_args("gateway") + self._tls_args("gateway")

@@ -343,6 +343,30 @@ def test_session_turns_stick_to_their_verifier(stack, rds, redis_url) -> None:
     assert (fresh["tandem"]["verifier_id"], fresh["tandem"]["routing"]) == ("vb", "load")
 
 
+def test_round_robin_routing_moves_a_session_between_verifiers(stack, rds, redis_url) -> None:
+    """`routing="round-robin"` (the baseline residency is measured against): a session's turns go
+    to the verifiers in turn, whatever holds its KV, and responses say so."""
+    cfg = ResidencyConfig(url=redis_url)
+    pub_a, pub_b = ResidencyPublisher(cfg), ResidencyPublisher(cfg)
+    va, vb = stack.verifier("va", pub_a), stack.verifier("vb", pub_b)
+    pub_a.register(va.record())
+    pub_b.register(vb.record())
+    gw = stack.gateway(redis_url=redis_url, routing="round-robin")
+    history: list[dict] = []
+    where = []
+    for text in ("hello", "and then ?", "and after that ?"):
+        history.append({"role": "user", "content": text})
+        r = gw.http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 6},
+                         headers={"X-Session-Id": "conv-rr"})
+        assert r.status_code == 200, r.text
+        tandem = r.json()["tandem"]
+        where.append((tandem["verifier_id"], tandem["routing"], tandem["matched_tokens"]))
+        history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    assert where == [("va", "round-robin", 0), ("vb", "round-robin", 0), ("va", "round-robin", 0)]
+    with pytest.raises(ValueError, match="routing"):
+        GatewaySettings(routing="random")
+
+
 def test_malformed_requests_get_400_and_the_server_keeps_serving(stack) -> None:
     v = stack.verifier("va")
     gw = stack.gateway(verifiers=(v.address,))

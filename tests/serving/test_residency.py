@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from tandem.serving.routing import RoutingPolicy
+from tandem.serving.routing import RoutingPolicy, make_policy
 from tandem.serving.residency import (
     KEY_PREFIX,
     VERIFIER_INDEX_KEY,
@@ -216,3 +216,31 @@ def test_publisher_takes_a_url_and_an_info_mapping(rds, redis_url) -> None:
     (rec,) = ResidencyIndex(redis_url, block_size=BLOCK).verifiers()
     assert (rec.verifier_id, rec.address, rec.active_sessions, rec.max_context_tokens) == ("va", "va.local:1", 1, 512)
     assert pub.deregister("va") and rds.keys(KEY_PREFIX + "*") == []
+
+
+def test_baselines_ignore_what_verifiers_hold(rds, config) -> None:
+    """`--routing round-robin` / `least-loaded` (the baselines residency is measured against) send
+    a session's next turn wherever their rule says, not where its KV is; they honour exclusions and
+    the model like the residency policy."""
+    pub_a, pub_b, pub_c = ResidencyPublisher(config), ResidencyPublisher(config), ResidencyPublisher(config)
+    pub_a.register(record("va", active=5))
+    pub_b.register(record("vb", active=1))
+    pub_c.register(record("vc", active=3))
+    index = ResidencyIndex(config)
+    turn1 = [11, 12, 13, 14, 15, 16, 17, 18, 1, 2]
+    pub_a.publish_session("s1", "va", turn1 + [40, 41])
+    turn2 = turn1 + [40, 41, 6]
+    assert make_policy("residency", index).route("s1", turn2).verifier_id == "va"
+    rr = make_policy("round-robin", index)
+    picks = [rr.route("s1", turn2) for _ in range(6)]
+    assert [d.verifier_id for d in picks] == ["va", "vb", "vc"] * 2
+    assert {(d.reason, d.matched_tokens) for d in picks} == {("round-robin", 0)}
+    assert [rr.route("s1", turn2, exclude={"vb"}).verifier_id for _ in range(2)] in (["va", "vc"], ["vc", "va"])
+    ll = make_policy("least-loaded", index)
+    d = ll.route("s1", turn2)
+    assert (d.verifier_id, d.reason, d.matched_tokens) == ("vb", "load", 0)  # not va, which holds s1
+    assert ll.route("s1", turn2, affinity=("va", 12)).verifier_id == "vb"
+    assert ll.route("s1", turn2, exclude={"vb"}).verifier_id == "vc"
+    assert ll.route("s1", turn2, model_id="other") is None and rr.route("s1", turn2, model_id="other") is None
+    with pytest.raises(ValueError, match="unknown routing policy 'random'"):
+        make_policy("random", index)
