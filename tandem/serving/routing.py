@@ -6,7 +6,12 @@ Policy, in order (the first that applies wins):
    Redis lacks the key (a verifier publishes a turn only as it ends, or Redis is down), the
    verifier this gateway last sent the session to (`affinity`).
 2. **prefix** — the verifier holding the longest resident prefix of the context (full prefix
-   blocks, Redis's prefix keys); ties go to the least loaded of them.
+   blocks, Redis's prefix keys); ties go to the least loaded of them. Unless it is busier than the
+   least loaded verifier by more than PREFIX_SLACK (a quarter, at least 2 sessions): then by load.
+   Why: every session of an agent begins with the same tool list, so without the bound every new
+   session went to the one verifier that held it (measured, 32 agent sessions on 3 verifiers:
+   17 rows a step there against 8 under round-robin, TTFT p90 2.2 s against 1.9 s); the least
+   loaded one computes the prefix once and holds it from then on.
 3. **load** — the least loaded live verifier: fewest active sessions (this gateway's own in-flight
    requests count as a fresher lower bound), then least KV in use, then the smaller id.
 
@@ -37,6 +42,7 @@ from tandem.serving.residency import ResidencyIndex, ResidencyView, VerifierReco
 RoutingReason = Literal["session", "prefix", "load", "redis-unavailable", "round-robin"]
 ROUTING_POLICIES = ("residency", "round-robin", "least-loaded")
 RESIDENCY_HITS = frozenset({"session", "prefix"})  # reasons that found the request's KV resident
+PREFIX_SLACK = (2, 1.25)  # a prefix holder may carry min + 2 sessions or 1.25 x min, whichever is more
 
 
 @dataclass(frozen=True)
@@ -56,9 +62,15 @@ def least_loaded(
     inflight = inflight or {}
 
     def load(rec: VerifierRecord) -> tuple[int, int, str]:
-        return (max(rec.active_sessions, inflight.get(rec.verifier_id, 0)), rec.kv_used_tokens, rec.verifier_id)
+        return (sessions(rec, inflight), rec.kv_used_tokens, rec.verifier_id)
 
     return min(candidates, key=load, default=None)
+
+
+def sessions(rec: VerifierRecord, inflight: Mapping[str, int] | None = None) -> int:
+    """A verifier's active sessions as this caller knows them: its last heartbeat's count, or the
+    caller's own requests in flight there where more (a fresher lower bound)."""
+    return max(rec.active_sessions, (inflight or {}).get(rec.verifier_id, 0))
 
 
 class RoutingPolicy:
@@ -123,11 +135,13 @@ class RoutingPolicy:
         if affinity is not None and affinity[0] in live:
             return RoutingDecision(affinity[0], live[affinity[0]].address, "session", affinity[1])
         held = {vid: n for vid, n in view.prefix_held.items() if vid in live}
+        rec = least_loaded(list(live.values()), inflight)
         if held:
             best_n = max(held.values())
             best = least_loaded([live[vid] for vid, n in held.items() if n == best_n], inflight)
-            return RoutingDecision(best.verifier_id, best.address, "prefix", best_n)
-        rec = least_loaded(list(live.values()), inflight)
+            floor = sessions(rec, inflight)
+            if sessions(best, inflight) <= max(floor + PREFIX_SLACK[0], floor * PREFIX_SLACK[1]):
+                return RoutingDecision(best.verifier_id, best.address, "prefix", best_n)
         return RoutingDecision(rec.verifier_id, rec.address, "load", 0)
 
 

@@ -13,6 +13,7 @@ with optional `id` (or `question_id` / `task_id`), `category` and `system` on an
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -283,6 +284,8 @@ WORKLOADS = {
     "agent_tools": "12 two-turn sessions of one agent: the same tool list (the functions of the first "
                    "four BFCL multiple records) in every system prompt, each session asking two of "
                    "their questions",
+    "agent_turns": "24 four-turn sessions of the same agent (agent_tools' tool list), each asking the "
+                   "four questions in another order: longer histories of their own",
     "code_twice": "the first 8 HumanEval prompts, each asked twice in separate sessions, the second "
                   "time with the function renamed",
 }
@@ -290,7 +293,7 @@ WORKLOADS = {
 
 def workload(name: str, limit: int | None = None) -> list[PromptRecord]:
     """The records of a derived workload (WORKLOADS), at most `limit`."""
-    if name == "agent_tools":
+    if name in ("agent_tools", "agent_turns"):
         base = load_prompts(dev_set("bfcl_multiple"), 4)
         functions, seen = [], set()
         raw = [json.loads(line) for line in dev_set("bfcl_multiple").read_text().splitlines()[:4]]
@@ -304,10 +307,17 @@ def workload(name: str, limit: int | None = None) -> list[PromptRecord]:
                 "parameters": bfcl_schema(f.get("parameters") or {"type": "object", "properties": {}})}
                for f in functions]
         questions = [r.turns[0] for r in base]
-        pairs = [(i, j) for i in range(len(questions)) for j in range(len(questions)) if i != j]
-        records = [PromptRecord(id=f"agent_{i}_{j}", dataset="agent_tools", category=f"first_q{i}", system=system,
-                                turns=[questions[i], questions[j]], functions=api, system_without_tools=None)
-                   for i, j in pairs]
+        if name == "agent_turns":
+            orders = list(itertools.permutations(range(len(questions))))
+            records = [PromptRecord(id="agent_" + "_".join(map(str, order)), dataset=name, category=f"first_q{order[0]}",
+                                    system=system, turns=[questions[i] for i in order], functions=api,
+                                    system_without_tools=None)
+                       for order in orders]
+        else:
+            pairs = [(i, j) for i in range(len(questions)) for j in range(len(questions)) if i != j]
+            records = [PromptRecord(id=f"agent_{i}_{j}", dataset="agent_tools", category=f"first_q{i}", system=system,
+                                    turns=[questions[i], questions[j]], functions=api, system_without_tools=None)
+                       for i, j in pairs]
     elif name == "code_twice":
         records = []
         for line in dev_set("humaneval").read_text().splitlines()[:8]:

@@ -119,7 +119,11 @@ def test_route_by_session_then_prefix_then_load(rds, config) -> None:
     turn2 = turn1 + [40, 41, 6, 7, 8]
     d = RoutingPolicy(index).route("s1", turn2)
     assert (d.verifier_id, d.address, d.reason, d.matched_tokens) == ("va", "va.local:1", "session", 15)
-    # Another session sharing the system prompt goes where that prefix is resident.
+    # Another session sharing the system prompt goes where that prefix is resident, unless that
+    # verifier is busier than the least loaded by more than PREFIX_SLACK (here 5 against 1)...
+    d = RoutingPolicy(index).route("s2", system + [9, 9, 9, 9, 9])
+    assert (d.verifier_id, d.reason, d.matched_tokens) == ("vb", "load", 0)
+    pub_a.heartbeat(record("va", active=3))  # ...1 + 2 is within it
     d = RoutingPolicy(index).route("s2", system + [9, 9, 9, 9, 9])
     assert (d.verifier_id, d.reason, d.matched_tokens) == ("va", "prefix", 8)
     assert index.longest_prefix(turn2) == {"va": 12}

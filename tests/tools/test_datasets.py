@@ -259,11 +259,14 @@ def test_the_multi_session_workloads_repeat_what_agents_repeat() -> None:
     assert {tuple(r.turns) for r in agents} == {(a, b) for a in {r.turns[0] for r in agents}
                                                 for b in {r.turns[0] for r in agents} if a != b}
     assert [f["name"] for f in agents[0].functions] and '"type": "object"' in agents[0].system
+    long = workload("agent_turns")  # every order of agent_tools' four questions, one session each
+    assert len(long) == 24 and {r.system for r in long} == {agents[0].system}
+    assert len({tuple(r.turns) for r in long}) == 24 and all(sorted(r.turns) == sorted(long[0].turns) for r in long)
     code = workload("code_twice")
     assert len(code) == 16 and [r.category for r in code[:2]] == ["first", "renamed"]
     first, again = code[0].turns[0], code[1].turns[0]
     assert "has_close_elements_v2" in again and again.replace("has_close_elements_v2", "has_close_elements") == first
     assert len(workload("code_twice", 3)) == 3
-    with pytest.raises(KeyError, match="known: agent_tools, code_twice"):
+    with pytest.raises(KeyError, match="known: agent_tools, agent_turns, code_twice"):
         workload("nope")
-    assert set(WORKLOADS) == {"agent_tools", "code_twice"}
+    assert set(WORKLOADS) == {"agent_tools", "agent_turns", "code_twice"}
