@@ -273,6 +273,7 @@ def test_objects_validate_against_kubernetes_schemas(rendered, values):
         (("tls.certManager.enabled=true",), "issuerRef.name"),  # cert-manager without an issuer
         (("gateway.maxBodyBytes=10",), "maxBodyBytes"),
         (("gateway.speculation=fast",), "speculation"),
+        (("gateway.routing=random",), "routing"),
     ],
 )
 def test_bad_values_fail_at_install_time(helm, sets, message):
@@ -983,11 +984,12 @@ def test_dockerfile_builds_the_one_image_the_chart_runs():
 
 
 def test_the_gateways_default_speculation_and_tool_fallback_reach_its_args(helm):
-    out = helm.template([CHART / "values-local.yaml"], ("gateway.speculation=none", "gateway.toolFallback=false"))
+    out = helm.template([CHART / "values-local.yaml"], ("gateway.speculation=none", "gateway.toolFallback=false",
+                                                        "gateway.routing=round-robin"))
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     (args,) = [c["args"] for _, _, c in _tandem_containers(docs) if c["args"][0] == "gateway"]
-    assert "--speculation=none" in args and "--no-tool-fallback" in args
+    assert "--speculation=none" in args and "--no-tool-fallback" in args and "--routing=round-robin" in args
 
 
 def test_the_drafters_draft_context_reaches_its_args(helm):
