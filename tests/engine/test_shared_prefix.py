@@ -36,10 +36,21 @@ def _fill(m: NativeLlama, cache: KVCache, ids: list[int], piece: int = 200) -> N
         m.forward(ids[at : at + piece], cache, all_logits=False)
 
 
-def _alone(m: NativeLlama, ids: list[int], tail: list[int]) -> torch.Tensor:
+def _filled(m: NativeLlama, ids: list[int]) -> KVCache:
     cache = m.new_cache()
     _fill(m, cache, ids)
-    return m.forward(tail, cache)
+    return cache
+
+
+def _alone(m: NativeLlama, ids: list[int], tail: list[int]) -> torch.Tensor:
+    return m.forward(tail, _filled(m, ids))
+
+
+def _owner_and_sharer(m: NativeLlama, tools: list[int], length: int | None = None) -> tuple[KVCache, KVCache]:
+    """A cache that computed `tools` and one that takes its first `length` (default all) positions."""
+    owner, sharer = _filled(m, tools), m.new_cache()
+    NativeBackend.copy_prefix(owner, sharer, len(tools) if length is None else length)
+    return owner, sharer
 
 
 def test_sharers_get_the_bits_of_a_copy(model) -> None:
@@ -68,10 +79,7 @@ def test_sharers_get_the_bits_of_a_copy(model) -> None:
 def test_the_owner_grows_and_rolls_back_without_touching_what_it_lent(model) -> None:
     m = model
     tools = _ids(520, 3)
-    owner = m.new_cache()  # 256 slots at first: grows while it prefills
-    _fill(m, owner, tools)
-    sharer = m.new_cache()
-    NativeBackend.copy_prefix(owner, sharer, len(tools))
+    owner, sharer = _owner_and_sharer(m, tools)  # the owner's cache had 256 slots at first and grew
     lent = owner.k.data_ptr()
     # the owner grows past its storage: the lent slots become its own prefix, not a copy
     _fill(m, owner, _ids(900, 4))
@@ -88,10 +96,7 @@ def test_the_owner_grows_and_rolls_back_without_touching_what_it_lent(model) -> 
 def test_a_sharer_rolls_back_into_its_prefix_and_outlives_the_owner(model) -> None:
     m = model
     tools = _ids(800, 7)
-    owner = m.new_cache()
-    _fill(m, owner, tools)
-    sharer = m.new_cache()
-    NativeBackend.copy_prefix(owner, sharer, len(tools))
+    owner, sharer = _owner_and_sharer(m, tools)
     assert sharer.off == 3 * SPAN
     del owner
     gc.collect()  # the prefix's storage lives on in the sharer
@@ -107,10 +112,8 @@ def test_a_sharer_rolls_back_into_its_prefix_and_outlives_the_owner(model) -> No
 def test_token_trees_and_accepted_paths_past_a_shared_prefix(model) -> None:
     m = model
     tools = _ids(512, 9)
-    owner = m.new_cache()
-    _fill(m, owner, tools)
-    sharer, copy = m.new_cache(), m.new_cache()
-    NativeBackend.copy_prefix(owner, sharer, len(tools))
+    owner, sharer = _owner_and_sharer(m, tools)
+    copy = m.new_cache()
     copy.take_prefix(owner, len(tools), share=False)
     assert sharer.off == 2 * SPAN and copy.off == 0
     parents = [-1, 0, 0, 1, 2, 3]
@@ -129,29 +132,17 @@ def test_no_shared_prefix_in_a_kv_pool(model) -> None:
     """A pool's region is a strided view the kernel cannot read as a prefix: pooled caches copy."""
     m = NativeLlama(make_tiny_llama(seed=3, num_layers=2, max_positions=4096))
     m.size_kv_pool(8192)
-    owner, sharer = m.new_cache(), m.new_cache()
-    assert owner.pool is not None
     tools = _ids(600, 12)
-    _fill(m, owner, tools)
-    NativeBackend.copy_prefix(owner, sharer, len(tools))
+    owner, sharer = _owner_and_sharer(m, tools)
+    assert owner.pool is not None and sharer.pool is not None
     assert sharer.prefix is None and owner.frozen == 0
     tail = _ids(9, 13)
-    assert torch.equal(m.forward(tail, sharer), m.forward(tail, owner := _pooled_alone(m, tools)))
-
-
-def _pooled_alone(m: NativeLlama, ids: list[int]) -> KVCache:
-    c = m.new_cache()
-    _fill(m, c, ids)
-    return c
+    assert torch.equal(m.forward(tail, sharer), _alone(m, tools, tail))
 
 
 def test_what_a_cache_holds_of_its_own(model) -> None:
     """NativeBackend.kv_held: the verifier counts a shared prefix once, by the storage it lies in."""
     m = model
-    tools = _ids(700, 14)
-    owner = m.new_cache()
-    _fill(m, owner, tools)
-    sharer = m.new_cache()
-    NativeBackend.copy_prefix(owner, sharer, 650)
+    owner, sharer = _owner_and_sharer(m, _ids(700, 14), 650)
     assert NativeBackend.kv_held(owner) == (700, None)
     assert NativeBackend.kv_held(sharer) == (650 - 512, (NativeBackend.own_key(owner), 512))
