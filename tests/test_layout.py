@@ -311,3 +311,21 @@ def test_the_gateway_process_imports_no_torch(tiny_dir) -> None:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert "TORCH False" in out, out[-3000:]
+
+
+def test_command_help_imports_no_torch() -> None:
+    """`tandem <command> --help` runs nothing, so it answers without importing torch (it took ~2 s
+    with torch on the 2-core host, 0.2-0.4 s without)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from tandem.tools.cli import app\n"
+            "try:\n"
+            "    app()\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print('TORCH', 'torch' in sys.modules)\n")
+    for args in (["--help"], ["up", "--help"], ["bench", "--help"], ["verifier", "--help"]):
+        res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+        assert "Usage" in res.stdout and res.stdout.rstrip().endswith("TORCH False"), (args, res.stdout[-300:], res.stderr)

@@ -56,6 +56,8 @@ def _global(
     """Options that apply to every command (set before the command: `tandem --gemm onednn_b4 bench ...`)."""
     if ctx.invoked_subcommand in TORCH_FREE:
         return  # runs no model: the process never imports torch (tests/test_layout.py)
+    if "--help" in sys.argv[1:]:
+        return  # a command's help runs nothing: answered without importing torch (0.4 s, not 2 s)
     from tandem.engine.model.gemm import GemmSettings
 
     try:
