@@ -909,7 +909,11 @@ class GatewayCore:
                     raise
                 return decision, stream, first
             except StopAsyncIteration:
-                raise UpstreamFailed(f"verifier {decision.verifier_id} ended the stream without a message") from None
+                # Nothing streamed, so nothing is lost by asking the next verifier (a verifier
+                # that ends a call without a word is broken, not busy): the client sees an answer.
+                log.warning("verifier %s ended the stream without a message; trying the next one", decision.verifier_id)
+                failures.append(f"verifier {decision.verifier_id} ended the stream without a message")
+                self._down[decision.verifier_id] = time.monotonic() + self.settings.down_backoff_s
             except VerifierUnreachable as exc:
                 self.stats.connect_failures += 1
                 trace.get_current_span().add_event(

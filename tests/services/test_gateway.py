@@ -469,6 +469,22 @@ def test_unreachable_verifier_at_connect_is_replaced_by_the_next(stack) -> None:
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.parametrize("mode", ["abort", "end"])
+def test_a_verifier_that_dies_before_the_first_token_is_replaced_by_the_next(stack, mode) -> None:
+    """The verifier accepts the call and dies (or ends the stream) before its first message: the
+    request goes to the next verifier and the client gets the whole answer, once, as if nothing
+    had happened (issue 61: a retry the client never sees)."""
+    va, vb = stack.verifier("va"), stack.verifier("vb")
+    va.cut_after, va.cut_mode = 0, mode
+    gw = stack.gateway(verifiers=(va.address, vb.address))
+    r = gw.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["tandem"]["verifier_id"] == "vb"
+    assert r.json()["choices"][0]["message"]["content"] == SENTENCE
+    assert len(va.requests) == 1 and len(vb.requests) == 1
+    va.cut_after = None
+
+
 def test_full_verifiers_are_skipped_then_reported_as_overload(stack) -> None:
     va, vb = stack.verifier("va"), stack.verifier("vb")
     va.kv_full = True
