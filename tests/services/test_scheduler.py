@@ -223,9 +223,11 @@ def test_a_long_prompt_does_not_stop_running_streams(tiny_loaded, kv_pool):
     assert max(pieces) <= 16
     mixed = sum(1 for rows, ps, _ in history if rows and ps)
     # 439 prompt tokens in pieces of at most 16: at least 28 steps of prefill, and a decoded in them
-    # (a one-piece prefill gives a at most one or two steps meanwhile).
-    assert mixed >= 20, history
-    assert during >= 20, f"a streamed {during} steps during b's prefill"
+    # (a one-piece prefill gives a at most one or two steps meanwhile). Not all 28: a step whose
+    # rows' reader is behind runs the piece alone, and on 2 busy cores (the full suite) that was 13
+    # of them once; 10 keeps a wide margin over the one-piece case.
+    assert mixed >= 10, history
+    assert during >= 10, f"a streamed {during} steps during b's prefill"
     expected_a = Engine(tiny_loaded).generate(ctx_a, sampling_a, NONE).token_ids
     expected_b = Engine(tiny_loaded).generate(ctx_b, sampling_b, NONE).token_ids
     assert isinstance(a_steps[-1], GenerationResult) and a_steps[-1].token_ids == expected_a
