@@ -147,12 +147,11 @@ class _Session:
     expect: int = 0  # of them, what admission expected to read from a resident session's shared prefix
     lost: array | tuple = ()  # the tokens an eviction took from this session id (for the recompute count)
 
-    @property
-    def held(self) -> int:
-        """KV tokens of its own this session counts against the budget (a shared prefix it reads
-        counts once for all its readers: `_kv_used`)."""
-        own = max(0, self.seq.kv_parts()[0])
-        return max(own, self.reserved - self.expect if self.busy else 0)
+    def kv(self) -> tuple[int, tuple[int, int] | None, int | None]:
+        """(KV tokens of its own this session counts against the budget, and `Sequence.kv_parts`'
+        shared prefix and own storage: a prefix counts once for all its readers, `_kv_used`)."""
+        own, prefix, own_key = self.seq.kv_parts()
+        return max(0, own, self.reserved - self.expect if self.busy else 0), prefix, own_key
 
 
 def _kv_used(sessions: Iterable[_Session]) -> int:
@@ -160,8 +159,8 @@ def _kv_used(sessions: Iterable[_Session]) -> int:
     own storage of one of them (that one counts it already)."""
     used, owners, prefixes = 0, set(), {}
     for sess in sessions:
-        used += sess.held
-        _, prefix, own_key = sess.seq.kv_parts()
+        held, prefix, own_key = sess.kv()
+        used += held
         owners.add(own_key)
         if prefix is not None:
             prefixes[prefix[0]] = max(prefixes.get(prefix[0], 0), prefix[1])
@@ -547,8 +546,9 @@ class VerifierCore:
         # arriving session's, one that sessions lately admitted here began with more than once.
         in_use = {key for key, n in Counter(self._heads).items() if n > 1} | ({wanted} if wanted else set())
         idle_holders: Counter[tuple] = Counter()
+        keys = {id(sess): prefix_key(sess.salt, sess.seq.ids) for sess in live}
         for sess in live:
-            key = prefix_key(sess.salt, sess.seq.ids)
+            key = keys[id(sess)]
             if key is not None:
                 if sess.busy:
                     in_use.add(key)
@@ -558,7 +558,7 @@ class VerifierCore:
                       if sid != exclude and not sess.busy and not (protect_s and sess.last_used > recent)]
         first, last_holders = [], []
         for sid in candidates:
-            key = prefix_key(self._sessions[sid].salt, self._sessions[sid].seq.ids)
+            key = keys[id(self._sessions[sid])]
             if key in in_use and idle_holders[key] == 1:
                 last_holders.append(sid)
             else:
@@ -568,8 +568,7 @@ class VerifierCore:
         # The arriving session's own prefix is not evicted for it (it would copy from there) while
         # a generating session will free room; with none, waiting could not help.
         keep_wanted = wanted is not None and any(s.busy for s in live)
-        order = first + [sid for sid in last_holders
-                         if not keep_wanted or prefix_key(self._sessions[sid].salt, self._sessions[sid].seq.ids) != wanted]
+        order = first + [sid for sid in last_holders if not keep_wanted or keys[id(self._sessions[sid])] != wanted]
         gone = {id(self._sessions[sid]) for sid in order}
         if (_kv_used(s for s in live if id(s) not in gone) + new_tokens > self.kv_capacity
                 or count - len(order) > self.settings.max_sessions):

@@ -146,3 +146,24 @@ def test_what_a_cache_holds_of_its_own(model) -> None:
     owner, sharer = _owner_and_sharer(m, _ids(700, 14), 650)
     assert NativeBackend.kv_held(owner) == (700, None)
     assert NativeBackend.kv_held(sharer) == (650 - 512, (NativeBackend.own_key(owner), 512))
+
+
+def test_a_cache_takes_another_prefix_over_what_it_held(model) -> None:
+    """A cache that reads a prefix, or lent its own slots, and then takes another sequence's
+    positions: it moves to storage of its own where it must (its slots are short, or others read
+    them), and neither it nor the caches that read it see anything but their own tokens."""
+    m = model
+    a, b = _ids(300, 20), _ids(900, 21)
+    _, src = _owner_and_sharer(m, b[:300])  # reads 256 of b, then holds 600 more itself
+    _fill(m, src, b[300:])
+    assert src.off == SPAN
+    _, dst = _owner_and_sharer(m, a)  # reads 256 of a
+    NativeBackend.copy_prefix(src, dst, 800)  # 256 shared with src's prefix, 544 copied: more than its slots
+    assert dst.off == SPAN and dst.prefix.k.data_ptr() == src.prefix.k.data_ptr()
+    tail = _ids(7, 22)
+    assert torch.equal(m.forward(tail, dst), _alone(m, b[:800], tail))
+    lender, reader = _owner_and_sharer(m, a)  # reader reads lender's own slots
+    NativeBackend.copy_prefix(src, lender, 100)  # too short to share: the lender copies into new storage
+    assert lender.prefix is None and lender.frozen == 0 and reader.prefix.k.data_ptr() != lender.k.data_ptr()
+    assert torch.equal(m.forward(tail, lender), _alone(m, b[:100], tail))
+    assert torch.equal(m.forward(tail, reader), _alone(m, a, tail))

@@ -200,34 +200,29 @@ class KVCache:
             self._region()  # releases the old region now, once
             self._region = None
 
-    def _own_storage(self, capacity: int, keep: int) -> None:
-        """New tensors of our own of `capacity` slots holding the first `keep` slots of the old."""
-        old_k, old_v = self.k, self.v
-        self.k = torch.empty(old_k.shape[0], old_k.shape[1], capacity, old_k.shape[3], dtype=old_k.dtype,
-                             device=old_k.device)
+    def _own_storage(self, capacity: int, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+        """New tensors of our own of `capacity` slots, the first ones holding `keys` and `values`
+        `# [layers, kv_heads, n, head_dim]` (e.g. `read`'s views of the old tensors; none: empty)."""
+        like = self.k
+        self.k = torch.empty(like.shape[0], like.shape[1], capacity, like.shape[3], dtype=like.dtype, device=like.device)
         self.v = torch.empty_like(self.k)
-        self.k[:, :, :keep] = old_k[:, :, :keep]
-        self.v[:, :, :keep] = old_v[:, :, :keep]
+        if keys is not None:
+            self.k[:, :, : keys.shape[2]] = keys
+            self.v[:, :, : values.shape[2]] = values
 
     def ensure(self, needed: int) -> None:
         cap = self.k.shape[2]
         if needed - self.off <= cap:
             return
         if self.frozen:  # other caches read our first slots: they stay theirs, and become our prefix too
-            self.prefix, self.off = KVPrefix(self.k, self.v, self.frozen), self.frozen
-            keep, self.frozen = self.length - self.off, 0
-            new_cap = max(needed - self.off, 2 * max(keep, 1), 256)
-            old_k, old_v = self.k, self.v
-            self.k = torch.empty(old_k.shape[0], old_k.shape[1], new_cap, old_k.shape[3], dtype=old_k.dtype,
-                                 device=old_k.device)
-            self.v = torch.empty_like(self.k)
-            self.k[:, :, :keep] = old_k[:, :, self.off : self.length]
-            self.v[:, :, :keep] = old_v[:, :, self.off : self.length]
+            keys, values = self.read(self.frozen, self.length)
+            self.prefix, self.off, self.frozen = KVPrefix(self.k, self.v, self.frozen), self.frozen, 0
+            self._own_storage(max(needed - self.off, 2 * max(keys.shape[2], 1), 256), keys, values)
             return
         new_cap = max(needed - self.off, 2 * cap)
         if self.pool is not None and self._take(self.pool, new_cap):
             return
-        self._own_storage(new_cap, self.length - self.off)
+        self._own_storage(new_cap, *self.read(self.off, self.length))
         # a pool without room: continue with tensors of our own (the region goes back after the copy)
         self._give_back()
         self.pool = None
@@ -244,15 +239,11 @@ class KVCache:
         """Before positions below what others read (or below our prefix) are written again: keep
         the first `length` positions in storage nobody else reads (the prefix shortened to whole
         kernel runs where it reaches that far)."""
-        keys, values = self.read(0, length)
         shared = length // attend.SPAN * attend.SPAN if self.prefix is not None else 0
+        keys, values = self.read(shared, length)
         self.prefix = KVPrefix(self.prefix.k, self.prefix.v, shared) if shared else None
         self.off, self.frozen = shared, 0
-        cap = max(self.k.shape[2], length - shared)
-        self.k = torch.empty(keys.shape[0], keys.shape[1], cap, keys.shape[3], dtype=keys.dtype, device=keys.device)
-        self.v = torch.empty_like(self.k)
-        self.k[:, :, : length - shared] = keys[:, :, shared:]
-        self.v[:, :, : length - shared] = values[:, :, shared:]
+        self._own_storage(max(self.k.shape[2], length - shared), keys, values)
 
     def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions a .. b-1 (< length), `# [layers, kv_heads, b - a, head_dim]`
@@ -281,12 +272,12 @@ class KVCache:
         keys, values = src.read(shared, length)
         if shared:
             if self.frozen or self.k.shape[2] < length - shared:  # others read our storage, or it is short
-                self._own_storage(max(256, 2 * (length - shared)), 0)
+                self._own_storage(max(256, 2 * (length - shared)))
             self.prefix, self.off, self.frozen, self.length = prefix, shared, 0, shared
         else:
             if self.off or self.frozen:  # our storage may be read by others, or hold no position 0
                 self.prefix, self.off, self.frozen = None, 0, 0
-                self._own_storage(max(self.k.shape[2], length), 0)
+                self._own_storage(max(self.k.shape[2], length))
             self.length = 0
             self.ensure(length)
         self.k[:, :, self.length - self.off : length - self.off] = keys
