@@ -249,8 +249,8 @@ def test_loadtest_over_the_chain(chain, tmp_path):
         assert server["steps"] > 0 and server["rows_per_step"] >= 1
         assert server["recomputed_tokens"] == server["evictions"] == 0  # nothing evicted at this size
         assert 0 < server["kv_used_max_tokens"] <= server["kv_capacity_tokens"]
-    keys = {"concurrency", "speculation", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-            "itl_p99_ms", "acceptance_rate", "residency_hit_rate"}
+    keys = {"concurrency", "speculation", "tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms",
+            "itl_p99_ms", "acceptance_rate", "residency_hit_rate", "cached_share"}
     assert [(r["concurrency"], r["speculation"]) for r in result["results"]] == [(1, False), (1, True), (2, False), (2, True)]
     for row in result["results"]:
         assert keys <= set(row)
@@ -258,6 +258,8 @@ def test_loadtest_over_the_chain(chain, tmp_path):
         # the workers start together, so there is a window with every one of them in flight
         assert row["steady_tokens_per_s"] > 0 and 0 < row["steady_window_s"] <= row["wall_s"]
         assert row["residency_hit_rate"] == 1.0, "every second turn found its session's KV"
+        assert row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
+        assert 0 < row["cached_share"] < 1  # second turns' history cached, first turns' prompts not
     assert result["results"][0]["acceptance_rate"] is None  # speculation off drafts nothing
     plot_loadtest(result, str(tmp_path / "lt.png"))
     assert (tmp_path / "lt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
